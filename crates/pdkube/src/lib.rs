@@ -1,1 +1,98 @@
-//! pdkube
+//! pdkube: Kubernetes discovery for pdgate.
+//!
+//! Finds AIBrix-labelled (or llm-d-labelled, via key overrides) prefill and decode engine pods
+//! and publishes the routable set as an immutable snapshot on a `tokio::sync::watch` channel.
+//! The request path only ever reads the latest snapshot; it never waits on the API server.
+//!
+//! Level-triggered, like kube-rs' reflector:
+//! ```text
+//! list + watch (kube::runtime::watcher, backoff) -> store of pods -> debounce window
+//!   -> routable_pods(store)  (pure)  -> [pair_rolesets]  -> send only if changed
+//! ```
+//!
+//! Modules:
+//! - [`config`]: [`KubeDiscoveryConfig`] and [`LabelKeys`] (AIBrix defaults, serde, validation).
+//! - [`pods`]: the pure mapping [`routable_pods`] / [`classify_pod`] and [`pair_rolesets`].
+//! - [`watch`]: the watch loop [`run`] and [`client_from_env`].
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use pdkube::{KubeDiscoveryConfig, client_from_env, run};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! # async fn demo() -> Result<(), pdkube::KubeDiscoveryError> {
+//! let client = client_from_env().await?;
+//! let config = KubeDiscoveryConfig {
+//!     selector: Some("model.aibrix.ai/name=llama-3-8b".into()),
+//!     ..KubeDiscoveryConfig::default()
+//! };
+//! let (tx, mut rx) = tokio::sync::watch::channel(Arc::new(Vec::new()));
+//! let cancel = CancellationToken::new();
+//! let task = tokio::spawn(run(client, config, tx, cancel.clone()));
+//! rx.changed().await.ok();
+//! for pod in rx.borrow().iter() {
+//!     println!("{} {:?}:{} {:?}", pod.name, pod.ip, pod.http_port, pod.labels.get("role-name"));
+//! }
+//! cancel.cancel();
+//! task.await.ok();
+//! # Ok(())
+//! # }
+//! ```
+
+use std::collections::BTreeMap;
+
+pub mod config;
+pub mod pods;
+pub mod watch;
+
+pub use config::{KubeDiscoveryConfig, LabelKeys};
+pub use pods::{SkipReason, classify_pod, pair_rolesets, routable_pods};
+pub use watch::{client_from_env, install_crypto_provider, run};
+
+/// A routable engine pod as discovery publishes it.
+///
+/// Field for field the shape of `kvtransfer::Pod` (minus the Mooncake bootstrap facts, which the
+/// gateway attaches after its own `/query` lookups).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DiscoveredPod {
+    /// Pod name.
+    pub name: String,
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod IP (always `Some` for published pods).
+    pub ip: Option<String>,
+    /// The pod's labels plus the canonical AIBrix keys (see [`routable_pods`]).
+    pub labels: BTreeMap<String, String>,
+    /// Canonical annotations only (the SGLang bootstrap port when present).
+    pub annotations: BTreeMap<String, String>,
+    /// Always true for published pods.
+    pub ready: bool,
+    /// Engine HTTP port.
+    pub http_port: u16,
+}
+
+/// The endpoint type discovery publishes.
+pub type EndpointPod = DiscoveredPod;
+
+/// Errors from discovery set-up. Watch failures are not errors: they are retried with backoff
+/// while the last good endpoint set keeps serving.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeDiscoveryError {
+    /// A configuration field is invalid.
+    #[error("invalid kubernetes discovery config field `{field}`: {reason}")]
+    InvalidConfig {
+        /// The offending field (`namespace`, `selector`, `keys.role`, ...).
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Neither in-cluster configuration nor a kubeconfig could be loaded.
+    #[error("no kubernetes client configuration (in-cluster or kubeconfig): {0}")]
+    ClientConfig(#[source] kube::config::InferConfigError),
+    /// The client could not be built from the configuration.
+    #[error("building the kubernetes client: {0}")]
+    Client(#[source] kube::Error),
+    /// The watch stream ended, which kube's watcher never does on its own.
+    #[error("kubernetes watch stream ended unexpectedly")]
+    WatchEnded,
+}
