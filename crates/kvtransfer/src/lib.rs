@@ -1,1 +1,123 @@
-//! kvtransfer
+//! kvtransfer: how pdgate shapes the two HTTP legs of a prefill/decode
+//! (PD) disaggregated LLM request for each KV-transfer connector.
+//!
+//! The gateway never moves KV bytes. For every request it picks a prefill pod
+//! and a decode pod, asks the prefill pod's [`KvTransferAgent`] to build the
+//! prefill body ([`KvTransferAgent::augment_prefill_request`]) and then the
+//! decode body ([`KvTransferAgent::merge_prefill_response`]). Agents are pure:
+//! bytes and pod facts in, bytes out; no sockets, no async runtime.
+//!
+//! # Modules
+//! - [`body`]: [`JsonBody`], one parse of the client body, top-level edits,
+//!   byte-preserving output (key order, number spelling, big integers).
+//! - [`rules`]: the prefill-leg rules and the stripping of client-supplied
+//!   transfer fields shared by all connectors.
+//! - [`pod`]: [`Pod`] and Mooncake bootstrap facts
+//!   ([`parse_mooncake_bootstrap`]).
+//! - [`context`]: [`RoutingContext`], per-request state (ids, bodies, timings,
+//!   [`TransferState`]).
+//! - [`agent`]: the [`KvTransferAgent`] trait, [`Dispatch`], [`MergeOutcome`],
+//!   [`AgentError`].
+//! - [`agents`]: built-ins [`ShfsAgent`] (default, vLLM NixlConnector wire
+//!   format), [`NixlAgent`] (Neuron), [`MooncakeAgent`], [`SglangAgent`].
+//! - [`registry`]: [`Registry`] (owned) and the process-wide default registry
+//!   behind [`register`], [`resolve`], [`resolve_connector_type`],
+//!   [`resolve_agent_for_pod`], [`valid_agent_names`].
+//!
+//! # Example
+//! ```
+//! use bytes::Bytes;
+//! use kvtransfer::{
+//!     CONNECTOR_TYPE_IDENTIFIER, Dispatch, JsonBody, MergeOutcome, Pod, Registry, RoutingContext,
+//!     strip_client_transfer_fields,
+//! };
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let registry = Registry::with_builtins();
+//! let default = registry.validate_default("shfs")?; // fail at start-up, not per request
+//! let prefill = Pod::new("prefill-0", "10.0.0.7", 8000).with_label(CONNECTOR_TYPE_IDENTIFIER, "SHFS");
+//! let agent = registry.resolve_agent_for_pod(Some(&prefill), &default)?;
+//! assert_eq!(agent.dispatch(), Dispatch::Sequential);
+//!
+//! let client = Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#);
+//! let mut body = JsonBody::parse(client)?;
+//! strip_client_transfer_fields(&mut body);
+//! let mut ctx = RoutingContext::from_parsed("req-1", body.clone());
+//!
+//! let leg = agent.augment_prefill_request(&mut ctx, &prefill, &body)?;
+//! assert!(leg.body.starts_with(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false"#));
+//!
+//! // ... the gateway sends `leg` to the prefill pod and reads its response ...
+//! let response = br#"{"id":"c","kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[[1,2]],"remote_host":"x","remote_port":5600}}"#;
+//! assert_eq!(agent.merge_prefill_response(&mut ctx, response, &prefill)?, MergeOutcome::KvAttached);
+//! assert_eq!(
+//!     &ctx.req_body[..],
+//!     br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[[1,2]],"remote_host":"10.0.0.7","remote_port":5600}}"#
+//! );
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod agent;
+pub mod agents;
+pub mod body;
+pub mod context;
+pub mod pod;
+pub mod registry;
+pub mod rules;
+
+pub use agent::{
+    AgentError, DATA_PARALLEL_RANK_HEADER, Dispatch, KvTransferAgent, MergeOutcome, PrefillRequest,
+};
+pub use agents::{
+    MooncakeAgent, NixlAgent, SHFS_PREFILL_KV_TRANSFER_PARAMS, SglangAgent, ShfsAgent,
+};
+pub use body::{BodyError, JsonBody};
+pub use context::{RoutingContext, Timings, TransferState};
+pub use pod::{
+    BootstrapError, DEFAULT_HTTP_PORT, DEFAULT_MOONCAKE_BOOTSTRAP_PORT,
+    DEFAULT_SGLANG_BOOTSTRAP_PORT, MooncakeBootstrap, MooncakeRank, Pod, parse_mooncake_bootstrap,
+};
+pub use registry::{
+    AgentFactory, Registry, RegistryError, register, resolve, resolve_agent_for_pod,
+    resolve_connector_type, valid_agent_names, validate_default,
+};
+pub use rules::{
+    CLIENT_FORBIDDEN_HEADERS, KV_TRANSFER_PARAMS, apply_prefill_leg_rules,
+    strip_client_transfer_fields,
+};
+
+/// Pod label selecting the pod's KV connector type.
+pub const CONNECTOR_TYPE_IDENTIFIER: &str = "model.aibrix.ai/kv-connector-type";
+/// `shfs`: vLLM NixlConnector wire format with AIBrix semantics (the default).
+pub const CONNECTOR_TYPE_SHFS: &str = "shfs";
+/// `nixl`: AWS Neuron NixlConnector (whole prefill response to decode).
+pub const CONNECTOR_TYPE_NIXL: &str = "nixl";
+/// `mooncake`: vLLM MooncakeConnector (concurrent legs, bootstrap server).
+pub const CONNECTOR_TYPE_MOONCAKE: &str = "mooncake";
+/// `sglang`: SGLang PD disaggregation (bootstrap host/port/room).
+pub const CONNECTOR_TYPE_SGLANG: &str = "sglang";
+/// The connector used when a pod's label is empty or unrecognised, unless
+/// configured otherwise.
+pub const DEFAULT_CONNECTOR_TYPE: &str = CONNECTOR_TYPE_SHFS;
+
+/// AIBrix pod label and annotation keys (contracts §8).
+pub mod labels {
+    /// Label: `prefill` | `decode` (anything else: a combined pod).
+    pub const ROLE_NAME: &str = "role-name";
+    /// Label grouping the prefill and decode pods of one roleset.
+    pub const ROLESET_NAME: &str = "roleset-name";
+    /// Label: served model name.
+    pub const MODEL_NAME: &str = "model.aibrix.ai/name";
+    /// Label: engine HTTP port (default 8000).
+    pub const MODEL_PORT: &str = "model.aibrix.ai/port";
+    /// Label: engine kind, `vllm` (default), `sglang`, `trtllm`.
+    pub const ENGINE: &str = "model.aibrix.ai/engine";
+    /// Label: pod index inside a pod group; only `"0"` or absent is routable.
+    pub const POD_GROUP_INDEX: &str = "stormservice.orchestration.aibrix.ai/pod-group-index";
+    /// Annotation: SGLang bootstrap port (default 8998).
+    pub const SGLANG_BOOTSTRAP_PORT: &str = "model.aibrix.ai/sglang-bootstrap-port";
+    /// Label: the pod's KV connector type (same as
+    /// [`CONNECTOR_TYPE_IDENTIFIER`](crate::CONNECTOR_TYPE_IDENTIFIER)).
+    pub const KV_CONNECTOR_TYPE: &str = crate::CONNECTOR_TYPE_IDENTIFIER;
+}

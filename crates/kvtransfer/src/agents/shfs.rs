@@ -1,0 +1,82 @@
+//! `shfs` (default): vLLM NixlConnector wire format with AIBrix semantics
+//! (contracts §3).
+
+use bytes::Bytes;
+
+use crate::agent::{
+    AgentError, KvTransferAgent, MergeOutcome, PrefillRequest, decode_base, require_ip,
+};
+use crate::body::{JsonBody, json_type_name};
+use crate::context::RoutingContext;
+use crate::pod::Pod;
+use crate::rules::{KV_TRANSFER_PARAMS, apply_prefill_leg_rules, strip_client_transfer_fields};
+
+/// The exact `kv_transfer_params` of an shfs prefill leg.
+pub const SHFS_PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
+/// The `shfs` agent: sequential; the prefill's `kv_transfer_params` are copied
+/// verbatim to decode with `remote_host` set to the prefill pod IP.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ShfsAgent;
+
+impl KvTransferAgent for ShfsAgent {
+    fn connector_type(&self) -> &'static str {
+        crate::CONNECTOR_TYPE_SHFS
+    }
+
+    fn augment_prefill_request(
+        &self,
+        _ctx: &mut RoutingContext,
+        _prefill_pod: &Pod,
+        request: &JsonBody,
+    ) -> Result<PrefillRequest, AgentError> {
+        let mut body = request.clone();
+        strip_client_transfer_fields(&mut body);
+        apply_prefill_leg_rules(&mut body);
+        body.set_raw(
+            KV_TRANSFER_PARAMS,
+            Bytes::from_static(SHFS_PREFILL_KV_TRANSFER_PARAMS.as_bytes()),
+        );
+        Ok(PrefillRequest::new(body.to_bytes()))
+    }
+
+    fn merge_prefill_response(
+        &self,
+        ctx: &mut RoutingContext,
+        prefill_response: &[u8],
+        prefill_pod: &Pod,
+    ) -> Result<MergeOutcome, AgentError> {
+        let mut decode = decode_base(ctx)?;
+        let ip = require_ip(prefill_pod)?;
+        let bad_response = |reason: String| AgentError::PrefillResponse {
+            pod: prefill_pod.name.clone(),
+            reason,
+        };
+        let response = JsonBody::parse(Bytes::copy_from_slice(prefill_response))
+            .map_err(|e| bad_response(e.to_string()))?;
+        let params = match response.get_raw_bytes(KV_TRANSFER_PARAMS) {
+            Some(raw) if raw.first() == Some(&b'{') => raw,
+            Some(raw) if &raw[..] != b"null" => {
+                return Err(AgentError::UnexpectedType {
+                    pod: prefill_pod.name.clone(),
+                    found: json_type_name(&raw),
+                });
+            }
+            _ => {
+                tracing::warn!(
+                    request_id = %ctx.request_id,
+                    pod = %prefill_pod.name,
+                    "prefill response has no kv_transfer_params; decode will recompute the prompt"
+                );
+                ctx.req_body = decode.to_bytes();
+                return Ok(MergeOutcome::Recompute);
+            }
+        };
+        let mut params = JsonBody::parse(params)
+            .map_err(|e| bad_response(format!("kv_transfer_params: {e}")))?;
+        params.set("remote_host", ip)?;
+        decode.set_raw(KV_TRANSFER_PARAMS, params.to_bytes());
+        ctx.req_body = decode.to_bytes();
+        Ok(MergeOutcome::KvAttached)
+    }
+}

@@ -1,0 +1,499 @@
+//! Byte-preserving editing of JSON request bodies.
+//!
+//! [`JsonBody`] parses a client body once, records where every top-level member
+//! sits in the input, and lets callers replace, add or remove top-level keys.
+//! Serialising splices the untouched members back byte for byte, so key order,
+//! number spelling (`1.0`, `1e3`, integers above 2^53), whitespace inside values
+//! and escaped keys survive. Engines' prefix caches and big-integer fields depend
+//! on that; a round trip through `serde_json::Value` would break both.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::ops::Range;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::de::{self, MapAccess, Visitor};
+use serde_json::value::RawValue;
+
+/// Errors from parsing or editing a [`JsonBody`].
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    /// The body is valid JSON but its top level is not an object.
+    #[error("request body must be a JSON object")]
+    NotObject,
+    /// The same (unescaped) top-level key appears more than once.
+    #[error("duplicate top-level key {0:?} in JSON body")]
+    DuplicateKey(String),
+    /// The body is not valid JSON (syntax, encoding or trailing data).
+    #[error("invalid JSON body: {0}")]
+    Invalid(#[source] serde_json::Error),
+    /// A top-level value could not be read as the requested type.
+    #[error("top-level key {key:?} has an unexpected value: {source}")]
+    Value {
+        /// The key that was read.
+        key: String,
+        /// What serde_json reported.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A value could not be serialised to JSON.
+    #[error("cannot serialise value for key {key:?}: {source}")]
+    Serialize {
+        /// The key that was written.
+        key: String,
+        /// What serde_json reported.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Where a piece of output text comes from: a span of the input, or new bytes.
+#[derive(Clone, Debug)]
+enum Piece {
+    Span(Range<usize>),
+    Owned(Bytes),
+}
+
+/// One top-level member: `head` is the key text up to the value (`"key" :`),
+/// `value` the value text.
+#[derive(Clone, Debug)]
+struct Member {
+    key: Box<str>,
+    head: Piece,
+    value: Piece,
+}
+
+/// A parsed JSON object body that supports top-level edits with byte-preserving
+/// output.
+///
+/// Parse once with [`JsonBody::parse`], edit with [`set`](JsonBody::set),
+/// [`set_raw`](JsonBody::set_raw) and [`remove`](JsonBody::remove), then emit
+/// with [`to_bytes`](JsonBody::to_bytes). Every member not edited is emitted
+/// exactly as it appeared in the input, including the spelling of its key and
+/// any whitespace between the key and its value. Whitespace *between* members
+/// at the top level is not kept once the body has been edited; an unedited body
+/// is returned as the original [`Bytes`] (zero copy).
+///
+/// Cloning is cheap: members point into the shared input buffer.
+///
+/// ```
+/// use kvtransfer::JsonBody;
+///
+/// let raw = br#"{"model":"m", "max_tokens": 500, "id":9007199254740993}"#;
+/// let mut body = JsonBody::parse(bytes::Bytes::from_static(raw)).unwrap();
+/// body.set("max_tokens", &1).unwrap();
+/// body.set_raw("stream", "false");
+/// assert_eq!(
+///     &body.to_bytes()[..],
+///     br#"{"model":"m","max_tokens": 1,"id":9007199254740993,"stream":false}"#
+/// );
+/// ```
+#[derive(Clone, Debug)]
+pub struct JsonBody {
+    raw: Bytes,
+    members: Vec<Member>,
+    edited: bool,
+}
+
+/// Above this many members duplicate detection switches from pairwise
+/// comparison to a hash set.
+const SMALL_OBJECT: usize = 16;
+
+fn is_json_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\n' | b'\r' | b'\t')
+}
+
+fn skip_ws(input: &[u8], mut pos: usize) -> usize {
+    while pos < input.len() && is_json_ws(input[pos]) {
+        pos += 1;
+    }
+    pos
+}
+
+/// Trims JSON whitespace (space, tab, CR, LF) from both ends of `input`.
+pub(crate) fn trim_json_ws(input: &[u8]) -> &[u8] {
+    let start = skip_ws(input, 0);
+    let mut end = input.len();
+    while end > start && is_json_ws(input[end - 1]) {
+        end -= 1;
+    }
+    &input[start..end]
+}
+
+/// Collects `(unescaped key, raw value)` pairs of a top-level object, borrowing
+/// the values from the input.
+struct TopLevel;
+
+impl<'de> Visitor<'de> for TopLevel {
+    type Value = Vec<(String, &'de RawValue)>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(map.size_hint().unwrap_or(8));
+        while let Some(key) = map.next_key::<String>()? {
+            let value: &'de RawValue = map.next_value()?;
+            out.push((key, value));
+        }
+        Ok(out)
+    }
+}
+
+fn parse_members(input: &[u8]) -> Result<Vec<(String, &RawValue)>, serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_slice(input);
+    let members = de::Deserializer::deserialize_map(&mut de, TopLevel)?;
+    de.end()?;
+    Ok(members)
+}
+
+impl JsonBody {
+    /// Parses `raw`, which must be a single JSON object with unique top-level
+    /// keys (keys are compared after unescaping, so `"a"` and `"\u0061"` clash).
+    ///
+    /// # Errors
+    /// [`BodyError::NotObject`] for any other JSON value, [`BodyError::DuplicateKey`]
+    /// for repeated keys, [`BodyError::Invalid`] for malformed JSON.
+    pub fn parse(raw: Bytes) -> Result<JsonBody, BodyError> {
+        let input: &[u8] = &raw;
+        let open = skip_ws(input, 0);
+        match input.get(open) {
+            Some(b'{') => {}
+            Some(_) => {
+                // Distinguish "valid JSON but not an object" from garbage.
+                return match serde_json::from_slice::<de::IgnoredAny>(input) {
+                    Ok(_) => Err(BodyError::NotObject),
+                    Err(e) => Err(BodyError::Invalid(e)),
+                };
+            }
+            None => {
+                return Err(BodyError::Invalid(
+                    serde_json::from_slice::<de::IgnoredAny>(input)
+                        .err()
+                        .unwrap_or_else(|| de::Error::custom("empty body")),
+                ));
+            }
+        }
+        let parsed = parse_members(input).map_err(BodyError::Invalid)?;
+        let base = input.as_ptr() as usize;
+        let mut members = Vec::with_capacity(parsed.len());
+        // Position just after the previous member's value (or after `{`).
+        let mut pos = open + 1;
+        for (i, (key, value)) in parsed.into_iter().enumerate() {
+            let text = value.get();
+            let start = text.as_ptr() as usize - base;
+            let end = start + text.len();
+            let mut key_start = skip_ws(input, pos);
+            if i > 0 && input.get(key_start) == Some(&b',') {
+                key_start = skip_ws(input, key_start + 1);
+            }
+            members.push(Member {
+                key: key.into_boxed_str(),
+                head: Piece::Span(key_start..start),
+                value: Piece::Span(start..end),
+            });
+            pos = end;
+        }
+        check_duplicates(&members)?;
+        Ok(JsonBody {
+            raw,
+            members,
+            edited: false,
+        })
+    }
+
+    /// The original input, unchanged by any edit.
+    pub fn raw(&self) -> &Bytes {
+        &self.raw
+    }
+
+    fn piece<'a>(&'a self, piece: &'a Piece) -> &'a [u8] {
+        match piece {
+            Piece::Span(r) => &self.raw[r.clone()],
+            Piece::Owned(b) => b,
+        }
+    }
+
+    fn find(&self, key: &str) -> Option<usize> {
+        self.members.iter().position(|m| &*m.key == key)
+    }
+
+    /// The current raw JSON text of top-level `key` (after edits), if present.
+    pub fn get_raw(&self, key: &str) -> Option<&str> {
+        let i = self.find(key)?;
+        std::str::from_utf8(self.piece(&self.members[i].value)).ok()
+    }
+
+    /// The current raw JSON bytes of top-level `key` as a zero-copy slice of
+    /// the input (or of the bytes that were set).
+    pub fn get_raw_bytes(&self, key: &str) -> Option<Bytes> {
+        let i = self.find(key)?;
+        Some(match &self.members[i].value {
+            Piece::Span(r) => self.raw.slice(r.clone()),
+            Piece::Owned(b) => b.clone(),
+        })
+    }
+
+    /// Deserialises the current value of top-level `key`.
+    ///
+    /// Returns `None` when the key is absent, `Some(Err(BodyError::Value))` when
+    /// the value does not have the requested type.
+    pub fn get<'a, T: serde::Deserialize<'a>>(&'a self, key: &str) -> Option<Result<T, BodyError>> {
+        let i = self.find(key)?;
+        let text = self.piece(&self.members[i].value);
+        Some(
+            serde_json::from_slice(text).map_err(|source| BodyError::Value {
+                key: key.to_owned(),
+                source,
+            }),
+        )
+    }
+
+    /// Whether top-level `key` is present.
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.find(key).is_some()
+    }
+
+    /// Top-level keys (unescaped) in output order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.members.iter().map(|m| &*m.key)
+    }
+
+    /// Number of top-level members.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the object has no members.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Whether any edit has been made since parsing.
+    pub fn is_edited(&self) -> bool {
+        self.edited
+    }
+
+    /// Sets top-level `key` to the JSON text `raw_json`: replaces the value in
+    /// place when the key exists, otherwise appends the member at the end.
+    ///
+    /// `raw_json` is not validated in release builds; it must be one valid JSON
+    /// value. Use [`set`](JsonBody::set) to serialise a Rust value instead.
+    pub fn set_raw(&mut self, key: &str, raw_json: impl Into<Bytes>) {
+        let value: Bytes = raw_json.into();
+        debug_assert!(
+            serde_json::from_slice::<de::IgnoredAny>(&value).is_ok(),
+            "set_raw({key:?}) given invalid JSON"
+        );
+        self.edited = true;
+        if let Some(i) = self.find(key) {
+            self.members[i].value = Piece::Owned(value);
+            return;
+        }
+        // Serialising a str cannot fail; fall back to a plain quote if it ever did.
+        let mut head =
+            serde_json::to_vec(key).unwrap_or_else(|_| format!("\"{key}\"").into_bytes());
+        head.push(b':');
+        self.members.push(Member {
+            key: key.into(),
+            head: Piece::Owned(Bytes::from(head)),
+            value: Piece::Owned(value),
+        });
+    }
+
+    /// Serialises `value` and sets it under top-level `key` (see
+    /// [`set_raw`](JsonBody::set_raw) for placement).
+    ///
+    /// # Errors
+    /// [`BodyError::Serialize`] when `value` cannot be represented as JSON.
+    pub fn set<T: serde::Serialize + ?Sized>(
+        &mut self,
+        key: &str,
+        value: &T,
+    ) -> Result<(), BodyError> {
+        let text = serde_json::to_vec(value).map_err(|source| BodyError::Serialize {
+            key: key.to_owned(),
+            source,
+        })?;
+        self.set_raw(key, text);
+        Ok(())
+    }
+
+    /// Removes top-level `key`; returns whether it was present.
+    pub fn remove(&mut self, key: &str) -> bool {
+        match self.find(key) {
+            Some(i) => {
+                self.members.remove(i);
+                self.edited = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Removes every top-level key for which `drop` returns true; returns the
+    /// removed keys in their original order.
+    pub fn remove_where(&mut self, mut drop: impl FnMut(&str) -> bool) -> Vec<String> {
+        let mut removed = Vec::new();
+        self.members.retain(|m| {
+            if drop(&m.key) {
+                removed.push(m.key.to_string());
+                false
+            } else {
+                true
+            }
+        });
+        if !removed.is_empty() {
+            self.edited = true;
+        }
+        removed
+    }
+
+    /// Emits the body. Without edits this is the input [`Bytes`] itself (zero
+    /// copy); otherwise one buffer of the exact size is allocated.
+    pub fn to_bytes(&self) -> Bytes {
+        if !self.edited {
+            return self.raw.clone();
+        }
+        let mut len = 2 + self.members.len().saturating_sub(1);
+        for m in &self.members {
+            len += self.piece(&m.head).len() + self.piece(&m.value).len();
+        }
+        let mut out = BytesMut::with_capacity(len);
+        out.put_u8(b'{');
+        for (i, m) in self.members.iter().enumerate() {
+            if i > 0 {
+                out.put_u8(b',');
+            }
+            out.put_slice(self.piece(&m.head));
+            out.put_slice(self.piece(&m.value));
+        }
+        out.put_u8(b'}');
+        out.freeze()
+    }
+}
+
+fn check_duplicates(members: &[Member]) -> Result<(), BodyError> {
+    if members.len() <= SMALL_OBJECT {
+        for (i, m) in members.iter().enumerate() {
+            if members[..i].iter().any(|o| o.key == m.key) {
+                return Err(BodyError::DuplicateKey(m.key.to_string()));
+            }
+        }
+        return Ok(());
+    }
+    let mut seen = HashSet::with_capacity(members.len());
+    for m in members {
+        if !seen.insert(&*m.key) {
+            return Err(BodyError::DuplicateKey(m.key.to_string()));
+        }
+    }
+    Ok(())
+}
+
+/// A short name for the JSON type of `raw` (for error messages).
+pub(crate) fn json_type_name(raw: &[u8]) -> &'static str {
+    match trim_json_ws(raw).first() {
+        Some(b'{') => "object",
+        Some(b'[') => "array",
+        Some(b'"') => "string",
+        Some(b't' | b'f') => "boolean",
+        Some(b'n') => "null",
+        Some(_) => "number",
+        None => "empty",
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<JsonBody, BodyError> {
+        JsonBody::parse(Bytes::copy_from_slice(s.as_bytes()))
+    }
+
+    #[test]
+    fn unedited_body_is_the_same_buffer() {
+        let raw = Bytes::from_static(b"  {\"a\" : 1 }\n");
+        let body = JsonBody::parse(raw.clone()).unwrap();
+        let out = body.to_bytes();
+        assert_eq!(out, raw);
+        assert_eq!(out.as_ptr(), raw.as_ptr());
+    }
+
+    #[test]
+    fn edit_keeps_key_spacing_and_values() {
+        let mut b = parse("{ \"a\" : 1.0e3 , \"b\":[1, 2] ,\"c\":\"x\" }").unwrap();
+        b.set("b", &false).unwrap();
+        assert_eq!(
+            &b.to_bytes()[..],
+            b"{\"a\" : 1.0e3,\"b\":false,\"c\":\"x\"}"
+        );
+    }
+
+    #[test]
+    fn rejects_non_objects_and_garbage() {
+        assert!(matches!(parse("[1]"), Err(BodyError::NotObject)));
+        assert!(matches!(parse("\"s\""), Err(BodyError::NotObject)));
+        assert!(matches!(parse("null"), Err(BodyError::NotObject)));
+        assert!(matches!(parse(""), Err(BodyError::Invalid(_))));
+        assert!(matches!(parse("   "), Err(BodyError::Invalid(_))));
+        assert!(matches!(parse("invalid json"), Err(BodyError::Invalid(_))));
+        assert!(matches!(parse("{\"a\":1} x"), Err(BodyError::Invalid(_))));
+        assert!(matches!(parse("{\"a\":1"), Err(BodyError::Invalid(_))));
+        assert!(matches!(parse("{\"a\":1,}"), Err(BodyError::Invalid(_))));
+    }
+
+    #[test]
+    fn duplicate_keys_compare_unescaped() {
+        match parse(r#"{"a":1,"\u0061":2}"#) {
+            Err(BodyError::DuplicateKey(k)) => assert_eq!(k, "a"),
+            other => panic!("expected duplicate, got {other:?}"),
+        }
+        let many: Vec<String> = (0..40).map(|i| format!("\"k{i}\":{i}")).collect();
+        let text = format!("{{{},\"k7\":0}}", many.join(","));
+        assert!(matches!(parse(&text), Err(BodyError::DuplicateKey(k)) if k == "k7"));
+    }
+
+    #[test]
+    fn remove_and_append() {
+        let mut b = parse(r#"{"a":1,"b":2}"#).unwrap();
+        assert!(b.remove("a"));
+        assert!(!b.remove("zz"));
+        b.set_raw("a", "3");
+        assert_eq!(&b.to_bytes()[..], br#"{"b":2,"a":3}"#);
+        assert!(b.remove("b"));
+        assert!(b.remove("a"));
+        assert_eq!(&b.to_bytes()[..], b"{}");
+    }
+
+    #[test]
+    fn empty_object_accepts_additions() {
+        let mut b = parse(" { } ").unwrap();
+        assert!(b.is_empty());
+        b.set("k\"q", "v").unwrap();
+        assert_eq!(&b.to_bytes()[..], br#"{"k\"q":"v"}"#);
+        assert_eq!(b.get::<String>("k\"q").unwrap().unwrap(), "v");
+    }
+
+    #[test]
+    fn get_reports_type_errors() {
+        let b = parse(r#"{"n":"two"}"#).unwrap();
+        assert!(matches!(
+            b.get::<u32>("n"),
+            Some(Err(BodyError::Value { .. }))
+        ));
+        assert!(b.get::<u32>("missing").is_none());
+        assert_eq!(b.get::<&str>("n").unwrap().unwrap(), "two");
+    }
+
+    #[test]
+    fn type_names() {
+        assert_eq!(json_type_name(b" \"s\""), "string");
+        assert_eq!(json_type_name(b"-1"), "number");
+        assert_eq!(json_type_name(b""), "empty");
+        assert_eq!(trim_json_ws(b" \n{}\r\t"), b"{}");
+    }
+}

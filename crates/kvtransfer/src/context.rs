@@ -1,0 +1,156 @@
+//! Per-request routing state shared between the gateway and the agents.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use crate::body::{BodyError, JsonBody};
+
+/// Points in a request's life, filled by the gateway as they happen.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Timings {
+    /// The client request was read.
+    pub received: Option<Instant>,
+    /// The prefill leg was sent.
+    pub prefill_sent: Option<Instant>,
+    /// The prefill response was complete.
+    pub prefill_done: Option<Instant>,
+    /// The decode leg was sent.
+    pub decode_sent: Option<Instant>,
+    /// The first decode body byte arrived.
+    pub decode_first_byte: Option<Instant>,
+}
+
+/// Protocol state an agent's `augment_prefill_request` leaves for its
+/// `merge_prefill_response` (and for the gateway's logs and aborts).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TransferState {
+    /// Mooncake transfer id shared by both legs (`xfer-<request id>`).
+    pub transfer_id: Option<String>,
+    /// SGLang bootstrap room (the first one for batches).
+    pub bootstrap_room: Option<u64>,
+    /// All SGLang bootstrap rooms, in order; one entry unless the request is a
+    /// batch (prompt array or `n > 1`), in which case the body carries an array.
+    pub bootstrap_rooms: Vec<u64>,
+    /// Whether the bootstrap room went out as an array (batch request).
+    pub bootstrap_room_is_array: bool,
+    /// Mooncake data-parallel rank of the prefill engine serving this request.
+    pub dp_rank: Option<u32>,
+}
+
+/// Per-request routing context.
+///
+/// Holds the client body as received; an agent's `merge_prefill_response`
+/// replaces [`req_body`](RoutingContext::req_body) with the decode body while
+/// [`original_body`](RoutingContext::original_body) keeps returning the
+/// client's body (parsed at most once).
+#[derive(Debug)]
+pub struct RoutingContext {
+    /// Request id sent as `X-Request-Id` on both legs.
+    pub request_id: String,
+    /// Model name from the body (filled by [`RoutingContext::from_parsed`]).
+    pub model: String,
+    /// Request path (`/v1/chat/completions`, ...), used for both legs.
+    pub path: String,
+    /// Whether the client asked for a stream (the decode leg keeps it).
+    pub stream: bool,
+    /// The client body as received; after merge, the decode body.
+    pub req_body: Bytes,
+    /// Timestamps of the request's phases.
+    pub timings: Timings,
+    /// Per-request protocol state set by augment, read by merge.
+    pub transfer: TransferState,
+    parsed: Option<JsonBody>,
+}
+
+impl RoutingContext {
+    /// A context for `req_body`; the body is parsed lazily by
+    /// [`original_body`](RoutingContext::original_body).
+    pub fn new(request_id: impl Into<String>, req_body: Bytes) -> Self {
+        RoutingContext {
+            request_id: request_id.into(),
+            model: String::new(),
+            path: String::new(),
+            stream: false,
+            req_body,
+            timings: Timings::default(),
+            transfer: TransferState::default(),
+            parsed: None,
+        }
+    }
+
+    /// A context around an already parsed (and possibly already stripped)
+    /// body: `req_body` is its current bytes, `model` and `stream` are read
+    /// from it when present and well-typed.
+    pub fn from_parsed(request_id: impl Into<String>, body: JsonBody) -> Self {
+        let model = body
+            .get::<String>("model")
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let stream = body
+            .get::<bool>("stream")
+            .and_then(Result::ok)
+            .unwrap_or(false);
+        RoutingContext {
+            model,
+            stream,
+            req_body: body.to_bytes(),
+            parsed: Some(body),
+            ..RoutingContext::new(request_id, Bytes::new())
+        }
+    }
+
+    /// Builder: sets the request path.
+    pub fn with_path(mut self, path: impl Into<String>) -> Self {
+        self.path = path.into();
+        self
+    }
+
+    /// The client's body, parsed at most once. The first call parses
+    /// [`req_body`](RoutingContext::req_body), so call it (or build the
+    /// context with [`from_parsed`](RoutingContext::from_parsed)) before
+    /// anything replaces `req_body`.
+    ///
+    /// # Errors
+    /// The [`BodyError`] of parsing a body that is not a JSON object with
+    /// unique keys. A failed parse is not cached.
+    pub fn original_body(&mut self) -> Result<&JsonBody, BodyError> {
+        let body = match self.parsed.take() {
+            Some(body) => body,
+            None => JsonBody::parse(self.req_body.clone())?,
+        };
+        Ok(self.parsed.insert(body))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn original_survives_req_body_replacement() {
+        let mut ctx = RoutingContext::new("r", Bytes::from_static(br#"{"a":1}"#));
+        assert!(ctx.original_body().unwrap().contains_key("a"));
+        ctx.req_body = Bytes::from_static(br#"{"b":2}"#);
+        assert!(ctx.original_body().unwrap().contains_key("a"));
+    }
+
+    #[test]
+    fn invalid_body_errors_each_time() {
+        let mut ctx = RoutingContext::new("r", Bytes::from_static(b"invalid json"));
+        assert!(ctx.original_body().is_err());
+        assert!(ctx.original_body().is_err());
+    }
+
+    #[test]
+    fn from_parsed_reads_model_and_stream() {
+        let body = JsonBody::parse(Bytes::from_static(br#"{"model":"m","stream":true}"#)).unwrap();
+        let ctx = RoutingContext::from_parsed("r", body).with_path("/v1/completions");
+        assert_eq!((ctx.model.as_str(), ctx.stream), ("m", true));
+        assert_eq!(ctx.path, "/v1/completions");
+        let body = JsonBody::parse(Bytes::from_static(br#"{"model":7,"stream":"yes"}"#)).unwrap();
+        let ctx = RoutingContext::from_parsed("r", body);
+        assert_eq!((ctx.model.as_str(), ctx.stream), ("", false));
+    }
+}

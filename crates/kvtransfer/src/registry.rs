@@ -1,0 +1,232 @@
+//! Agents by connector type: an owned [`Registry`] and a process-wide default
+//! one behind free functions mirroring upstream's package-level API.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
+
+use crate::agent::KvTransferAgent;
+use crate::agents::{MooncakeAgent, NixlAgent, SglangAgent, ShfsAgent};
+use crate::pod::Pod;
+use crate::{
+    CONNECTOR_TYPE_IDENTIFIER, CONNECTOR_TYPE_MOONCAKE, CONNECTOR_TYPE_NIXL, CONNECTOR_TYPE_SGLANG,
+    CONNECTOR_TYPE_SHFS,
+};
+
+/// Makes an agent; called on every [`Registry::resolve`], so keep it cheap
+/// (built-ins clone a shared `Arc`).
+pub type AgentFactory = Arc<dyn Fn() -> Arc<dyn KvTransferAgent> + Send + Sync>;
+
+/// Errors from resolving an agent.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    /// No agent is registered under the name.
+    #[error("unknown KV transfer connector type {name:?} (valid: [{}])", valid.join(" "))]
+    Unknown {
+        /// The name asked for, as given.
+        name: String,
+        /// Registered names, sorted.
+        valid: Vec<String>,
+    },
+    /// No pod was given.
+    #[error("cannot resolve KV transfer agent: pod is nil")]
+    PodNil,
+}
+
+/// Agent factories keyed by normalised (trimmed, lower-case) connector type.
+#[derive(Clone, Default)]
+pub struct Registry {
+    factories: BTreeMap<String, AgentFactory>,
+}
+
+impl fmt::Debug for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registry")
+            .field("agents", &self.factories.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Trims and lower-cases a connector type.
+pub fn normalize_connector_type(name: &str) -> String {
+    name.trim().to_lowercase()
+}
+
+/// A factory that hands out clones of one shared stateless agent.
+pub fn shared_factory(agent: Arc<dyn KvTransferAgent>) -> AgentFactory {
+    Arc::new(move || Arc::clone(&agent))
+}
+
+impl Registry {
+    /// A registry with no agents.
+    pub fn empty() -> Self {
+        Registry::default()
+    }
+
+    /// A registry with the built-in agents: `mooncake`, `nixl`, `sglang`, `shfs`.
+    pub fn with_builtins() -> Self {
+        let mut r = Registry::empty();
+        r.register(CONNECTOR_TYPE_SHFS, shared_factory(Arc::new(ShfsAgent)));
+        r.register(CONNECTOR_TYPE_NIXL, shared_factory(Arc::new(NixlAgent)));
+        r.register(
+            CONNECTOR_TYPE_MOONCAKE,
+            shared_factory(Arc::new(MooncakeAgent)),
+        );
+        r.register(CONNECTOR_TYPE_SGLANG, shared_factory(Arc::new(SglangAgent)));
+        r
+    }
+
+    /// Registers `factory` under `name` (trimmed, lower-cased), replacing any
+    /// previous factory of that name.
+    pub fn register(&mut self, name: &str, factory: AgentFactory) {
+        self.factories
+            .insert(normalize_connector_type(name), factory);
+    }
+
+    /// A fresh agent for `connector_type` (trimmed, lower-cased).
+    ///
+    /// # Errors
+    /// [`RegistryError::Unknown`], displayed as
+    /// `unknown KV transfer connector type "foo" (valid: [mooncake nixl sglang shfs])`.
+    pub fn resolve(&self, connector_type: &str) -> Result<Arc<dyn KvTransferAgent>, RegistryError> {
+        match self
+            .factories
+            .get(&normalize_connector_type(connector_type))
+        {
+            Some(factory) => Ok(factory()),
+            None => Err(RegistryError::Unknown {
+                name: connector_type.to_owned(),
+                valid: self.valid_agent_names(),
+            }),
+        }
+    }
+
+    /// Registered names, sorted.
+    pub fn valid_agent_names(&self) -> Vec<String> {
+        self.factories.keys().cloned().collect()
+    }
+
+    /// Whether `connector_type` (normalised) is registered.
+    pub fn contains(&self, connector_type: &str) -> bool {
+        self.factories
+            .contains_key(&normalize_connector_type(connector_type))
+    }
+
+    /// Checks a global default at start-up; returns its normalised name.
+    ///
+    /// # Errors
+    /// [`RegistryError::Unknown`] listing the valid names.
+    pub fn validate_default(&self, global_default: &str) -> Result<String, RegistryError> {
+        let name = normalize_connector_type(global_default);
+        if self.factories.contains_key(&name) {
+            Ok(name)
+        } else {
+            Err(RegistryError::Unknown {
+                name: global_default.to_owned(),
+                valid: self.valid_agent_names(),
+            })
+        }
+    }
+
+    /// The connector type for a pod label value: trimmed and lower-cased; a
+    /// registered value wins; empty falls back to `global_default`
+    /// (normalised); an unregistered non-empty value logs a warning and falls
+    /// back too.
+    pub fn resolve_connector_type(&self, label_value: &str, global_default: &str) -> String {
+        let name = normalize_connector_type(label_value);
+        if name.is_empty() {
+            return normalize_connector_type(global_default);
+        }
+        if self.factories.contains_key(&name) {
+            return name;
+        }
+        tracing::warn!(
+            label = CONNECTOR_TYPE_IDENTIFIER,
+            value = %label_value,
+            default = %global_default,
+            "unrecognised KV connector type on pod label; using the default"
+        );
+        normalize_connector_type(global_default)
+    }
+
+    /// The agent for a (prefill) pod: its [`CONNECTOR_TYPE_IDENTIFIER`] label
+    /// first, then `global_default`.
+    ///
+    /// # Errors
+    /// [`RegistryError::PodNil`] for `None`; [`RegistryError::Unknown`] when
+    /// the resolved type (i.e. the default) is not registered.
+    pub fn resolve_agent_for_pod(
+        &self,
+        pod: Option<&Pod>,
+        global_default: &str,
+    ) -> Result<Arc<dyn KvTransferAgent>, RegistryError> {
+        let pod = pod.ok_or(RegistryError::PodNil)?;
+        let label = pod.label(CONNECTOR_TYPE_IDENTIFIER).unwrap_or("");
+        self.resolve(&self.resolve_connector_type(label, global_default))
+    }
+}
+
+fn default_registry() -> &'static RwLock<Registry> {
+    static DEFAULT: OnceLock<RwLock<Registry>> = OnceLock::new();
+    DEFAULT.get_or_init(|| RwLock::new(Registry::with_builtins()))
+}
+
+fn with_default<R>(f: impl FnOnce(&Registry) -> R) -> R {
+    // A panic while holding the lock cannot leave the map half-updated
+    // (insert is the only write), so a poisoned lock is still usable.
+    let guard = default_registry()
+        .read()
+        .unwrap_or_else(PoisonError::into_inner);
+    f(&guard)
+}
+
+/// Registers `factory` under `name` in the process-wide default registry.
+pub fn register(name: &str, factory: AgentFactory) {
+    let mut guard = default_registry()
+        .write()
+        .unwrap_or_else(PoisonError::into_inner);
+    guard.register(name, factory);
+}
+
+/// [`Registry::resolve`] on the process-wide default registry.
+///
+/// # Errors
+/// See [`Registry::resolve`].
+pub fn resolve(connector_type: &str) -> Result<Arc<dyn KvTransferAgent>, RegistryError> {
+    with_default(|r| r.resolve(connector_type))
+}
+
+/// [`Registry::valid_agent_names`] of the process-wide default registry.
+pub fn valid_agent_names() -> Vec<String> {
+    with_default(Registry::valid_agent_names)
+}
+
+/// [`Registry::validate_default`] on the process-wide default registry.
+///
+/// # Errors
+/// See [`Registry::validate_default`].
+pub fn validate_default(global_default: &str) -> Result<String, RegistryError> {
+    with_default(|r| r.validate_default(global_default))
+}
+
+/// [`Registry::resolve_connector_type`] on the process-wide default registry.
+pub fn resolve_connector_type(label_value: &str, global_default: &str) -> String {
+    with_default(|r| r.resolve_connector_type(label_value, global_default))
+}
+
+/// [`Registry::resolve_agent_for_pod`] on the process-wide default registry.
+///
+/// # Errors
+/// See [`Registry::resolve_agent_for_pod`].
+pub fn resolve_agent_for_pod(
+    pod: Option<&Pod>,
+    global_default: &str,
+) -> Result<Arc<dyn KvTransferAgent>, RegistryError> {
+    with_default(|r| r.resolve_agent_for_pod(pod, global_default))
+}
+
+/// A snapshot (clone) of the process-wide default registry, e.g. to hand an
+/// owned registry to a gateway instance.
+pub fn default_registry_snapshot() -> Registry {
+    with_default(Registry::clone)
+}
