@@ -54,13 +54,16 @@ enum Piece {
     Owned(Bytes),
 }
 
-/// One top-level member: `head` is the key text up to the value (`"key" :`),
-/// `value` the value text.
+/// One top-level member: `pre` is the whitespace before the key, `head` the
+/// key text up to the value (`"key" :`), `value` the value text and `post` the
+/// whitespace after it. `pre` and `post` are empty for added members.
 #[derive(Clone, Debug)]
 struct Member {
     key: Box<str>,
+    pre: Range<usize>,
     head: Piece,
     value: Piece,
+    post: Range<usize>,
 }
 
 /// A parsed JSON object body that supports top-level edits with byte-preserving
@@ -68,11 +71,12 @@ struct Member {
 ///
 /// Parse once with [`JsonBody::parse`], edit with [`set`](JsonBody::set),
 /// [`set_raw`](JsonBody::set_raw) and [`remove`](JsonBody::remove), then emit
-/// with [`to_bytes`](JsonBody::to_bytes). Every member not edited is emitted
-/// exactly as it appeared in the input, including the spelling of its key and
-/// any whitespace between the key and its value. Whitespace *between* members
-/// at the top level is not kept once the body has been edited; an unedited body
-/// is returned as the original [`Bytes`] (zero copy).
+/// with [`to_bytes`](JsonBody::to_bytes). Every byte not covered by an edit
+/// is emitted exactly as it appeared in the input: the spelling of keys,
+/// whitespace around and inside members, and the text outside the braces. A
+/// replaced value takes the old value's place, an added member goes last, a
+/// removed member leaves with its surrounding whitespace and one comma. An
+/// unedited body is returned as the original [`Bytes`] (zero copy).
 ///
 /// Cloning is cheap: members point into the shared input buffer.
 ///
@@ -85,13 +89,17 @@ struct Member {
 /// body.set_raw("stream", "false");
 /// assert_eq!(
 ///     &body.to_bytes()[..],
-///     br#"{"model":"m","max_tokens": 1,"id":9007199254740993,"stream":false}"#
+///     br#"{"model":"m", "max_tokens": 1, "id":9007199254740993,"stream":false}"#
 /// );
 /// ```
 #[derive(Clone, Debug)]
 pub struct JsonBody {
     raw: Bytes,
     members: Vec<Member>,
+    /// `raw[..open]` is everything up to and including `{`.
+    open: usize,
+    /// `raw[close..]` is `}` and everything after it.
+    close: usize,
     edited: bool,
 }
 
@@ -177,28 +185,39 @@ impl JsonBody {
         }
         let parsed = parse_members(input).map_err(BodyError::Invalid)?;
         let base = input.as_ptr() as usize;
-        let mut members = Vec::with_capacity(parsed.len());
-        // Position just after the previous member's value (or after `{`).
+        let mut members: Vec<Member> = Vec::with_capacity(parsed.len());
+        // serde_json has validated the text, so between members there is
+        // only whitespace and one comma, and after the last one `}`.
         let mut pos = open + 1;
-        for (i, (key, value)) in parsed.into_iter().enumerate() {
+        for (key, value) in parsed {
             let text = value.get();
             let start = text.as_ptr() as usize - base;
             let end = start + text.len();
-            let mut key_start = skip_ws(input, pos);
-            if i > 0 && input.get(key_start) == Some(&b',') {
-                key_start = skip_ws(input, key_start + 1);
+            if let Some(prev) = members.last_mut() {
+                let comma = skip_ws(input, pos);
+                prev.post = pos..comma;
+                pos = comma + 1;
             }
+            let key_start = skip_ws(input, pos);
             members.push(Member {
                 key: key.into_boxed_str(),
+                pre: pos..key_start,
                 head: Piece::Span(key_start..start),
                 value: Piece::Span(start..end),
+                post: end..end,
             });
             pos = end;
+        }
+        let close = skip_ws(input, pos);
+        if let Some(last) = members.last_mut() {
+            last.post = pos..close;
         }
         check_duplicates(&members)?;
         Ok(JsonBody {
             raw,
             members,
+            open: open + 1,
+            close,
             edited: false,
         })
     }
@@ -297,8 +316,10 @@ impl JsonBody {
         head.push(b':');
         self.members.push(Member {
             key: key.into(),
+            pre: 0..0,
             head: Piece::Owned(Bytes::from(head)),
             value: Piece::Owned(value),
+            post: 0..0,
         });
     }
 
@@ -356,20 +377,25 @@ impl JsonBody {
         if !self.edited {
             return self.raw.clone();
         }
-        let mut len = 2 + self.members.len().saturating_sub(1);
+        let raw = &self.raw[..];
+        let mut len = self.open + (raw.len() - self.close) + self.members.len().saturating_sub(1);
         for m in &self.members {
-            len += self.piece(&m.head).len() + self.piece(&m.value).len();
+            len +=
+                m.pre.len() + self.piece(&m.head).len() + self.piece(&m.value).len() + m.post.len();
         }
         let mut out = BytesMut::with_capacity(len);
-        out.put_u8(b'{');
+        out.put_slice(&raw[..self.open]);
         for (i, m) in self.members.iter().enumerate() {
             if i > 0 {
                 out.put_u8(b',');
             }
+            out.put_slice(&raw[m.pre.clone()]);
             out.put_slice(self.piece(&m.head));
             out.put_slice(self.piece(&m.value));
+            out.put_slice(&raw[m.post.clone()]);
         }
-        out.put_u8(b'}');
+        out.put_slice(&raw[self.close..]);
+        debug_assert_eq!(out.len(), len);
         out.freeze()
     }
 }
@@ -429,8 +455,10 @@ mod tests {
         b.set("b", &false).unwrap();
         assert_eq!(
             &b.to_bytes()[..],
-            b"{\"a\" : 1.0e3,\"b\":false,\"c\":\"x\"}"
+            b"{ \"a\" : 1.0e3 , \"b\":false ,\"c\":\"x\" }"
         );
+        assert!(b.remove("a"));
+        assert_eq!(&b.to_bytes()[..], b"{ \"b\":false ,\"c\":\"x\" }");
     }
 
     #[test]
@@ -474,7 +502,7 @@ mod tests {
         let mut b = parse(" { } ").unwrap();
         assert!(b.is_empty());
         b.set("k\"q", "v").unwrap();
-        assert_eq!(&b.to_bytes()[..], br#"{"k\"q":"v"}"#);
+        assert_eq!(&b.to_bytes()[..], br#" {"k\"q":"v"} "#);
         assert_eq!(b.get::<String>("k\"q").unwrap().unwrap(), "v");
     }
 
