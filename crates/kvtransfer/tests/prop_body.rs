@@ -305,18 +305,23 @@ proptest! {
         let ours = JsonBody::parse(Bytes::from(raw.clone()));
         // JSON text is UTF-8; serde_json's skipping parser does not check
         // the bytes inside strings, so check them here.
-        let theirs = std::str::from_utf8(&raw)
-            .map_err(|e| e.to_string())
-            .and_then(|s| serde_json::from_str::<IgnoredAny>(s).map_err(|e| e.to_string()));
+        let text = std::str::from_utf8(&raw);
+        let valid = text.is_ok_and(|t| serde_json::from_str::<IgnoredAny>(t).is_ok());
         let is_object = raw.iter().find(|b| !b" \t\r\n".contains(b)) == Some(&b'{');
-        match (&ours, &theirs) {
-            (Ok(_), Ok(_)) => prop_assert!(is_object),
-            (Ok(_), Err(e)) => prop_assert!(false, "we accepted what serde_json rejects: {}", e),
-            (Err(BodyError::Invalid(_)), Err(_)) => {}
-            (Err(BodyError::NotObject), Ok(_)) => prop_assert!(!is_object),
-            (Err(BodyError::DuplicateKey(_)), Ok(_)) => prop_assert!(is_object),
-            (Err(e), Ok(_)) => prop_assert!(false, "we rejected valid JSON: {}", e),
-            (Err(e), Err(_)) => prop_assert!(false, "wrong error kind for invalid JSON: {}", e),
+        // Top-level keys are decoded to Rust strings, which cannot hold a lone
+        // UTF-16 surrogate escape (`"\ud800"`): such bodies are rejected on
+        // purpose. Values are not decoded, so they pass as serde_json skips them.
+        let keys_decode = text.is_ok_and(|t| {
+            serde_json::from_str::<std::collections::BTreeMap<String, IgnoredAny>>(t).is_ok()
+        });
+        match &ours {
+            Ok(_) => prop_assert!(valid && is_object && keys_decode),
+            Err(BodyError::Invalid(e)) => {
+                prop_assert!(!valid || (is_object && !keys_decode), "rejected valid JSON: {}", e)
+            }
+            Err(BodyError::NotObject) => prop_assert!(valid && !is_object),
+            Err(BodyError::DuplicateKey(_)) => prop_assert!(valid && is_object),
+            Err(e) => prop_assert!(false, "unexpected error kind: {}", e),
         }
     }
 
