@@ -29,7 +29,6 @@ fn pod(name: &str, ip: &str, labels: &[(&str, &str)]) -> KubePod {
             ]),
             ..PodStatus::default()
         }),
-        ..KubePod::default()
     }
 }
 
@@ -358,7 +357,7 @@ fn unrelated_label_change_is_a_change_but_annotation_change_is_not() {
         "now".to_owned(),
     )]));
     assert_eq!(
-        routable_pods(&[p.clone()], &keys()),
+        routable_pods(std::slice::from_ref(&p), &keys()),
         routable_pods(&[q], &keys()),
         "non-canonical annotations do not churn the snapshot"
     );
