@@ -1,0 +1,257 @@
+//! Command line: `pdbench --url URL [load options]` and
+//! `pdbench direct --prefill URL --decode URL [--connector shfs] [load options]`.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::BenchError;
+use crate::dist::Dist;
+use crate::runner::{Config, Load, Target};
+use crate::workload::{Api, DirectConnector};
+
+/// Load generator for OpenAI-compatible endpoints and prefill/decode (PD) gateways.
+///
+/// Closed loop (`--concurrency N`) or open loop (`--rate R`), bounded by `--requests` and/or
+/// `--duration` (default: 1000 requests). Reports end-to-end latency, time to first token and
+/// inter-token gaps (streams), throughput and errors by class, as a table or `--json`.
+#[derive(Debug, Parser)]
+#[command(name = "pdbench", version, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// Mode; without one, load the OpenAI endpoint at `--url`.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Base URL of the endpoint to load (a gateway or an engine), e.g. http://127.0.0.1:8000.
+    #[arg(long, env = "PDBENCH_URL")]
+    pub url: Option<String>,
+    /// Load options.
+    #[command(flatten)]
+    pub load: LoadArgs,
+}
+
+/// Modes other than loading one URL.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Perform the PD two-leg flow directly against a prefill and a decode engine: the
+    /// baseline a gateway is measured against (prefill with max_tokens=1, stream=false and
+    /// kv_transfer_params {do_remote_decode:true}, then decode with the returned params and
+    /// remote_host set to the prefill's host).
+    Direct {
+        /// Prefill engine base URL.
+        #[arg(long)]
+        prefill: String,
+        /// Decode engine base URL.
+        #[arg(long)]
+        decode: String,
+        /// KV-transfer connector shaping the two legs.
+        #[arg(long, value_enum, default_value_t = DirectConnector::Shfs)]
+        connector: DirectConnector,
+        /// Load options.
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+}
+
+/// Options shared by every mode.
+#[derive(Debug, Args, Clone)]
+pub struct LoadArgs {
+    /// API to call.
+    #[arg(long, value_enum, default_value_t = Api::Completions)]
+    pub api: Api,
+    /// Stream responses (SSE) and measure TTFT and inter-token gaps.
+    #[arg(long)]
+    pub stream: bool,
+    /// Closed loop: number of clients, each sending its next request when the last ends.
+    #[arg(long, short = 'c', conflicts_with = "rate")]
+    pub concurrency: Option<usize>,
+    /// Open loop: requests started per second, whatever the latency.
+    #[arg(long, short = 'r')]
+    pub rate: Option<f64>,
+    /// Open loop: most requests open at once; requests due beyond it count as `overflow`.
+    #[arg(long, default_value_t = 10_000)]
+    pub max_in_flight: usize,
+    /// Stop after N measured requests (default 1000 when --duration is not given).
+    #[arg(long, short = 'n')]
+    pub requests: Option<u64>,
+    /// Stop issuing requests after S seconds (in-flight ones finish or time out).
+    #[arg(long, short = 'd')]
+    pub duration: Option<f64>,
+    /// Prompt length in words: N, A..B (uniform) or normal:MEAN,STDDEV.
+    #[arg(long, default_value = "128")]
+    pub prompt_len: Dist,
+    /// Output length (max_tokens): N, A..B (uniform) or normal:MEAN,STDDEV.
+    #[arg(long, default_value = "16")]
+    pub output_len: Dist,
+    /// `model` field of each request.
+    #[arg(long, default_value = "pdsim")]
+    pub model: String,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout: f64,
+    /// Unmeasured requests sent before the measured phase (opens connections).
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u64,
+    /// Seed for the length distributions.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Tokio worker threads (default: the CPUs this process may run on).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+fn seconds(name: &str, v: f64) -> Result<Duration, BenchError> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| BenchError::Config(format!("{name} must be a positive number of seconds")))
+}
+
+impl LoadArgs {
+    /// The run configuration for `target`.
+    pub fn to_config(&self, target: Target) -> Result<Config, BenchError> {
+        let load = match (self.concurrency, self.rate) {
+            (_, Some(rate)) => Load::Open {
+                rate,
+                max_in_flight: self.max_in_flight,
+            },
+            (c, None) => Load::Closed {
+                concurrency: c.unwrap_or(1),
+            },
+        };
+        let duration = self
+            .duration
+            .map(|d| seconds("--duration", d))
+            .transpose()?;
+        let requests = match (self.requests, duration) {
+            (None, None) => Some(1000),
+            (r, _) => r,
+        };
+        Ok(Config {
+            target,
+            api: self.api,
+            stream: self.stream,
+            model: self.model.clone(),
+            load,
+            requests,
+            duration,
+            prompt_len: self.prompt_len,
+            output_len: self.output_len,
+            timeout: seconds("--timeout", self.timeout)?,
+            seed: self.seed,
+            warmup: self.warmup,
+        })
+    }
+}
+
+impl Cli {
+    /// The run configuration and the shared options (for output and runtime settings).
+    pub fn into_config(self) -> Result<(Config, LoadArgs), BenchError> {
+        match self.command {
+            Some(Command::Direct {
+                prefill,
+                decode,
+                connector,
+                load,
+            }) => {
+                let cfg = load.to_config(Target::Direct {
+                    prefill,
+                    decode,
+                    connector,
+                })?;
+                Ok((cfg, load))
+            }
+            None => {
+                let url = self.url.ok_or_else(|| {
+                    BenchError::Config("give --url URL, or use `pdbench direct`".into())
+                })?;
+                let cfg = self.load.to_config(Target::Url(url))?;
+                Ok((cfg, self.load))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<(Config, LoadArgs), BenchError> {
+        Cli::try_parse_from(args)
+            .map_err(|e| BenchError::Config(e.to_string()))?
+            .into_config()
+    }
+
+    #[test]
+    fn defaults_are_bounded_closed_loop() {
+        let (cfg, args) = parse(&["pdbench", "--url", "http://127.0.0.1:1"]).expect("ok");
+        assert_eq!(cfg.load, Load::Closed { concurrency: 1 });
+        assert_eq!(cfg.requests, Some(1000));
+        assert!(cfg.duration.is_none());
+        assert!(!args.json);
+    }
+
+    #[test]
+    fn open_loop_with_duration_only() {
+        let (cfg, _) = parse(&[
+            "pdbench",
+            "--url",
+            "http://h:1",
+            "--rate",
+            "50",
+            "--duration",
+            "2",
+            "--stream",
+            "--api",
+            "chat",
+            "--prompt-len",
+            "10..20",
+            "--output-len",
+            "normal:64,8",
+        ])
+        .expect("ok");
+        assert!(matches!(cfg.load, Load::Open { rate, .. } if rate == 50.0));
+        assert_eq!(cfg.requests, None);
+        assert_eq!(cfg.duration, Some(Duration::from_secs(2)));
+        assert!(cfg.stream);
+        assert_eq!(cfg.api, Api::Chat);
+        assert_eq!(cfg.prompt_len, Dist::Uniform { lo: 10, hi: 20 });
+    }
+
+    #[test]
+    fn direct_subcommand() {
+        let (cfg, _) = parse(&[
+            "pdbench",
+            "direct",
+            "--prefill",
+            "http://p:1",
+            "--decode",
+            "http://d:2",
+            "--concurrency",
+            "8",
+            "-n",
+            "5",
+        ])
+        .expect("ok");
+        assert!(matches!(
+            cfg.target,
+            Target::Direct {
+                connector: DirectConnector::Shfs,
+                ..
+            }
+        ));
+        assert_eq!(cfg.load, Load::Closed { concurrency: 8 });
+        assert_eq!(cfg.requests, Some(5));
+    }
+
+    #[test]
+    fn bad_combinations_are_refused() {
+        assert!(parse(&["pdbench"]).is_err(), "no url");
+        assert!(parse(&["pdbench", "--url", "u", "-c", "2", "--rate", "3"]).is_err());
+        assert!(parse(&["pdbench", "--url", "u", "--duration", "0"]).is_err());
+        assert!(parse(&["pdbench", "--url", "u", "--timeout", "-1"]).is_err());
+        assert!(parse(&["pdbench", "--url", "u", "--prompt-len", "0"]).is_err());
+    }
+}

@@ -1,0 +1,344 @@
+//! Load drivers: closed loop (N clients back to back) and open loop (fixed arrival rate).
+//!
+//! Every run is bounded: by a request count, a duration, or both (whichever comes first), and
+//! every request by its own timeout. Tasks live in a `JoinSet` owned by the run; cancelling the
+//! run's token (Ctrl-C) stops new requests and aborts the ones in flight.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::BenchError;
+use crate::client::{Endpoint, Requester, Route, Scratch, http_client};
+use crate::dist::Dist;
+use crate::report::{Report, TargetInfo};
+use crate::stats::{ErrorClass, Recorder};
+use crate::workload::{Api, Bodies, DirectConnector};
+
+/// What to load.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// One OpenAI endpoint: a gateway, or a single engine.
+    Url(String),
+    /// Direct PD against a prefill and a decode engine.
+    Direct {
+        /// Prefill engine base URL.
+        prefill: String,
+        /// Decode engine base URL.
+        decode: String,
+        /// How KV-transfer parameters are carried between the legs.
+        connector: DirectConnector,
+    },
+}
+
+/// How requests are issued.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Load {
+    /// `concurrency` clients, each sending its next request when the previous one ends.
+    Closed {
+        /// Number of clients.
+        concurrency: usize,
+    },
+    /// Requests start at a fixed rate whatever the latency; latency counts from the
+    /// scheduled start (no coordinated omission). Requests due while `max_in_flight` are
+    /// open are not sent and count as `overflow` errors.
+    Open {
+        /// Requests per second.
+        rate: f64,
+        /// Cap on concurrently open requests.
+        max_in_flight: usize,
+    },
+}
+
+/// A complete run description.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where to send.
+    pub target: Target,
+    /// Which API.
+    pub api: Api,
+    /// Streaming or not.
+    pub stream: bool,
+    /// `model` field.
+    pub model: String,
+    /// Closed or open loop.
+    pub load: Load,
+    /// Stop after this many requests (measured ones, warm-up excluded).
+    pub requests: Option<u64>,
+    /// Stop issuing new requests after this long.
+    pub duration: Option<Duration>,
+    /// Prompt length in words.
+    pub prompt_len: Dist,
+    /// `max_tokens` per request.
+    pub output_len: Dist,
+    /// Per-request timeout.
+    pub timeout: Duration,
+    /// RNG seed for lengths.
+    pub seed: u64,
+    /// Unmeasured requests sent first (closed loop at the same concurrency; open loop at up
+    /// to 64 clients) to open connections and warm caches.
+    pub warmup: u64,
+}
+
+impl Config {
+    /// A closed-loop, non-streaming completions run of `requests` requests against `url`.
+    pub fn new(target: Target) -> Self {
+        Config {
+            target,
+            api: Api::Completions,
+            stream: false,
+            model: "pdsim".to_owned(),
+            load: Load::Closed { concurrency: 1 },
+            requests: Some(1000),
+            duration: None,
+            prompt_len: Dist::Fixed(128),
+            output_len: Dist::Fixed(16),
+            timeout: Duration::from_secs(60),
+            seed: 1,
+            warmup: 0,
+        }
+    }
+
+    fn validate(&self) -> Result<(), BenchError> {
+        if self.requests.is_none() && self.duration.is_none() {
+            return Err(BenchError::Config(
+                "unbounded run: give --requests and/or --duration".into(),
+            ));
+        }
+        if self.requests == Some(0) {
+            return Err(BenchError::Config("--requests must be at least 1".into()));
+        }
+        if self.duration.is_some_and(|d| d.is_zero()) || self.timeout.is_zero() {
+            return Err(BenchError::Config(
+                "--duration and --timeout must be positive".into(),
+            ));
+        }
+        match self.load {
+            Load::Closed { concurrency: 0 } => Err(BenchError::Config(
+                "--concurrency must be at least 1".into(),
+            )),
+            Load::Open { rate, .. } if !(rate.is_finite() && rate > 0.0) => Err(
+                BenchError::Config("--rate must be a positive number".into()),
+            ),
+            Load::Open {
+                max_in_flight: 0, ..
+            } => Err(BenchError::Config(
+                "--max-in-flight must be at least 1".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn route(&self) -> Result<(Route, TargetInfo), BenchError> {
+        let path = self.api.path();
+        Ok(match &self.target {
+            Target::Url(url) => (
+                Route::Single(Endpoint::new(url, path)?),
+                TargetInfo::Url { url: url.clone() },
+            ),
+            Target::Direct {
+                prefill,
+                decode,
+                connector,
+            } => (
+                Route::Direct {
+                    prefill: Endpoint::new(prefill, path)?,
+                    decode: Endpoint::new(decode, path)?,
+                    connector: *connector,
+                },
+                TargetInfo::Direct {
+                    prefill: prefill.clone(),
+                    decode: decode.clone(),
+                    connector: *connector,
+                },
+            ),
+        })
+    }
+
+    fn peak_connections(&self) -> usize {
+        match self.load {
+            Load::Closed { concurrency } => concurrency,
+            Load::Open { max_in_flight, .. } => max_in_flight.min(100_000),
+        }
+    }
+}
+
+/// Shared state of one phase (warm-up or measured).
+struct Phase {
+    req: Arc<Requester>,
+    recorder: Recorder,
+    next_id: AtomicU64,
+    id_base: u64,
+    limit: Option<u64>,
+    deadline: Option<Instant>,
+    timeout: Duration,
+    prompt_len: Dist,
+    output_len: Dist,
+    cancel: CancellationToken,
+}
+
+impl Phase {
+    /// Claims the next request number, or `None` when the phase is over.
+    fn claim(&self) -> Option<u64> {
+        if self.cancel.is_cancelled() || self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return None;
+        }
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        if self.limit.is_some_and(|l| n >= l) {
+            return None;
+        }
+        Some(n)
+    }
+
+    /// Runs one request and records its outcome. `None` if cancelled (not recorded).
+    async fn one(
+        &self,
+        n: u64,
+        words: u32,
+        max_tokens: u32,
+        started: Instant,
+        scratch: &mut Scratch,
+    ) {
+        let id = self.id_base + n;
+        let fut = tokio::time::timeout(
+            self.timeout,
+            self.req.execute(id, words, max_tokens, started, scratch),
+        );
+        let outcome = tokio::select! {
+            r = fut => r,
+            () = self.cancel.cancelled() => return,
+        };
+        self.recorder.with_shard(n, |s| match outcome {
+            Ok(Ok(sample)) => {
+                s.record_ok(&sample);
+                scratch.recycle(sample);
+            }
+            Ok(Err(class)) => s.record_err(class),
+            Err(_) => s.record_err(ErrorClass::Timeout),
+        });
+    }
+}
+
+fn shard_count() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get()) * 4
+}
+
+/// Runs the benchmark described by `cfg` until it is bounded or `cancel` fires.
+pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, BenchError> {
+    cfg.validate()?;
+    let (route, target_info) = cfg.route()?;
+    let requester = Arc::new(Requester {
+        client: http_client(cfg.peak_connections().max(16)),
+        bodies: Bodies::new(cfg.api, &cfg.model, cfg.stream, cfg.prompt_len.max()),
+        route,
+        stream: cfg.stream,
+        run_id: format!("pdbench-{}", uuid::Uuid::new_v4().simple()),
+    });
+
+    if cfg.warmup > 0 {
+        let concurrency = match cfg.load {
+            Load::Closed { concurrency } => concurrency,
+            Load::Open { max_in_flight, .. } => max_in_flight.min(64),
+        };
+        let warm = Arc::new(Phase {
+            req: requester.clone(),
+            recorder: Recorder::new(1)?,
+            next_id: AtomicU64::new(0),
+            id_base: 1 << 40,
+            limit: Some(cfg.warmup),
+            deadline: None,
+            timeout: cfg.timeout,
+            prompt_len: cfg.prompt_len,
+            output_len: cfg.output_len,
+            cancel: cancel.child_token(),
+        });
+        closed_loop(&warm, concurrency, cfg.seed ^ 0x5eed).await;
+    }
+
+    let start = Instant::now();
+    let phase = Arc::new(Phase {
+        req: requester,
+        recorder: Recorder::new(shard_count())?,
+        next_id: AtomicU64::new(0),
+        id_base: 0,
+        limit: cfg.requests,
+        deadline: cfg.duration.map(|d| start + d),
+        timeout: cfg.timeout,
+        prompt_len: cfg.prompt_len,
+        output_len: cfg.output_len,
+        cancel: cancel.child_token(),
+    });
+    match cfg.load {
+        Load::Closed { concurrency } => closed_loop(&phase, concurrency, cfg.seed).await,
+        Load::Open {
+            rate,
+            max_in_flight,
+        } => open_loop(&phase, rate, max_in_flight, cfg.seed).await,
+    }
+    let elapsed = start.elapsed();
+    let total = phase.recorder.total()?;
+    Ok(Report::new(
+        cfg,
+        target_info,
+        &total,
+        elapsed,
+        cancel.is_cancelled(),
+    ))
+}
+
+async fn closed_loop(phase: &Arc<Phase>, concurrency: usize, seed: u64) {
+    let mut set = JoinSet::new();
+    for w in 0..concurrency {
+        let phase = phase.clone();
+        set.spawn(async move {
+            let mut rng = SmallRng::seed_from_u64(seed.wrapping_add(w as u64));
+            let mut scratch = Scratch::default();
+            while let Some(n) = phase.claim() {
+                let words = phase.prompt_len.sample(&mut rng);
+                let max_tokens = phase.output_len.sample(&mut rng);
+                phase
+                    .one(n, words, max_tokens, Instant::now(), &mut scratch)
+                    .await;
+            }
+        });
+    }
+    while set.join_next().await.is_some() {}
+}
+
+async fn open_loop(phase: &Arc<Phase>, rate: f64, max_in_flight: usize, seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut set = JoinSet::new();
+    let start = Instant::now();
+    let period = Duration::from_secs_f64(1.0 / rate);
+    let mut i: u32 = 0;
+    loop {
+        let due = start + period.saturating_mul(i);
+        i = i.saturating_add(1);
+        tokio::select! {
+            () = tokio::time::sleep_until(due) => {}
+            () = phase.cancel.cancelled() => break,
+        }
+        let Some(n) = phase.claim() else { break };
+        while set.try_join_next().is_some() {}
+        if set.len() >= max_in_flight {
+            phase
+                .recorder
+                .with_shard(n, |s| s.record_err(ErrorClass::Overflow));
+            continue;
+        }
+        let words = phase.prompt_len.sample(&mut rng);
+        let max_tokens = phase.output_len.sample(&mut rng);
+        let phase = phase.clone();
+        set.spawn(async move {
+            let mut scratch = Scratch::default();
+            phase.one(n, words, max_tokens, due, &mut scratch).await;
+        });
+    }
+    while set.join_next().await.is_some() {}
+}
