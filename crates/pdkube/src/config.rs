@@ -2,29 +2,30 @@
 
 use std::time::Duration;
 
+use kvtransfer::labels;
 use serde::Deserialize;
 
 use crate::KubeDiscoveryError;
 
 /// Canonical AIBrix label: the pod's role (`prefill`, `decode`, anything else is combined).
-pub const ROLE_LABEL: &str = "role-name";
+pub const ROLE_LABEL: &str = labels::ROLE_NAME;
 /// Canonical AIBrix label: the roleset that groups prefill and decode pods.
-pub const ROLESET_LABEL: &str = "roleset-name";
+pub const ROLESET_LABEL: &str = labels::ROLESET_NAME;
 /// Canonical AIBrix label: the served model name.
-pub const MODEL_LABEL: &str = "model.aibrix.ai/name";
+pub const MODEL_LABEL: &str = labels::MODEL_NAME;
 /// Canonical AIBrix label: the engine's HTTP port (default 8000).
-pub const PORT_LABEL: &str = "model.aibrix.ai/port";
+pub const PORT_LABEL: &str = labels::MODEL_PORT;
 /// Canonical AIBrix label: the engine kind (`vllm`, `sglang`, `trtllm`).
-pub const ENGINE_LABEL: &str = "model.aibrix.ai/engine";
+pub const ENGINE_LABEL: &str = labels::ENGINE;
 /// Canonical AIBrix label: the KV-transfer connector (`shfs`, `nixl`, `mooncake`).
-pub const CONNECTOR_LABEL: &str = "model.aibrix.ai/kv-connector-type";
+pub const CONNECTOR_LABEL: &str = labels::KV_CONNECTOR_TYPE;
 /// Canonical AIBrix label: index of the pod inside a multi-node group (`"0"` is the leader).
-pub const POD_GROUP_INDEX_LABEL: &str = "stormservice.orchestration.aibrix.ai/pod-group-index";
+pub const POD_GROUP_INDEX_LABEL: &str = labels::POD_GROUP_INDEX;
 /// Canonical AIBrix annotation: the SGLang bootstrap port (default 8998).
-pub const SGLANG_BOOTSTRAP_PORT_ANNOTATION: &str = "model.aibrix.ai/sglang-bootstrap-port";
+pub const SGLANG_BOOTSTRAP_PORT_ANNOTATION: &str = labels::SGLANG_BOOTSTRAP_PORT;
 
 /// HTTP port assumed when a pod carries no port label (AIBrix default).
-pub const DEFAULT_HTTP_PORT: u16 = 8000;
+pub const DEFAULT_HTTP_PORT: u16 = kvtransfer::DEFAULT_HTTP_PORT;
 
 /// Where each fact is read from on a Kubernetes pod.
 ///

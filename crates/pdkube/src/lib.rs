@@ -39,8 +39,6 @@
 //! # }
 //! ```
 
-use std::collections::BTreeMap;
-
 pub mod config;
 pub mod pods;
 pub mod watch;
@@ -49,30 +47,10 @@ pub use config::{KubeDiscoveryConfig, LabelKeys};
 pub use pods::{SkipReason, classify_pod, pair_rolesets, routable_pods};
 pub use watch::{client_from_env, install_crypto_provider, run};
 
-/// A routable engine pod as discovery publishes it.
-///
-/// Field for field the shape of `kvtransfer::Pod` (minus the Mooncake bootstrap facts, which the
-/// gateway attaches after its own `/query` lookups).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DiscoveredPod {
-    /// Pod name.
-    pub name: String,
-    /// Pod namespace.
-    pub namespace: String,
-    /// Pod IP (always `Some` for published pods).
-    pub ip: Option<String>,
-    /// The pod's labels plus the canonical AIBrix keys (see [`routable_pods`]).
-    pub labels: BTreeMap<String, String>,
-    /// Canonical annotations only (the SGLang bootstrap port when present).
-    pub annotations: BTreeMap<String, String>,
-    /// Always true for published pods.
-    pub ready: bool,
-    /// Engine HTTP port.
-    pub http_port: u16,
-}
-
-/// The endpoint type discovery publishes.
-pub type EndpointPod = DiscoveredPod;
+/// The endpoint type discovery publishes: `kvtransfer::Pod`, with `ready == true`, `ip` set,
+/// the pod's labels plus the canonical AIBrix keys, only canonical annotations, and
+/// `mooncake_bootstrap: None` (the gateway attaches bootstrap facts after its own lookups).
+pub type EndpointPod = kvtransfer::Pod;
 
 /// Errors from discovery set-up. Watch failures are not errors: they are retried with backoff
 /// while the last good endpoint set keeps serving.

@@ -154,6 +154,7 @@ pub fn classify_pod(pod: &KubePod, keys: &LabelKeys) -> Result<EndpointPod, Skip
         annotations,
         ready: true,
         http_port,
+        ..EndpointPod::default()
     })
 }
 
