@@ -216,11 +216,17 @@ class PdGateway:
 CASES = [(k, s) for k in ("completions", "chat/completions") for s in (False, True)]
 
 
-def check_pd_case(res: Result, gw, args, kind: str, stream: bool, tag: str, label: str) -> Reply | None:
-    """One request through the PD path, compared to the baseline engine, with KV proof."""
+def check_pd_case(
+    res: Result, gw, args, kind: str, stream: bool, tag: str, label: str, extra: dict | None = None
+) -> Reply | None:
+    """One request through the PD path, compared to the baseline engine, with KV proof.
+
+    ``extra`` is merged into the client body only (not into the baseline request).
+    """
     name = f"{label} {kind} stream={stream}"
     body = make_body(kind, stream, tag)
     base = request("POST", f"{args.baseline}/v1/{kind}", body)
+    body.update(extra or {})
     if not res.check(base.status == 200, f"{name}: baseline engine answers", base.body[:300].decode()):
         return None
     want, base_usage, problem = output_text(kind, stream, base)
@@ -263,9 +269,20 @@ def check_pd_case(res: Result, gw, args, kind: str, stream: bool, tag: str, labe
     return reply
 
 
+# vLLM 0.32's decode engine dies (EngineCore AssertionError in the NIXL scheduler,
+# API server exits) when kv_transfer_params asks for a remote prefill but lacks
+# the remote fields. The gateway must never forward client-supplied params.
+HOSTILE_PARAMS = {"kv_transfer_params": {"do_remote_prefill": True}}
+
+
 def phase_single(res: Result, gw, args) -> None:
     for i, (kind, stream) in enumerate(CASES):
         check_pd_case(res, gw, args, kind, stream, f"single{i}-{uuid.uuid4().hex[:8]}", "1P1D")
+    if isinstance(gw, PdGateway):
+        tag = f"hostile-{uuid.uuid4().hex[:8]}"
+        check_pd_case(res, gw, args, "completions", False, tag, "client kv_transfer_params replaced:", HOSTILE_PARAMS)
+        alive = request("GET", f"{args.decode}/health", timeout=30)
+        res.check(alive.status == 200, "decode engine still healthy after client-supplied kv_transfer_params", str(alive.status))
 
 
 def phase_two_prefills(res: Result, gw, args) -> None:
