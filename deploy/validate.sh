@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Validates the Kubernetes manifests under deploy/ offline, against the schemas shipped in the
+# PyPI package kubernetes-validate (strict: unknown fields fail), for the oldest and newest
+# Kubernetes versions it ships schemas for. Also checks that every kustomization lists files
+# that exist and that every manifest belongs to a kustomization or to examples/.
+#
+# Installs the validator once into a cached venv (PDGATE_VALIDATE_VENV, default
+# ~/.cache/pdgate/validate-venv); needs python3 and, the first time, PyPI.
+# Usage: deploy/validate.sh            exit 0 when everything is valid
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+validator_version="1.37.0"
+kube_versions=(1.33.0 1.37.0)
+venv="${PDGATE_VALIDATE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/pdgate/validate-venv}"
+
+if ! "$venv/bin/kubernetes-validate" --version 2>/dev/null | grep -qx "$validator_version"; then
+  echo "validate.sh: installing kubernetes-validate==$validator_version into $venv"
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "kubernetes-validate==$validator_version"
+fi
+kv="$venv/bin/kubernetes-validate"
+py="$venv/bin/python"
+
+mapfile -t manifests < <(cd "$here" && find kubernetes -name '*.yaml' ! -name kustomization.yaml | sort)
+if [ "${#manifests[@]}" -eq 0 ]; then
+  echo "validate.sh: no manifests found under $here/kubernetes" >&2
+  exit 1
+fi
+
+# The validator must reject a broken manifest, or a pass below means nothing.
+bad="$(mktemp --suffix=.yaml)"
+trap 'rm -f "$bad"' EXIT
+cat >"$bad" <<'YAML'
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: broken}
+spec:
+  replica: 3
+  selector: {matchLabels: {a: b}}
+  template:
+    metadata: {labels: {a: b}}
+    spec: {containers: [{name: c, image: x, ports: [{containerPort: "http"}]}]}
+YAML
+if "$kv" --strict --quiet "$bad" >/dev/null 2>&1; then
+  echo "validate.sh: self-test failed: the validator accepted a broken Deployment" >&2
+  exit 1
+fi
+
+failed=0
+for version in "${kube_versions[@]}"; do
+  if (cd "$here" && "$kv" --strict --quiet -k "$version" "${manifests[@]}"); then
+    echo "validate.sh: ${#manifests[@]} files valid against Kubernetes $version (strict)"
+  else
+    echo "validate.sh: manifests invalid against Kubernetes $version" >&2
+    failed=1
+  fi
+done
+
+# Kustomizations: listed resources exist; every manifest outside examples/ is listed somewhere.
+if ! (cd "$here" && "$py" - "${manifests[@]}" <<'PY'
+import os, sys, yaml
+manifests = set(sys.argv[1:])
+listed, errors = set(), []
+for root, _, files in os.walk("kubernetes"):
+    if "kustomization.yaml" not in files:
+        continue
+    path = os.path.join(root, "kustomization.yaml")
+    with open(path) as f:
+        k = yaml.safe_load(f)
+    if k.get("kind") != "Kustomization":
+        errors.append(f"{path}: kind is not Kustomization")
+    for r in k.get("resources", []):
+        target = os.path.normpath(os.path.join(root, r))
+        if not os.path.exists(target):
+            errors.append(f"{path}: resource {r} does not exist")
+        listed.add(target)
+for m in sorted(manifests):
+    if "/examples/" not in m and os.path.normpath(m) not in listed:
+        errors.append(f"{m}: not listed in any kustomization.yaml")
+for e in errors:
+    print(f"validate.sh: {e}", file=sys.stderr)
+sys.exit(1 if errors else 0)
+PY
+); then
+  failed=1
+else
+  echo "validate.sh: kustomizations consistent"
+fi
+
+if [ "$failed" -ne 0 ]; then
+  echo "validate.sh: FAILED" >&2
+  exit 1
+fi
+echo "validate.sh: OK"
