@@ -1,0 +1,185 @@
+//! The pooled HTTP/1.1 client for engine legs.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::endpoints::Endpoint;
+use crate::error::{GatewayError, Source};
+
+/// Shared engine client (connection pool per engine).
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Largest prefill response body the gateway reads into memory.
+pub const MAX_PREFILL_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Client headers forwarded to both legs. Everything else (hop-by-hop headers, `host`,
+/// `content-length`, `x-data-parallel-rank`, ...) is dropped.
+const FORWARDED: &[&str] = &[
+    "authorization",
+    "traceparent",
+    "tracestate",
+    "baggage",
+    "openai-organization",
+    "openai-project",
+];
+
+/// Builds the engine client.
+pub fn build(connect_timeout: Duration) -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    connector.enforce_http(true);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(4096)
+        .build(connector)
+}
+
+/// The client headers worth forwarding to engines.
+pub fn forwarded_headers(incoming: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for name in FORWARDED {
+        for v in incoming.get_all(*name) {
+            out.append(HeaderName::from_static(name), v.clone());
+        }
+    }
+    out
+}
+
+/// One request to one engine.
+#[derive(Debug)]
+pub struct Leg<'a> {
+    /// Which leg this is.
+    pub leg: Source,
+    /// The engine.
+    pub endpoint: &'a Endpoint,
+    /// Request path, e.g. `/v1/completions`.
+    pub path: &'a str,
+    /// HTTP method.
+    pub method: Method,
+    /// Request body.
+    pub body: Bytes,
+    /// The request id for `X-Request-Id`.
+    pub request_id: &'a str,
+    /// Forwarded client headers.
+    pub headers: &'a HeaderMap,
+    /// Agent-supplied headers.
+    pub extra: &'a [(&'static str, String)],
+}
+
+fn upstream(leg: Source, endpoint: &Endpoint, reason: String, timeout: bool) -> GatewayError {
+    GatewayError::Upstream {
+        leg,
+        endpoint: endpoint.name.clone(),
+        reason,
+        timeout,
+    }
+}
+
+fn describe(err: &hyper_util::client::legacy::Error) -> String {
+    let mut text = if err.is_connect() {
+        "refused the connection".to_string()
+    } else {
+        "failed".to_string()
+    };
+    let mut source = std::error::Error::source(err);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Sends one leg and returns the response head (the body streams on).
+pub async fn send(client: &HttpClient, leg: Leg<'_>) -> Result<Response<Incoming>, GatewayError> {
+    let uri = format!("{}{}", leg.endpoint.base_url, leg.path);
+    let mut builder = Request::builder().method(leg.method).uri(uri);
+    if let Some(h) = builder.headers_mut() {
+        h.extend(leg.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Ok(id) = HeaderValue::from_str(leg.request_id) {
+            h.insert(HeaderName::from_static("x-request-id"), id);
+        }
+        for (k, v) in leg.extra {
+            if let Ok(v) = HeaderValue::from_str(v) {
+                h.insert(HeaderName::from_static(k), v);
+            }
+        }
+    }
+    let request = builder
+        .body(Full::new(leg.body))
+        .map_err(|e| GatewayError::Internal(format!("building the {:?} request: {e}", leg.leg)))?;
+    client
+        .request(request)
+        .await
+        .map_err(|e| upstream(leg.leg, leg.endpoint, describe(&e), false))
+}
+
+/// A fully read (bounded) engine response.
+#[derive(Debug)]
+pub struct Collected {
+    /// Status.
+    pub status: StatusCode,
+    /// Content type, relayed with error bodies.
+    pub content_type: Option<HeaderValue>,
+    /// Body.
+    pub body: Bytes,
+}
+
+/// Reads a whole response body, at most [`MAX_PREFILL_RESPONSE_BYTES`].
+pub async fn collect(
+    leg: Source,
+    endpoint: &Endpoint,
+    response: Response<Incoming>,
+) -> Result<Collected, GatewayError> {
+    let (parts, body) = response.into_parts();
+    let body = Limited::new(body, MAX_PREFILL_RESPONSE_BYTES)
+        .collect()
+        .await
+        .map_err(|e| {
+            upstream(
+                leg,
+                endpoint,
+                format!("broke its response body: {e}"),
+                false,
+            )
+        })?
+        .to_bytes();
+    Ok(Collected {
+        status: parts.status,
+        content_type: parts.headers.get(header::CONTENT_TYPE).cloned(),
+        body,
+    })
+}
+
+/// Turns a non-2xx collected response into the error relayed to the client.
+pub fn status_error(leg: Source, collected: Collected) -> GatewayError {
+    GatewayError::UpstreamStatus {
+        leg,
+        status: collected.status,
+        body: collected.body,
+        content_type: collected.content_type,
+    }
+}
+
+/// A timeout error for `leg` on `endpoint`.
+pub fn timed_out(leg: Source, endpoint: &Endpoint, after: Duration) -> GatewayError {
+    upstream(
+        leg,
+        endpoint,
+        format!("did not answer within {after:?}"),
+        true,
+    )
+}

@@ -1,0 +1,369 @@
+//! The one configuration type: read from TOML, overridden by flags and environment, validated once.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use kvtransfer::{Pod, Registry};
+use serde::{Deserialize, Deserializer};
+
+use crate::policy;
+
+/// Default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+/// What to do when the prefill leg fails with a 5xx, a transport error or a timeout.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillFailurePolicy {
+    /// Send the original request to the decode engine alone (it recomputes the prompt) and mark the response.
+    #[default]
+    Fallback,
+    /// Fail the request.
+    Fail,
+}
+
+/// Where endpoints come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscoveryKind {
+    /// The `--prefill`/`--decode` flags and the config file's `[[prefill]]`/`[[decode]]` tables
+    /// (the file is watched and reloaded on change).
+    #[default]
+    Static,
+    /// Pods from the Kubernetes API server.
+    Kubernetes,
+}
+
+/// One statically configured engine.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointConfig {
+    /// Base URL, e.g. `http://10.0.0.5:8000`.
+    pub url: String,
+    /// A name for logs and headers; defaults to `host:port`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Model served (shortcut for the `model.aibrix.ai/name` label).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Labels, with AIBrix keys (`model.aibrix.ai/kv-connector-type`, `model.aibrix.ai/name`, ...).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Annotations (`model.aibrix.ai/sglang-bootstrap-port`, ...).
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+    /// Mooncake bootstrap port of a prefill engine (default 8998).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+}
+
+/// The whole gateway configuration.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address to serve the OpenAI API on.
+    pub listen: SocketAddr,
+    /// Global default KV connector for endpoints without a connector label.
+    pub kv_connector: String,
+    /// Models served by endpoints that declare none.
+    pub models: Vec<String>,
+    /// Prefill engines.
+    pub prefill: Vec<EndpointConfig>,
+    /// Decode engines.
+    pub decode: Vec<EndpointConfig>,
+    /// Prefill selection policy.
+    pub prefill_policy: String,
+    /// Decode selection policy.
+    pub decode_policy: String,
+    /// Bound on the whole prefill leg.
+    #[serde(deserialize_with = "de_duration")]
+    pub prefill_timeout: Duration,
+    /// Bound on waiting for the decode engine's response head.
+    #[serde(deserialize_with = "de_duration")]
+    pub decode_timeout: Duration,
+    /// Bound on the silence between two chunks of a relayed body.
+    #[serde(deserialize_with = "de_duration")]
+    pub stream_idle_timeout: Duration,
+    /// Bound on establishing a TCP connection to an engine.
+    #[serde(deserialize_with = "de_duration")]
+    pub connect_timeout: Duration,
+    /// What to do when the prefill leg fails.
+    pub on_prefill_failure: PrefillFailurePolicy,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// Where endpoints come from.
+    pub discovery: DiscoveryKind,
+    /// How often Mooncake bootstrap information is refreshed.
+    #[serde(deserialize_with = "de_duration")]
+    pub bootstrap_refresh: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            kv_connector: kvtransfer::CONNECTOR_TYPE_SHFS.to_string(),
+            models: Vec::new(),
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            prefill_policy: "round_robin".into(),
+            decode_policy: "least_request".into(),
+            prefill_timeout: Duration::from_secs(30),
+            decode_timeout: Duration::from_secs(300),
+            stream_idle_timeout: Duration::from_secs(120),
+            connect_timeout: Duration::from_secs(5),
+            on_prefill_failure: PrefillFailurePolicy::Fallback,
+            max_body_bytes: 32 * 1024 * 1024,
+            discovery: DiscoveryKind::Static,
+            bootstrap_refresh: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A configuration problem, naming the field at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema (the message names the key and line).
+    #[error("invalid config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// toml's message, naming the key.
+        message: String,
+    },
+    /// A field has an invalid value.
+    #[error("invalid `{field}`: {message}")]
+    Field {
+        /// Dotted path of the field, e.g. `prefill[1].url`.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn field_error(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Field {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// Parses durations such as `30s`, `250ms`, `2m` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if let Ok(secs) = text.parse::<f64>() {
+        if secs.is_finite() && secs >= 0.0 {
+            return Ok(Duration::from_secs_f64(secs));
+        }
+        return Err(format!("{text:?} is not a valid duration"));
+    }
+    humantime::parse_duration(text).map_err(|e| format!("{text:?} is not a valid duration: {e}"))
+}
+
+fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Secs(f64),
+        Text(String),
+    }
+    match Raw::deserialize(d)? {
+        Raw::Secs(s) if s.is_finite() && s >= 0.0 => Ok(Duration::from_secs_f64(s)),
+        Raw::Secs(s) => Err(serde::de::Error::custom(format!(
+            "{s} is not a valid duration"
+        ))),
+        Raw::Text(t) => parse_duration(&t).map_err(serde::de::Error::custom),
+    }
+}
+
+impl Config {
+    /// Reads and parses a TOML file (without validating it; see [`Config::validate`]).
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::from_toml(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses TOML text.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: "<inline>".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Checks every field once, at start-up (and on each reload), naming the field at fault.
+    pub fn validate(&self, registry: &Registry) -> Result<(), ConfigError> {
+        registry
+            .validate_default(&self.kv_connector)
+            .map_err(|e| field_error("kv_connector", e.to_string()))?;
+        for (field, name) in [
+            ("prefill_policy", &self.prefill_policy),
+            ("decode_policy", &self.decode_policy),
+        ] {
+            if policy::by_name(name).is_none() {
+                return Err(field_error(
+                    field,
+                    format!(
+                        "unknown policy {name:?} (valid: {})",
+                        policy::NAMES.join(", ")
+                    ),
+                ));
+            }
+        }
+        for (field, d) in [
+            ("prefill_timeout", self.prefill_timeout),
+            ("decode_timeout", self.decode_timeout),
+            ("stream_idle_timeout", self.stream_idle_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(field_error(field, "must be greater than zero"));
+            }
+        }
+        if self.max_body_bytes == 0 {
+            return Err(field_error("max_body_bytes", "must be greater than zero"));
+        }
+        self.pods()?;
+        Ok(())
+    }
+
+    /// The statically configured endpoints as pods, with roles, models and connectors as labels.
+    pub fn pods(&self) -> Result<Vec<Pod>, ConfigError> {
+        let mut pods = Vec::with_capacity(self.prefill.len() + self.decode.len());
+        for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            for (i, ep) in list.iter().enumerate() {
+                pods.push(endpoint_pod(role, i, ep)?);
+            }
+        }
+        Ok(pods)
+    }
+}
+
+/// Turns one configured endpoint into a pod the routing core understands.
+fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, ConfigError> {
+    let field = format!("{role}[{index}].url");
+    let uri: http::Uri = ep
+        .url
+        .parse()
+        .map_err(|e| field_error(&field, format!("{:?} is not a URL: {e}", ep.url)))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(field_error(
+            &field,
+            format!("{:?} must start with http://", ep.url),
+        ));
+    }
+    let host = uri
+        .host()
+        .ok_or_else(|| field_error(&field, format!("{:?} has no host", ep.url)))?;
+    if uri.path() != "/" && !uri.path().is_empty() {
+        return Err(field_error(
+            &field,
+            format!("{:?} must be a base URL without a path", ep.url),
+        ));
+    }
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port = uri.port_u16().unwrap_or(80);
+    let name = ep.name.clone().unwrap_or_else(|| {
+        if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        }
+    });
+    let mut pod = Pod::new(name, host, port);
+    pod.ready = true;
+    pod.labels = ep.labels.clone();
+    pod.annotations = ep.annotations.clone();
+    pod.labels
+        .insert(kvtransfer::labels::ROLE_NAME.to_string(), role.to_string());
+    if let Some(model) = &ep.model {
+        pod.labels
+            .insert(kvtransfer::labels::MODEL_NAME.to_string(), model.clone());
+    }
+    if let Some(port) = ep.bootstrap_port {
+        pod.annotations.insert(
+            crate::endpoints::MOONCAKE_BOOTSTRAP_PORT_ANNOTATION.to_string(),
+            port.to_string(),
+        );
+    }
+    Ok(pod)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_full_file_and_names_bad_fields() {
+        let cfg = Config::from_toml(
+            r#"
+            listen = "127.0.0.1:9000"
+            kv_connector = "mooncake"
+            prefill_timeout = "2s"
+            decode_timeout = 10
+            [[prefill]]
+            url = "http://10.0.0.1:8000"
+            bootstrap_port = 9998
+            labels = { "model.aibrix.ai/kv-connector-type" = "mooncake", "model.aibrix.ai/name" = "llama" }
+            [[decode]]
+            url = "http://[fd00::2]:8001"
+            model = "llama"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(cfg.prefill_timeout, Duration::from_secs(2));
+        assert_eq!(cfg.decode_timeout, Duration::from_secs(10));
+        let reg = Registry::with_builtins();
+        cfg.validate(&reg).unwrap();
+        let pods = cfg.pods().unwrap();
+        assert_eq!(pods[1].ip.as_deref(), Some("fd00::2"));
+        assert_eq!(pods[1].name, "[fd00::2]:8001");
+        assert_eq!(pods[1].label("model.aibrix.ai/name"), Some("llama"));
+        assert_eq!(pods[0].label("role-name"), Some("prefill"));
+
+        let err = Config::from_toml("prefil = []").unwrap_err().to_string();
+        assert!(err.contains("prefil"), "{err}");
+        let mut bad = cfg.clone();
+        bad.kv_connector = "nope".into();
+        let err = bad.validate(&reg).unwrap_err().to_string();
+        assert!(
+            err.contains("kv_connector") && err.contains("shfs"),
+            "{err}"
+        );
+        let mut bad = cfg.clone();
+        bad.decode[0].url = "10.0.0.3:8000".into();
+        let err = bad.validate(&reg).unwrap_err().to_string();
+        assert!(err.contains("decode[0].url"), "{err}");
+        let err = Config::from_toml("prefill_timeout = \"soon\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("prefill_timeout"), "{err}");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
+        assert!(parse_duration("-1").is_err());
+        assert!(parse_duration("later").is_err());
+    }
+}

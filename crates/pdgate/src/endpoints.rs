@@ -1,0 +1,379 @@
+//! Endpoints and the routable snapshot.
+//!
+//! Discovery produces pods; [`build_snapshot`] (pure) turns them into the routable set, which the
+//! [`EndpointStore`] publishes atomically. In-flight counters live beside the snapshot, keyed by
+//! endpoint, so they survive snapshot swaps and policies read them without locks.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+use kvtransfer::{KvTransferAgent, Pod, Registry};
+
+/// Annotation (pdgate's own) carrying a prefill pod's Mooncake bootstrap port.
+pub const MOONCAKE_BOOTSTRAP_PORT_ANNOTATION: &str = "model.aibrix.ai/mooncake-bootstrap-port";
+
+/// The role an engine plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Computes the prompt's KV cache.
+    Prefill,
+    /// Streams the tokens.
+    Decode,
+}
+
+impl Role {
+    /// Label value and metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// Live load of one endpoint, shared across snapshots.
+#[derive(Debug, Default)]
+pub struct Load {
+    in_flight: AtomicUsize,
+    total: AtomicU64,
+}
+
+impl Load {
+    /// Requests currently held by this endpoint.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Requests ever sent to this endpoint.
+    pub fn total(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+}
+
+/// Holds one unit of an endpoint's in-flight count until dropped.
+#[derive(Debug)]
+pub struct LoadGuard(Arc<Load>);
+
+impl LoadGuard {
+    /// Counts one more request on `load`.
+    pub fn acquire(load: &Arc<Load>) -> LoadGuard {
+        load.in_flight.fetch_add(1, Ordering::Relaxed);
+        load.total.fetch_add(1, Ordering::Relaxed);
+        LoadGuard(load.clone())
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One routable engine.
+#[derive(Debug)]
+pub struct Endpoint {
+    /// `host:port`, used in headers, logs and metrics.
+    pub name: String,
+    /// `http://host:port`.
+    pub base_url: String,
+    /// The pod, as discovery (and bootstrap lookups) described it.
+    pub pod: Pod,
+    /// Prefill or decode.
+    pub role: Role,
+    /// Models served; empty means any.
+    pub models: Vec<String>,
+    /// The connector: for a prefill, resolved from its label and the global default; for a
+    /// decode, the label it declares, if any (then it only pairs with that connector).
+    pub connector: Option<String>,
+    /// The agent for a prefill endpoint.
+    pub agent: Option<Arc<dyn KvTransferAgent>>,
+    /// Live load.
+    pub load: Arc<Load>,
+}
+
+impl Endpoint {
+    /// Whether this endpoint serves `model` (`None`: the client named none).
+    pub fn serves(&self, model: Option<&str>) -> bool {
+        match model {
+            None => true,
+            Some(m) => self.models.is_empty() || self.models.iter().any(|x| x == m),
+        }
+    }
+
+    /// Whether this decode endpoint accepts KV from a prefill using `connector`.
+    pub fn accepts_connector(&self, connector: &str) -> bool {
+        self.connector.as_deref().is_none_or(|c| c == connector)
+    }
+}
+
+/// The routable set at one instant. Immutable; replaced whole.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    /// Prefill endpoints.
+    pub prefill: Vec<Arc<Endpoint>>,
+    /// Decode endpoints.
+    pub decode: Vec<Arc<Endpoint>>,
+    /// Union of served model names (sorted).
+    pub models: Vec<String>,
+    /// Pods left out, with the reason (for logs and `/ready` diagnostics).
+    pub excluded: Vec<(String, String)>,
+}
+
+impl Snapshot {
+    /// Whether at least one prefill/decode pair can serve some request.
+    pub fn has_routable_pair(&self) -> bool {
+        self.prefill.iter().any(|p| {
+            let connector = p.connector.as_deref().unwrap_or_default();
+            self.decode.iter().any(|d| {
+                d.accepts_connector(connector)
+                    && (p.models.is_empty()
+                        || d.models.is_empty()
+                        || p.models.iter().any(|m| d.models.contains(m)))
+            })
+        })
+    }
+}
+
+/// Load counters keyed by endpoint name, kept across snapshots.
+#[derive(Debug, Default)]
+pub struct LoadTable(Mutex<HashMap<String, Arc<Load>>>);
+
+impl LoadTable {
+    fn get(&self, name: &str) -> Arc<Load> {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(name.to_string()).or_default().clone()
+    }
+
+    fn retain(&self, keep: &BTreeSet<String>) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        // Keep counters still referenced by in-flight requests: they drain to zero on their own.
+        map.retain(|k, v| keep.contains(k) || Arc::strong_count(v) > 1);
+    }
+}
+
+/// Inputs of [`build_snapshot`] besides the pods.
+#[derive(Debug)]
+pub struct SnapshotInputs<'a> {
+    /// Agent registry.
+    pub registry: &'a Registry,
+    /// Global default connector (already validated).
+    pub default_connector: &'a str,
+    /// Models for endpoints that declare none.
+    pub default_models: &'a [String],
+    /// Endpoint names currently ejected by health checking.
+    pub unhealthy: &'a BTreeSet<String>,
+}
+
+fn models_of(pod: &Pod, default_models: &[String]) -> Vec<String> {
+    match pod.label(kvtransfer::labels::MODEL_NAME) {
+        Some(v) if !v.trim().is_empty() => v
+            .split(',')
+            .map(|m| m.trim().to_string())
+            .filter(|m| !m.is_empty())
+            .collect(),
+        _ => default_models.to_vec(),
+    }
+}
+
+/// Pure: pods in, routable snapshot out.
+pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTable) -> Snapshot {
+    let mut snap = Snapshot::default();
+    let mut models = BTreeSet::new();
+    let mut names = BTreeSet::new();
+    for pod in pods {
+        let role = match pod.label(kvtransfer::labels::ROLE_NAME) {
+            Some("prefill") => Role::Prefill,
+            Some("decode") => Role::Decode,
+            _ => {
+                snap.excluded.push((
+                    pod.name.clone(),
+                    "role is neither prefill nor decode".into(),
+                ));
+                continue;
+            }
+        };
+        let Some(base_url) = pod.base_url() else {
+            snap.excluded.push((pod.name.clone(), "no IP".into()));
+            continue;
+        };
+        if !pod.ready {
+            snap.excluded.push((pod.name.clone(), "not ready".into()));
+            continue;
+        }
+        if inputs.unhealthy.contains(&pod.name) {
+            snap.excluded.push((pod.name.clone(), "unhealthy".into()));
+            continue;
+        }
+        if !names.insert(pod.name.clone()) {
+            snap.excluded
+                .push((pod.name.clone(), "duplicate endpoint".into()));
+            continue;
+        }
+        let label = pod
+            .label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER)
+            .unwrap_or_default();
+        let (connector, agent) = match role {
+            Role::Prefill => {
+                let connector = inputs
+                    .registry
+                    .resolve_connector_type(label, inputs.default_connector);
+                match inputs.registry.resolve(&connector) {
+                    Ok(agent) => (Some(connector), Some(agent)),
+                    Err(e) => {
+                        snap.excluded.push((pod.name.clone(), e.to_string()));
+                        continue;
+                    }
+                }
+            }
+            Role::Decode => {
+                let declared = label.trim();
+                let connector = (!declared.is_empty()).then(|| {
+                    inputs
+                        .registry
+                        .resolve_connector_type(declared, inputs.default_connector)
+                });
+                (connector, None)
+            }
+        };
+        if role == Role::Prefill
+            && connector.as_deref() == Some(kvtransfer::CONNECTOR_TYPE_MOONCAKE)
+            && pod.mooncake_bootstrap.is_none()
+        {
+            snap.excluded.push((
+                pod.name.clone(),
+                "mooncake prefill without bootstrap information yet".into(),
+            ));
+            continue;
+        }
+        let endpoint_models = models_of(pod, inputs.default_models);
+        models.extend(endpoint_models.iter().cloned());
+        let endpoint = Arc::new(Endpoint {
+            name: pod.name.clone(),
+            base_url,
+            pod: pod.clone(),
+            role,
+            models: endpoint_models,
+            connector,
+            agent,
+            load: loads.get(&pod.name),
+        });
+        match role {
+            Role::Prefill => snap.prefill.push(endpoint),
+            Role::Decode => snap.decode.push(endpoint),
+        }
+    }
+    loads.retain(&names);
+    snap.models = models.into_iter().collect();
+    snap
+}
+
+/// The published snapshot plus the load table behind it.
+#[derive(Debug, Default)]
+pub struct EndpointStore {
+    current: ArcSwap<Snapshot>,
+    loads: LoadTable,
+}
+
+impl EndpointStore {
+    /// The current snapshot (lock-free).
+    pub fn load(&self) -> Arc<Snapshot> {
+        self.current.load_full()
+    }
+
+    /// Rebuilds from `pods` and publishes; returns the new snapshot.
+    pub fn publish(&self, pods: &[Pod], inputs: &SnapshotInputs<'_>) -> Arc<Snapshot> {
+        let snap = Arc::new(build_snapshot(pods, inputs, &self.loads));
+        self.current.store(snap.clone());
+        snap
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtransfer::{MooncakeBootstrap, MooncakeRank};
+
+    fn pod(name: &str, role: &str) -> Pod {
+        let mut p = Pod::new(name, "10.0.0.1", 8000).with_label("role-name", role);
+        p.name = name.to_string();
+        p.ready = true;
+        p
+    }
+
+    fn build(pods: &[Pod], loads: &LoadTable) -> Snapshot {
+        let reg = Registry::with_builtins();
+        let unhealthy = BTreeSet::from(["sick".to_string()]);
+        let inputs = SnapshotInputs {
+            registry: &reg,
+            default_connector: "shfs",
+            default_models: &["m".to_string()],
+            unhealthy: &unhealthy,
+        };
+        build_snapshot(pods, &inputs, loads)
+    }
+
+    #[test]
+    fn filters_and_resolves() {
+        let mut not_ready = pod("nr", "prefill");
+        not_ready.ready = false;
+        let mut no_ip = pod("noip", "decode");
+        no_ip.ip = None;
+        let mooncake_without_bootstrap =
+            pod("mc", "prefill").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "Mooncake ");
+        let mut mooncake = pod("mc2", "prefill")
+            .with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "mooncake")
+            .with_label("model.aibrix.ai/name", "a, b");
+        mooncake.mooncake_bootstrap = Some(MooncakeBootstrap {
+            port: 8998,
+            ranks: [(
+                0,
+                MooncakeRank {
+                    engine_id: "e".into(),
+                    worker_addr: Default::default(),
+                },
+            )]
+            .into(),
+        });
+        let pods = vec![
+            pod("p1", "prefill"),
+            not_ready,
+            no_ip,
+            mooncake_without_bootstrap,
+            mooncake,
+            pod("sick", "decode"),
+            pod("d1", "decode").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "NIXL"),
+            pod("both", "worker"),
+            pod("p1", "prefill"),
+        ];
+        let loads = LoadTable::default();
+        let snap = build(&pods, &loads);
+        let names: Vec<_> = snap.prefill.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["p1", "mc2"]);
+        assert_eq!(snap.prefill[0].connector.as_deref(), Some("shfs"));
+        assert_eq!(snap.prefill[1].connector.as_deref(), Some("mooncake"));
+        assert_eq!(snap.prefill[1].models, ["a", "b"]);
+        assert_eq!(snap.decode.len(), 1);
+        assert_eq!(snap.decode[0].connector.as_deref(), Some("nixl"));
+        assert_eq!(snap.models, ["a", "b", "m"]);
+        assert_eq!(snap.excluded.len(), 6);
+        // shfs/mooncake prefills cannot pair with a nixl-only decode.
+        assert!(!snap.has_routable_pair());
+    }
+
+    #[test]
+    fn loads_survive_rebuilds_and_drain() {
+        let loads = LoadTable::default();
+        let snap = build(&[pod("p", "prefill"), pod("d", "decode")], &loads);
+        assert!(snap.has_routable_pair());
+        let guard = LoadGuard::acquire(&snap.decode[0].load);
+        let again = build(&[pod("p", "prefill"), pod("d", "decode")], &loads);
+        assert_eq!(again.decode[0].load.in_flight(), 1);
+        // The endpoint leaves; its counter stays reachable while a request holds it.
+        let gone = build(&[pod("p", "prefill")], &loads);
+        assert!(gone.decode.is_empty());
+        drop(guard);
+        assert_eq!(again.decode[0].load.in_flight(), 0);
+    }
+}

@@ -1,0 +1,280 @@
+//! The gateway's one error type, rendered once at the edge as an OpenAI-shaped JSON error.
+
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode, header};
+
+/// Where a failure came from. Decides the status class and whether a retry is safe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The client sent something we refuse.
+    Client,
+    /// The prefill leg failed.
+    Prefill,
+    /// The decode leg failed.
+    Decode,
+    /// No endpoint could serve the request.
+    Routing,
+    /// The gateway itself.
+    Internal,
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Source {
+    /// A bounded label for metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Client => "client",
+            Source::Prefill => "prefill",
+            Source::Decode => "decode",
+            Source::Routing => "routing",
+            Source::Internal => "internal",
+        }
+    }
+}
+
+/// Everything that can fail on the request path.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The request body or headers are invalid.
+    #[error("{message}")]
+    BadRequest {
+        /// Human-readable reason.
+        message: String,
+        /// The offending parameter, when one is to blame.
+        param: Option<&'static str>,
+    },
+    /// The request body exceeds the configured limit.
+    #[error("request body is larger than the limit of {limit} bytes")]
+    PayloadTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// No such route.
+    #[error("no route for {path}")]
+    NotFound {
+        /// The path asked for.
+        path: String,
+    },
+    /// No endpoint serves the requested model at all.
+    #[error("The model `{model}` does not exist.")]
+    ModelNotFound {
+        /// The requested model.
+        model: String,
+    },
+    /// No routable endpoint for the request.
+    #[error("no routable {what} endpoint for model {model:?}")]
+    NoEndpoint {
+        /// `prefill`, `decode` or `prefill/decode pair`.
+        what: &'static str,
+        /// The requested model.
+        model: String,
+    },
+    /// The gateway is shedding load.
+    #[error("the gateway is overloaded; retry later")]
+    Overloaded {
+        /// Seconds the client should wait.
+        retry_after_secs: u64,
+    },
+    /// An engine could not be reached or did not answer in time.
+    #[error("{leg} engine {endpoint} {reason}")]
+    Upstream {
+        /// Which leg failed.
+        leg: Source,
+        /// The endpoint address.
+        endpoint: String,
+        /// What went wrong.
+        reason: String,
+        /// Whether the status should be a gateway timeout.
+        timeout: bool,
+    },
+    /// An engine answered with an error status; relayed as it came.
+    #[error("{leg} engine answered {status}")]
+    UpstreamStatus {
+        /// Which leg answered.
+        leg: Source,
+        /// The engine's status.
+        status: StatusCode,
+        /// The engine's body, relayed unchanged.
+        body: Bytes,
+        /// The engine's content type.
+        content_type: Option<HeaderValue>,
+    },
+    /// The KV-transfer agent refused the request or the prefill answer.
+    #[error("KV transfer: {0}")]
+    Agent(#[from] kvtransfer::AgentError),
+    /// A bug or an impossible state.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl GatewayError {
+    /// A 400 with a message and optional parameter name.
+    pub fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        GatewayError::BadRequest {
+            message: message.into(),
+            param,
+        }
+    }
+
+    /// Where the failure came from.
+    pub fn source_of(&self) -> Source {
+        match self {
+            GatewayError::BadRequest { .. }
+            | GatewayError::PayloadTooLarge { .. }
+            | GatewayError::ModelNotFound { .. }
+            | GatewayError::NotFound { .. } => Source::Client,
+            GatewayError::NoEndpoint { .. } | GatewayError::Overloaded { .. } => Source::Routing,
+            GatewayError::Upstream { leg, .. } | GatewayError::UpstreamStatus { leg, .. } => *leg,
+            GatewayError::Agent(_) => Source::Prefill,
+            GatewayError::Internal(_) => Source::Internal,
+        }
+    }
+
+    /// Whether the failed work may be retried on another endpoint (nothing reached the client).
+    pub fn retryable(&self) -> bool {
+        match self {
+            GatewayError::Upstream { .. } => true,
+            GatewayError::UpstreamStatus { status, .. } => status.is_server_error(),
+            _ => false,
+        }
+    }
+
+    /// The HTTP status this error is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            GatewayError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::ModelNotFound { .. } | GatewayError::NotFound { .. } => {
+                StatusCode::NOT_FOUND
+            }
+            GatewayError::NoEndpoint { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::Upstream { timeout: true, .. } => StatusCode::GATEWAY_TIMEOUT,
+            GatewayError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            GatewayError::UpstreamStatus { status, .. } => *status,
+            GatewayError::Agent(_) => StatusCode::BAD_GATEWAY,
+            GatewayError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn error_type(&self) -> &'static str {
+        match self {
+            GatewayError::BadRequest { .. } | GatewayError::PayloadTooLarge { .. } => {
+                "invalid_request_error"
+            }
+            GatewayError::ModelNotFound { .. } | GatewayError::NotFound { .. } => "NotFoundError",
+            GatewayError::NoEndpoint { .. } | GatewayError::Overloaded { .. } => "overloaded_error",
+            GatewayError::Upstream { .. }
+            | GatewayError::UpstreamStatus { .. }
+            | GatewayError::Agent(_) => "upstream_error",
+            GatewayError::Internal(_) => "internal_error",
+        }
+    }
+
+    /// The OpenAI-shaped JSON body `{"error":{message,type,param,code}}`.
+    pub fn to_json(&self) -> Bytes {
+        let param = match self {
+            GatewayError::BadRequest { param, .. } => *param,
+            _ => None,
+        };
+        let body = serde_json::json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.error_type(),
+                "param": param,
+                "code": self.status().as_u16(),
+            }
+        });
+        Bytes::from(body.to_string())
+    }
+
+    /// One SSE event carrying this error, for failures after a stream has started.
+    pub fn to_sse_event(&self) -> Bytes {
+        let mut out = Vec::with_capacity(128);
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(&self.to_json());
+        out.extend_from_slice(b"\n\n");
+        Bytes::from(out)
+    }
+}
+
+impl IntoResponse for GatewayError {
+    fn into_response(self) -> Response {
+        if let GatewayError::UpstreamStatus {
+            status,
+            body,
+            content_type,
+            ..
+        } = self
+        {
+            let mut response = (status, body).into_response();
+            if let Some(ct) = content_type {
+                response.headers_mut().insert(header::CONTENT_TYPE, ct);
+            }
+            return response;
+        }
+        let status = self.status();
+        let mut response = (status, self.to_json()).into_response();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let GatewayError::Overloaded { retry_after_secs } = self {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_openai_shape_with_matching_code() {
+        let err = GatewayError::bad_request("`n` must be 1 for connector shfs", Some("n"));
+        let v: serde_json::Value = serde_json::from_slice(&err.to_json()).unwrap();
+        assert_eq!(v["error"]["code"], 400);
+        assert_eq!(v["error"]["param"], "n");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn timeouts_are_504_and_retryable() {
+        let err = GatewayError::Upstream {
+            leg: Source::Prefill,
+            endpoint: "10.0.0.1:8000".into(),
+            reason: "timed out".into(),
+            timeout: true,
+        };
+        assert_eq!(err.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert!(err.retryable());
+        assert!(
+            !GatewayError::UpstreamStatus {
+                leg: Source::Prefill,
+                status: StatusCode::BAD_REQUEST,
+                body: Bytes::new(),
+                content_type: None
+            }
+            .retryable()
+        );
+    }
+
+    #[test]
+    fn sse_event_is_one_data_line() {
+        let ev = GatewayError::Internal("x".into()).to_sse_event();
+        let s = std::str::from_utf8(&ev).unwrap();
+        assert!(s.starts_with("data: {"));
+        assert!(s.ends_with("}\n\n"));
+        assert_eq!(s.matches('\n').count(), 2);
+    }
+}

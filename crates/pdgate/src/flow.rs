@@ -1,0 +1,661 @@
+//! The path of one PD request: parse once, pick a pair, run the two legs the way the connector
+//! wants them (sequential or concurrent), relay the decode body.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::OptionFuture;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Response};
+use hyper::body::Incoming;
+use kvtransfer::{Dispatch, JsonBody, KvTransferAgent, MergeOutcome, RoutingContext};
+use tokio::time::timeout;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{Instrument, debug, info_span, warn};
+
+use crate::client::{self, Collected, Leg};
+use crate::config::PrefillFailurePolicy;
+use crate::endpoints::{Endpoint, LoadGuard, Snapshot};
+use crate::error::{GatewayError, Source};
+use crate::gateway::Gateway;
+use crate::metrics::RequestRecord;
+use crate::relay::{PartnerResult, RelayBody};
+
+/// Response header naming the prefill endpoint (AIBrix spelling).
+pub const PREFILL_TARGET_HEADER: &str = "prefill-target-pod";
+/// Response header naming the decode endpoint (AIBrix spelling).
+pub const DECODE_TARGET_HEADER: &str = "target-pod";
+/// Response header naming the connector used.
+pub const CONNECTOR_HEADER: &str = "x-pdgate-connector";
+/// Response header present when the decode served the request alone after a prefill failure.
+pub const FALLBACK_HEADER: &str = "x-pdgate-fallback";
+
+/// The OpenAI routes that go through the PD flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// `POST /v1/completions`
+    Completions,
+    /// `POST /v1/chat/completions`
+    Chat,
+}
+
+impl Route {
+    /// The request path, used for both legs.
+    pub fn path(self) -> &'static str {
+        match self {
+            Route::Completions => "/v1/completions",
+            Route::Chat => "/v1/chat/completions",
+        }
+    }
+
+    /// Metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Route::Completions => "completions",
+            Route::Chat => "chat",
+        }
+    }
+}
+
+/// What routing needs to know about a request, read once from the parsed body.
+#[derive(Debug)]
+struct RequestView {
+    model: Option<String>,
+    stream: bool,
+    /// The parameter that makes this a batch (`n` or `prompt`), if any.
+    batched: Option<&'static str>,
+}
+
+fn field<'a, T: serde::Deserialize<'a>>(
+    body: &'a JsonBody,
+    key: &'static str,
+    what: &str,
+) -> Result<Option<T>, GatewayError> {
+    match body.get::<Option<T>>(key) {
+        None => Ok(None),
+        Some(Ok(v)) => Ok(v),
+        Some(Err(_)) => Err(GatewayError::bad_request(
+            format!("`{key}` must be {what}"),
+            Some(key),
+        )),
+    }
+}
+
+impl RequestView {
+    fn read(body: &JsonBody, route: Route) -> Result<Self, GatewayError> {
+        let model: Option<String> = field(body, "model", "a string")?;
+        let stream = field::<bool>(body, "stream", "a boolean")?.unwrap_or(false);
+        let n = field::<u64>(body, "n", "a positive integer")?.unwrap_or(1);
+        let mut batched = (n > 1).then_some("n");
+        if route == Route::Completions
+            && let Some(raw) = body.get_raw("prompt")
+            && raw.trim_start().starts_with('[')
+        {
+            let items: Vec<&serde_json::value::RawValue> = serde_json::from_str(raw)
+                .map_err(|_| GatewayError::bad_request("`prompt` is not valid", Some("prompt")))?;
+            let nested = items
+                .first()
+                .is_some_and(|i| i.get().starts_with('"') || i.get().starts_with('['));
+            if nested && items.len() > 1 {
+                batched = Some("prompt");
+            }
+        }
+        Ok(RequestView {
+            model,
+            stream,
+            batched,
+        })
+    }
+}
+
+/// The request id used on both legs: the client's `X-Request-Id` when it is sane, else fresh.
+pub fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= 128
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+        })
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+/// Headers describing how the request was served.
+#[derive(Clone, Debug)]
+struct Meta {
+    request_id: String,
+    prefill: String,
+    decode: String,
+    connector: &'static str,
+    fallback: bool,
+}
+
+impl Meta {
+    fn apply(&self, headers: &mut HeaderMap) {
+        let pairs = [
+            ("x-request-id", self.request_id.as_str()),
+            (PREFILL_TARGET_HEADER, self.prefill.as_str()),
+            (DECODE_TARGET_HEADER, self.decode.as_str()),
+            (CONNECTOR_HEADER, self.connector),
+        ];
+        for (k, v) in pairs {
+            if let Ok(v) = HeaderValue::from_str(v) {
+                headers.insert(HeaderName::from_static(k), v);
+            }
+        }
+        if self.fallback {
+            headers.insert(
+                HeaderName::from_static(FALLBACK_HEADER),
+                HeaderValue::from_static("prefill-failed"),
+            );
+        }
+    }
+}
+
+/// Everything one PD request carries between its steps.
+struct Pd {
+    route: Route,
+    forwarded: HeaderMap,
+    ctx: RoutingContext,
+    clean: JsonBody,
+    prefill: Arc<Endpoint>,
+    decode: Arc<Endpoint>,
+    agent: Arc<dyn KvTransferAgent>,
+    meta: Meta,
+    record: RequestRecord,
+}
+
+/// The prefill leg, owned, so it can run on its own task beside the decode leg.
+struct PrefillJob {
+    endpoint: Arc<Endpoint>,
+    path: &'static str,
+    request_id: String,
+    forwarded: HeaderMap,
+    body: Bytes,
+    extra: Vec<(&'static str, String)>,
+}
+
+impl Pd {
+    fn prefill_job(&self, request: kvtransfer::PrefillRequest) -> PrefillJob {
+        PrefillJob {
+            endpoint: self.prefill.clone(),
+            path: self.route.path(),
+            request_id: self.meta.request_id.clone(),
+            forwarded: self.forwarded.clone(),
+            body: request.body,
+            extra: request.headers,
+        }
+    }
+}
+
+fn body_error(e: kvtransfer::BodyError) -> GatewayError {
+    GatewayError::bad_request(format!("invalid request body: {e}"), None)
+}
+
+/// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector.
+pub fn select_pair(
+    gw: &Gateway,
+    snap: &Snapshot,
+    model: Option<&str>,
+) -> Result<(Arc<Endpoint>, Arc<Endpoint>), GatewayError> {
+    let model_name = || model.unwrap_or_default().to_string();
+    let compatible = |p: &Endpoint, d: &Endpoint| {
+        d.serves(model) && d.accepts_connector(p.connector.as_deref().unwrap_or_default())
+    };
+    let prefills: Vec<Arc<Endpoint>> = snap
+        .prefill
+        .iter()
+        .filter(|p| p.serves(model) && snap.decode.iter().any(|d| compatible(p, d)))
+        .cloned()
+        .collect();
+    let Some(i) = gw.prefill_policy.pick(&prefills) else {
+        let any_prefill = snap.prefill.iter().any(|p| p.serves(model));
+        let any_decode = snap.decode.iter().any(|d| d.serves(model));
+        if let Some(m) = model
+            && !any_prefill
+            && !any_decode
+            && !snap.models.is_empty()
+            && !snap.models.iter().any(|x| x == m)
+        {
+            return Err(GatewayError::ModelNotFound {
+                model: m.to_string(),
+            });
+        }
+        let what = match (any_prefill, any_decode) {
+            (false, _) => "prefill",
+            (true, false) => "decode",
+            (true, true) => "prefill/decode pair (connectors disagree)",
+        };
+        return Err(GatewayError::NoEndpoint {
+            what,
+            model: model_name(),
+        });
+    };
+    let prefill = prefills[i].clone();
+    let decodes: Vec<Arc<Endpoint>> = snap
+        .decode
+        .iter()
+        .filter(|d| compatible(&prefill, d))
+        .cloned()
+        .collect();
+    let j = gw
+        .decode_policy
+        .pick(&decodes)
+        .ok_or_else(|| GatewayError::NoEndpoint {
+            what: "decode",
+            model: model_name(),
+        })?;
+    Ok((prefill, decodes[j].clone()))
+}
+
+impl Gateway {
+    /// Serves one completions or chat request through the PD flow. Never fails: errors are
+    /// rendered here, once, as OpenAI-shaped responses.
+    pub async fn handle_pd(
+        self: &Arc<Self>,
+        route: Route,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Response<axum::body::Body> {
+        let request_id = request_id(headers);
+        let span = info_span!("request", id = %request_id, route = route.label());
+        let mut record = Some(RequestRecord::start(self.metrics.clone(), route.label()));
+        let result = self
+            .pd(route, headers, body, &request_id, &mut record)
+            .instrument(span)
+            .await;
+        match result {
+            Ok(response) => response,
+            Err(err) => {
+                if let Some(mut record) = record {
+                    record.finish_error(&err);
+                }
+                debug!(id = %request_id, error = %err, "request failed");
+                let mut response = axum::response::IntoResponse::into_response(err);
+                if let Ok(v) = HeaderValue::from_str(&request_id) {
+                    response.headers_mut().insert("x-request-id", v);
+                }
+                response
+            }
+        }
+    }
+
+    async fn pd(
+        self: &Arc<Self>,
+        route: Route,
+        headers: &HeaderMap,
+        body: Bytes,
+        request_id: &str,
+        record: &mut Option<RequestRecord>,
+    ) -> Result<Response<axum::body::Body>, GatewayError> {
+        let mut clean = JsonBody::parse(body).map_err(body_error)?;
+        let stripped = kvtransfer::strip_client_transfer_fields(&mut clean);
+        if !stripped.is_empty() {
+            debug!(?stripped, "removed client-supplied transfer fields");
+        }
+        let view = RequestView::read(&clean, route)?;
+        let snapshot = self.store.load();
+        let (prefill, decode) = select_pair(self, &snapshot, view.model.as_deref())?;
+        let agent = prefill
+            .agent
+            .clone()
+            .ok_or_else(|| GatewayError::Internal("prefill endpoint without an agent".into()))?;
+        let connector = agent.connector_type();
+        if let Some(param) = view.batched
+            && !agent.supports_batch()
+        {
+            return Err(GatewayError::bad_request(
+                format!(
+                    "connector {connector} serves one prompt with n=1 per request; send the prompts as separate requests"
+                ),
+                Some(param),
+            ));
+        }
+        let mut ctx = RoutingContext::from_parsed(request_id, clean.clone());
+        ctx.model = view.model.clone().unwrap_or_default();
+        ctx.path = route.path().to_string();
+        ctx.stream = view.stream;
+        let mut record = record
+            .take()
+            .ok_or_else(|| GatewayError::Internal("request measured twice".into()))?;
+        record.set_connector(connector);
+        let meta = Meta {
+            request_id: request_id.to_string(),
+            prefill: prefill.name.clone(),
+            decode: decode.name.clone(),
+            connector,
+            fallback: false,
+        };
+        let pd = Pd {
+            route,
+            forwarded: client::forwarded_headers(headers),
+            ctx,
+            clean,
+            prefill,
+            decode,
+            agent,
+            meta,
+            record,
+        };
+        match pd.agent.dispatch() {
+            Dispatch::Sequential => self.sequential(pd).await,
+            Dispatch::Concurrent => self.concurrent(pd).await,
+        }
+    }
+
+    /// Sends the prefill leg and reads its whole (bounded) answer within the prefill timeout.
+    async fn prefill_leg(&self, job: PrefillJob) -> Result<Collected, GatewayError> {
+        let _load = LoadGuard::acquire(&job.endpoint.load);
+        let leg = Leg {
+            leg: Source::Prefill,
+            endpoint: &job.endpoint,
+            path: job.path,
+            method: Method::POST,
+            body: job.body,
+            request_id: &job.request_id,
+            headers: &job.forwarded,
+            extra: &job.extra,
+        };
+        let work = async {
+            let head = client::send(&self.client, leg).await?;
+            client::collect(Source::Prefill, &job.endpoint, head).await
+        };
+        timeout(self.config.prefill_timeout, work)
+            .await
+            .unwrap_or_else(|_| {
+                Err(client::timed_out(
+                    Source::Prefill,
+                    &job.endpoint,
+                    self.config.prefill_timeout,
+                ))
+            })
+    }
+
+    async fn sequential(
+        self: &Arc<Self>,
+        mut pd: Pd,
+    ) -> Result<Response<axum::body::Body>, GatewayError> {
+        let prefill_request =
+            pd.agent
+                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+        let collected = self
+            .prefill_leg(pd.prefill_job(prefill_request))
+            .instrument(info_span!("prefill", endpoint = %pd.prefill.name))
+            .await;
+        pd.record.prefill_done();
+        let merged = match collected {
+            Ok(c) if c.status.is_success() => pd
+                .agent
+                .merge_prefill_response(&mut pd.ctx, &c.body, &pd.prefill.pod)
+                .map_err(GatewayError::from),
+            Ok(c) if c.status.is_client_error() => {
+                return Err(client::status_error(Source::Prefill, c));
+            }
+            Ok(c) => Err(client::status_error(Source::Prefill, c)),
+            Err(e) => Err(e),
+        };
+        let decode_body = match merged {
+            Ok(MergeOutcome::KvAttached) => pd.ctx.req_body.clone(),
+            Ok(MergeOutcome::Recompute) => {
+                warn!(
+                    prefill = %pd.prefill.name,
+                    "prefill answered without KV-transfer parameters; the decode recomputes the prompt"
+                );
+                self.metrics.count_recompute(pd.meta.connector);
+                pd.ctx.req_body.clone()
+            }
+            Err(err) => match self.config.on_prefill_failure {
+                PrefillFailurePolicy::Fail => return Err(err),
+                PrefillFailurePolicy::Fallback => {
+                    warn!(prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
+                    self.metrics.count_fallback(pd.meta.connector);
+                    pd.meta.fallback = true;
+                    pd.clean.to_bytes()
+                }
+            },
+        };
+        let decode_load = LoadGuard::acquire(&pd.decode.load);
+        let head = self
+            .decode_head(&pd, decode_body)
+            .instrument(info_span!("decode", endpoint = %pd.decode.name))
+            .await?;
+        Ok(self.relay(head, pd, decode_load, None))
+    }
+
+    async fn decode_head(&self, pd: &Pd, body: Bytes) -> Result<Response<Incoming>, GatewayError> {
+        let leg = Leg {
+            leg: Source::Decode,
+            endpoint: &pd.decode,
+            path: pd.route.path(),
+            method: Method::POST,
+            body,
+            request_id: &pd.meta.request_id,
+            headers: &pd.forwarded,
+            extra: &[],
+        };
+        timeout(self.config.decode_timeout, client::send(&self.client, leg))
+            .await
+            .unwrap_or_else(|_| {
+                Err(client::timed_out(
+                    Source::Decode,
+                    &pd.decode,
+                    self.config.decode_timeout,
+                ))
+            })
+    }
+
+    async fn concurrent(
+        self: &Arc<Self>,
+        mut pd: Pd,
+    ) -> Result<Response<axum::body::Body>, GatewayError> {
+        let prefill_request =
+            pd.agent
+                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+        pd.agent
+            .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
+        let prefill_task: AbortOnDropHandle<PartnerResult> = {
+            let gw = self.clone();
+            let job = pd.prefill_job(prefill_request);
+            let span = info_span!("prefill", endpoint = %pd.prefill.name);
+            AbortOnDropHandle::new(tokio::spawn(
+                async move {
+                    let c = gw.prefill_leg(job).await?;
+                    if c.status.is_success() {
+                        Ok(())
+                    } else {
+                        Err(client::status_error(Source::Prefill, c))
+                    }
+                }
+                .instrument(span),
+            ))
+        };
+        let decode_load = LoadGuard::acquire(&pd.decode.load);
+        let mut partner = Some(prefill_task);
+        enum Step {
+            Prefill(Result<PartnerResult, tokio::task::JoinError>),
+            Decode(Result<Response<Incoming>, GatewayError>),
+        }
+        let head = {
+            let decode = self
+                .decode_head(&pd, pd.ctx.req_body.clone())
+                .instrument(info_span!("decode", endpoint = %pd.decode.name));
+            tokio::pin!(decode);
+            loop {
+                let step = tokio::select! {
+                    biased;
+                    Some(done) = OptionFuture::from(partner.as_mut()) => Step::Prefill(done),
+                    head = &mut decode => Step::Decode(head),
+                };
+                match step {
+                    Step::Decode(head) => break head,
+                    Step::Prefill(done) => {
+                        partner = None;
+                        let outcome = done.unwrap_or_else(|join| {
+                            Err(GatewayError::Internal(format!(
+                                "prefill task ended: {join}"
+                            )))
+                        });
+                        if let Err(err) = outcome {
+                            // Dropping the decode future closes its connection; SGLang also wants an abort.
+                            self.abort_decode(&pd);
+                            return Err(err);
+                        }
+                    }
+                }
+            }
+        };
+        let head = match head {
+            Ok(head) => head,
+            Err(err) => {
+                self.abort_decode(&pd);
+                return Err(err);
+            }
+        };
+        if partner.is_none() {
+            pd.record.prefill_done();
+        }
+        Ok(self.relay(head, pd, decode_load, partner))
+    }
+
+    /// Tells an SGLang decode engine to drop a request whose prefill failed.
+    fn abort_decode(&self, pd: &Pd) {
+        if pd.meta.connector != kvtransfer::CONNECTOR_TYPE_SGLANG {
+            return;
+        }
+        let client = self.client.clone();
+        let endpoint = pd.decode.clone();
+        let body = Bytes::from(serde_json::json!({ "rid": pd.meta.request_id }).to_string());
+        let request_id = pd.meta.request_id.clone();
+        self.tasks.spawn(async move {
+            let leg = Leg {
+                leg: Source::Decode,
+                endpoint: &endpoint,
+                path: "/abort_request",
+                method: Method::POST,
+                body,
+                request_id: &request_id,
+                headers: &HeaderMap::new(),
+                extra: &[],
+            };
+            let _ = timeout(Duration::from_secs(2), client::send(&client, leg)).await;
+        });
+    }
+
+    fn relay(
+        &self,
+        head: Response<Incoming>,
+        pd: Pd,
+        decode_load: LoadGuard,
+        partner: Option<AbortOnDropHandle<PartnerResult>>,
+    ) -> Response<axum::body::Body> {
+        let (parts, body) = head.into_parts();
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let relay = RelayBody::new(
+            body,
+            self.config.stream_idle_timeout,
+            sse,
+            vec![decode_load],
+            pd.record,
+            pd.decode.name.clone(),
+        )
+        .with_partner(partner);
+        let mut response = Response::new(axum::body::Body::new(relay));
+        *response.status_mut() = parts.status;
+        let headers = response.headers_mut();
+        for (name, value) in parts.headers.iter() {
+            if !is_hop_header(name) {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+        pd.meta.apply(headers);
+        response
+    }
+}
+
+/// Headers that describe one connection, not the message.
+pub fn is_hop_header(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "upgrade"
+            | "te"
+            | "trailer"
+            | "content-length"
+            | "date"
+            | "server"
+            | "x-request-id"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(body: &str, route: Route) -> Result<RequestView, GatewayError> {
+        RequestView::read(
+            &JsonBody::parse(Bytes::from(body.to_string())).unwrap(),
+            route,
+        )
+    }
+
+    #[test]
+    fn reads_the_request_view() {
+        let v = view(
+            r#"{"model":"m","stream":true,"prompt":"hi"}"#,
+            Route::Completions,
+        )
+        .unwrap();
+        assert_eq!(v.model.as_deref(), Some("m"));
+        assert!(v.stream);
+        assert_eq!(v.batched, None);
+        assert_eq!(
+            view(r#"{"prompt":["a","b"]}"#, Route::Completions)
+                .unwrap()
+                .batched,
+            Some("prompt")
+        );
+        assert_eq!(
+            view(r#"{"prompt":[1,2,3]}"#, Route::Completions)
+                .unwrap()
+                .batched,
+            None
+        );
+        assert_eq!(
+            view(r#"{"prompt":[[1,2]]}"#, Route::Completions)
+                .unwrap()
+                .batched,
+            None
+        );
+        assert_eq!(
+            view(r#"{"n":2,"messages":[]}"#, Route::Chat)
+                .unwrap()
+                .batched,
+            Some("n")
+        );
+        assert!(view(r#"{"stream":null}"#, Route::Chat).is_ok());
+        let err = view(r#"{"stream":"yes"}"#, Route::Chat).unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::BAD_REQUEST);
+        assert!(view(r#"{"model":7}"#, Route::Chat).is_err());
+    }
+
+    #[test]
+    fn request_ids_are_honoured_only_when_sane() {
+        let mut h = HeaderMap::new();
+        h.insert("x-request-id", HeaderValue::from_static("abc-123"));
+        assert_eq!(request_id(&h), "abc-123");
+        h.insert("x-request-id", HeaderValue::from_static("a b"));
+        assert_eq!(request_id(&h).len(), 32);
+        assert_ne!(request_id(&HeaderMap::new()), request_id(&HeaderMap::new()));
+    }
+}

@@ -1,0 +1,122 @@
+//! The `pdgate` binary: serve the gateway, or run the demo.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use pdgate::cli::{LogFormat, RunArgs};
+use pdgate::config::DiscoveryKind;
+use pdgate::{Gateway, RunningGateway};
+use tracing::{error, info};
+
+/// OpenAI-compatible prefill/decode disaggregation gateway.
+///
+/// Every request is split into a prefill leg and a decode leg, shaped for the KV-transfer
+/// connector of the chosen prefill endpoint (label `model.aibrix.ai/kv-connector-type`, else
+/// `--kv-connector`). Try `pdgate demo` first.
+#[derive(Debug, Parser)]
+#[command(name = "pdgate", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start simulated prefill/decode engines (several connectors, model `demo`) and a gateway in
+    /// front of them, and print ready-to-paste examples.
+    Demo {
+        /// Address of the demo gateway.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+    },
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
+    let registry = kvtransfer::Registry::with_builtins();
+    let config = args.load()?;
+    if config.discovery == DiscoveryKind::Kubernetes {
+        return Err(pdgate::ConfigError::Field {
+            field: "discovery".into(),
+            message: "kubernetes discovery is not built into this binary yet".into(),
+        }
+        .into());
+    }
+    let gateway = Gateway::new(config, registry.clone())?;
+    let mut running = RunningGateway::bind(gateway.clone()).await?;
+    info!(
+        listen = %running.addr(),
+        prefill = gateway.config.prefill.len(),
+        decode = gateway.config.decode.len(),
+        connector = %gateway.default_connector,
+        "pdgate serving"
+    );
+    if args.config.is_some() {
+        let tx = running.pods().clone();
+        let cancel = running.cancel_token();
+        running.spawn_owned(pdgate::cli::watch_config_file(
+            args.clone(),
+            registry,
+            tx,
+            cancel,
+            Duration::from_secs(1),
+        ));
+    }
+    running
+        .run_until(shutdown_signal(), Duration::from_secs(30))
+        .await;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.run.log_format);
+    let result = match cli.command {
+        Some(Command::Demo { listen }) => pdgate::demo::run(listen, shutdown_signal()).await,
+        None => serve(cli.run).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            eprintln!("pdgate: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! Prometheus metrics. Labels come from closed sets (route, role, connector, outcome) or from
+//! the configured fleet (endpoint names), never from raw client input.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::endpoints::Snapshot;
+use crate::error::{GatewayError, Source};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: &'static str,
+    connector: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConnectorLabels {
+    connector: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LegLabels {
+    leg: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabels {
+    role: &'static str,
+    endpoint: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RoleLabels {
+    role: &'static str,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 100 us .. ~105 s
+    Histogram::new(exponential_buckets(0.0001, 2.0, 21))
+}
+
+/// All gateway metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    duration: Histograms<RouteLabels>,
+    ttft: Histograms<RouteLabels>,
+    prefill: Histograms<ConnectorLabels>,
+    handoff: Histograms<ConnectorLabels>,
+    recomputes: Family<ConnectorLabels, Counter>,
+    fallbacks: Family<ConnectorLabels, Counter>,
+    retries: Family<LegLabels, Counter>,
+    in_flight: Family<EndpointLabels, Gauge>,
+    endpoints: Family<RoleLabels, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every series.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("pdgate");
+        let requests = Family::<RequestLabels, Counter>::default();
+        let duration: Histograms<RouteLabels> = Family::new_with_constructor(latency_histogram);
+        let ttft: Histograms<RouteLabels> = Family::new_with_constructor(latency_histogram);
+        let prefill: Histograms<ConnectorLabels> = Family::new_with_constructor(latency_histogram);
+        let handoff: Histograms<ConnectorLabels> = Family::new_with_constructor(latency_histogram);
+        let recomputes = Family::<ConnectorLabels, Counter>::default();
+        let fallbacks = Family::<ConnectorLabels, Counter>::default();
+        let retries = Family::<LegLabels, Counter>::default();
+        let in_flight = Family::<EndpointLabels, Gauge>::default();
+        let endpoints = Family::<RoleLabels, Gauge>::default();
+        registry.register(
+            "requests",
+            "Requests by route, connector and outcome class",
+            requests.clone(),
+        );
+        registry.register(
+            "request_duration_seconds",
+            "End-to-end latency, until the last byte reached the client",
+            duration.clone(),
+        );
+        registry.register(
+            "ttft_seconds",
+            "Time from request arrival to the first decode byte relayed",
+            ttft.clone(),
+        );
+        registry.register(
+            "prefill_duration_seconds",
+            "Duration of the prefill leg",
+            prefill.clone(),
+        );
+        registry.register(
+            "kv_handoff_seconds",
+            "Time from the end of the prefill leg to the first decode byte",
+            handoff.clone(),
+        );
+        registry.register(
+            "recomputes",
+            "Prefills that answered without KV-transfer parameters (the decode recomputes)",
+            recomputes.clone(),
+        );
+        registry.register(
+            "fallbacks",
+            "Requests sent to the decode alone after the prefill failed",
+            fallbacks.clone(),
+        );
+        registry.register(
+            "retries",
+            "Legs retried on another endpoint",
+            retries.clone(),
+        );
+        registry.register(
+            "endpoint_in_flight",
+            "Requests in flight per endpoint",
+            in_flight.clone(),
+        );
+        registry.register(
+            "endpoints",
+            "Routable endpoints per role",
+            endpoints.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            duration,
+            ttft,
+            prefill,
+            handoff,
+            recomputes,
+            fallbacks,
+            retries,
+            in_flight,
+            endpoints,
+        }
+    }
+
+    /// Records one prefill leg's duration.
+    pub fn observe_prefill(&self, connector: &str, seconds: f64) {
+        self.prefill
+            .get_or_create(&ConnectorLabels {
+                connector: connector.to_string(),
+            })
+            .observe(seconds);
+    }
+
+    /// Counts a decode that will recompute the prompt.
+    pub fn count_recompute(&self, connector: &str) {
+        self.recomputes
+            .get_or_create(&ConnectorLabels {
+                connector: connector.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a fallback to decode-only.
+    pub fn count_fallback(&self, connector: &str) {
+        self.fallbacks
+            .get_or_create(&ConnectorLabels {
+                connector: connector.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a retried leg.
+    pub fn count_retry(&self, leg: Source) {
+        self.retries
+            .get_or_create(&LegLabels { leg: leg.as_str() })
+            .inc();
+    }
+
+    /// Renders the text exposition, refreshing fleet gauges from `snapshot`.
+    pub fn render(&self, snapshot: &Snapshot) -> String {
+        self.in_flight.clear();
+        for (role, list) in [("prefill", &snapshot.prefill), ("decode", &snapshot.decode)] {
+            self.endpoints
+                .get_or_create(&RoleLabels { role })
+                .set(list.len() as i64);
+            for ep in list.iter() {
+                self.in_flight
+                    .get_or_create(&EndpointLabels {
+                        role,
+                        endpoint: ep.name.clone(),
+                    })
+                    .set(ep.load.in_flight() as i64);
+            }
+        }
+        let mut out = String::with_capacity(8192);
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// Outcome class of a finished request.
+fn outcome_of(err: &GatewayError) -> &'static str {
+    match err.source_of() {
+        Source::Client => "client_error",
+        Source::Prefill => "prefill_error",
+        Source::Decode => "decode_error",
+        Source::Routing => "routing_error",
+        Source::Internal => "internal_error",
+    }
+}
+
+/// One request's measurements; records itself exactly once (a drop before completion counts as
+/// cancelled by the client).
+#[derive(Debug)]
+pub struct RequestRecord {
+    metrics: Arc<Metrics>,
+    route: &'static str,
+    connector: String,
+    start: Instant,
+    prefill_done: Option<Instant>,
+    first_byte_seen: bool,
+    finished: bool,
+}
+
+impl RequestRecord {
+    /// Starts measuring a request on `route`.
+    pub fn start(metrics: Arc<Metrics>, route: &'static str) -> Self {
+        RequestRecord {
+            metrics,
+            route,
+            connector: String::new(),
+            start: Instant::now(),
+            prefill_done: None,
+            first_byte_seen: false,
+            finished: false,
+        }
+    }
+
+    /// Names the connector once routing chose it.
+    pub fn set_connector(&mut self, connector: &str) {
+        self.connector = connector.to_string();
+    }
+
+    /// Marks the end of the prefill leg.
+    pub fn prefill_done(&mut self) {
+        let now = Instant::now();
+        self.prefill_done = Some(now);
+        self.metrics
+            .observe_prefill(&self.connector, (now - self.start).as_secs_f64());
+    }
+
+    /// Marks the first decode byte relayed.
+    pub fn first_byte(&mut self) {
+        if self.first_byte_seen {
+            return;
+        }
+        self.first_byte_seen = true;
+        let now = Instant::now();
+        self.metrics
+            .ttft
+            .get_or_create(&RouteLabels { route: self.route })
+            .observe((now - self.start).as_secs_f64());
+        if let Some(p) = self.prefill_done {
+            self.metrics
+                .handoff
+                .get_or_create(&ConnectorLabels {
+                    connector: self.connector.clone(),
+                })
+                .observe((now - p).as_secs_f64());
+        }
+    }
+
+    fn finish(&mut self, outcome: &'static str) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        self.metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                route: self.route,
+                connector: self.connector.clone(),
+                outcome,
+            })
+            .inc();
+        self.metrics
+            .duration
+            .get_or_create(&RouteLabels { route: self.route })
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+
+    /// The request completed.
+    pub fn finish_ok(&mut self) {
+        self.finish("success");
+    }
+
+    /// The request failed with `err`.
+    pub fn finish_error(&mut self, err: &GatewayError) {
+        self.finish(outcome_of(err));
+    }
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        self.finish("cancelled");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_counts_once_and_drop_means_cancelled() {
+        let m = Arc::new(Metrics::new());
+        let mut r = RequestRecord::start(m.clone(), "completions");
+        r.set_connector("shfs");
+        r.finish_ok();
+        drop(r);
+        drop(RequestRecord::start(m.clone(), "chat"));
+        let text = m.render(&Snapshot::default());
+        assert!(
+            text.contains(
+                r#"pdgate_requests_total{route="completions",connector="shfs",outcome="success"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"pdgate_requests_total{route="chat",connector="",outcome="cancelled"} 1"#
+            ),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,166 @@
+//! Routing policies: pick one endpoint among candidates. An open set, selected by name.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rand::Rng;
+
+use crate::endpoints::Endpoint;
+
+/// Picks one endpoint among non-empty candidates.
+pub trait Policy: Send + Sync + Debug {
+    /// The policy's configuration name.
+    fn name(&self) -> &'static str;
+    /// Index of the chosen candidate; `None` only when `candidates` is empty.
+    fn pick(&self, candidates: &[Arc<Endpoint>]) -> Option<usize>;
+}
+
+/// Names accepted by [`by_name`].
+pub const NAMES: &[&str] = &["round_robin", "random", "least_request", "power_of_two"];
+
+/// A policy by its configuration name.
+pub fn by_name(name: &str) -> Option<Box<dyn Policy>> {
+    match name.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+        "round_robin" => Some(Box::new(RoundRobin::default())),
+        "random" => Some(Box::new(Random)),
+        "least_request" => Some(Box::new(LeastRequest)),
+        "power_of_two" => Some(Box::new(PowerOfTwo)),
+        _ => None,
+    }
+}
+
+/// Each candidate in turn.
+#[derive(Debug, Default)]
+pub struct RoundRobin(AtomicUsize);
+
+impl Policy for RoundRobin {
+    fn name(&self) -> &'static str {
+        "round_robin"
+    }
+    fn pick(&self, candidates: &[Arc<Endpoint>]) -> Option<usize> {
+        (!candidates.is_empty()).then(|| self.0.fetch_add(1, Ordering::Relaxed) % candidates.len())
+    }
+}
+
+/// Uniformly random.
+#[derive(Debug)]
+pub struct Random;
+
+impl Policy for Random {
+    fn name(&self) -> &'static str {
+        "random"
+    }
+    fn pick(&self, candidates: &[Arc<Endpoint>]) -> Option<usize> {
+        (!candidates.is_empty()).then(|| rand::rng().random_range(0..candidates.len()))
+    }
+}
+
+/// Fewest in-flight requests (ties broken at random, so equal endpoints share the load).
+#[derive(Debug)]
+pub struct LeastRequest;
+
+impl Policy for LeastRequest {
+    fn name(&self) -> &'static str {
+        "least_request"
+    }
+    fn pick(&self, candidates: &[Arc<Endpoint>]) -> Option<usize> {
+        let min = candidates.iter().map(|e| e.load.in_flight()).min()?;
+        let ties = candidates
+            .iter()
+            .filter(|e| e.load.in_flight() == min)
+            .count();
+        let nth = if ties > 1 {
+            rand::rng().random_range(0..ties)
+        } else {
+            0
+        };
+        candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.load.in_flight() == min)
+            .nth(nth)
+            .map(|(i, _)| i)
+            .or(Some(0))
+    }
+}
+
+/// Two random candidates, the less loaded wins.
+#[derive(Debug)]
+pub struct PowerOfTwo;
+
+impl Policy for PowerOfTwo {
+    fn name(&self) -> &'static str {
+        "power_of_two"
+    }
+    fn pick(&self, candidates: &[Arc<Endpoint>]) -> Option<usize> {
+        match candidates.len() {
+            0 => None,
+            1 => Some(0),
+            n => {
+                let mut rng = rand::rng();
+                let a = rng.random_range(0..n);
+                let b = (a + rng.random_range(1..n)) % n;
+                if candidates[b].load.in_flight() < candidates[a].load.in_flight() {
+                    Some(b)
+                } else {
+                    Some(a)
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoints::{Load, LoadGuard, Role};
+    use kvtransfer::Pod;
+
+    fn endpoints(n: usize) -> Vec<Arc<Endpoint>> {
+        (0..n)
+            .map(|i| {
+                Arc::new(Endpoint {
+                    name: format!("e{i}"),
+                    base_url: format!("http://127.0.0.1:{i}"),
+                    pod: Pod::default(),
+                    role: Role::Decode,
+                    models: vec![],
+                    connector: None,
+                    agent: None,
+                    load: Arc::new(Load::default()),
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_policy_handles_empty_and_single() {
+        for name in NAMES {
+            let p = by_name(name).unwrap();
+            assert_eq!(p.name(), *name);
+            assert_eq!(p.pick(&[]), None);
+            assert_eq!(p.pick(&endpoints(1)), Some(0));
+        }
+        assert!(by_name("fastest").is_none());
+        assert!(by_name("Round-Robin").is_some());
+    }
+
+    #[test]
+    fn round_robin_cycles() {
+        let eps = endpoints(3);
+        let p = RoundRobin::default();
+        let picks: Vec<_> = (0..6).map(|_| p.pick(&eps).unwrap()).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn load_aware_policies_avoid_the_busy_endpoint() {
+        let eps = endpoints(2);
+        let _busy: Vec<_> = (0..3).map(|_| LoadGuard::acquire(&eps[0].load)).collect();
+        for _ in 0..50 {
+            assert_eq!(LeastRequest.pick(&eps), Some(1));
+            assert_eq!(PowerOfTwo.pick(&eps), Some(1));
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! The body relayed from the decode engine to the client.
+//!
+//! Bytes pass through untouched and are pulled only as fast as the client reads them
+//! (backpressure). The body owns everything a request holds: endpoint load guards, the
+//! concurrently running prefill leg, and the request's metrics record. It ends on the engine's
+//! end of stream, on silence longer than the idle timeout, or when the concurrent prefill fails;
+//! dropping it (the client left) drops the decode connection and aborts the prefill at once.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tokio_util::task::AbortOnDropHandle;
+
+use crate::endpoints::LoadGuard;
+use crate::error::{GatewayError, Source};
+use crate::metrics::RequestRecord;
+
+/// The outcome of a leg running beside the relayed body.
+pub type PartnerResult = Result<(), GatewayError>;
+
+pin_project! {
+    /// A decode response body on its way to the client.
+    pub struct RelayBody {
+        #[pin]
+        inner: Incoming,
+        #[pin]
+        idle: Sleep,
+        idle_timeout: Duration,
+        partner: Option<AbortOnDropHandle<PartnerResult>>,
+        sse: bool,
+        done: bool,
+        guards: Vec<LoadGuard>,
+        record: RequestRecord,
+        endpoint: String,
+    }
+}
+
+impl RelayBody {
+    /// Wraps a decode body. `sse` decides how late failures are reported (an SSE error event, or a
+    /// broken body for JSON).
+    pub fn new(
+        inner: Incoming,
+        idle_timeout: Duration,
+        sse: bool,
+        guards: Vec<LoadGuard>,
+        record: RequestRecord,
+        endpoint: String,
+    ) -> Self {
+        RelayBody {
+            inner,
+            idle: tokio::time::sleep(idle_timeout),
+            idle_timeout,
+            partner: None,
+            sse,
+            done: false,
+            guards,
+            record,
+            endpoint,
+        }
+    }
+
+    /// Attaches a still-running prefill leg: its failure ends the stream with an error.
+    pub fn with_partner(mut self, partner: Option<AbortOnDropHandle<PartnerResult>>) -> Self {
+        self.partner = partner;
+        self
+    }
+}
+
+/// Why a relayed body ended early.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct RelayError(pub GatewayError);
+
+type Polled = Poll<Option<Result<Frame<Bytes>, RelayError>>>;
+
+fn fail(
+    done: &mut bool,
+    sse: bool,
+    guards: &mut Vec<LoadGuard>,
+    record: &mut RequestRecord,
+    err: GatewayError,
+) -> Polled {
+    *done = true;
+    guards.clear();
+    record.finish_error(&err);
+    if sse {
+        Poll::Ready(Some(Ok(Frame::data(err.to_sse_event()))))
+    } else {
+        Poll::Ready(Some(Err(RelayError(err))))
+    }
+}
+
+impl Body for RelayBody {
+    type Data = Bytes;
+    type Error = RelayError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
+        let mut this = self.project();
+        if *this.done {
+            return Poll::Ready(None);
+        }
+        if let Some(partner) = this.partner.as_mut()
+            && let Poll::Ready(result) = Pin::new(partner).poll(cx)
+        {
+            *this.partner = None;
+            let outcome = match result {
+                Ok(outcome) => outcome,
+                Err(join) => Err(GatewayError::Internal(format!(
+                    "prefill task ended: {join}"
+                ))),
+            };
+            if let Err(err) = outcome {
+                return fail(this.done, *this.sse, this.guards, this.record, err);
+            }
+        }
+        match this.inner.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.is_data() {
+                    this.record.first_byte();
+                }
+                let deadline = Instant::now() + *this.idle_timeout;
+                this.idle.as_mut().reset(deadline);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                let err = GatewayError::Upstream {
+                    leg: Source::Decode,
+                    endpoint: this.endpoint.clone(),
+                    reason: format!("broke the response stream: {e}"),
+                    timeout: false,
+                };
+                fail(this.done, *this.sse, this.guards, this.record, err)
+            }
+            Poll::Ready(None) => {
+                *this.done = true;
+                this.guards.clear();
+                *this.partner = None;
+                this.record.finish_ok();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                ready!(this.idle.as_mut().poll(cx));
+                let err = GatewayError::Upstream {
+                    leg: Source::Decode,
+                    endpoint: this.endpoint.clone(),
+                    reason: format!("sent nothing for {:?}", this.idle_timeout),
+                    timeout: true,
+                };
+                fail(this.done, *this.sse, this.guards, this.record, err)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || (self.partner.is_none() && self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.sse {
+            SizeHint::default()
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
