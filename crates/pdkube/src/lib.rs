@@ -45,7 +45,7 @@ pub mod watch;
 
 pub use config::{KubeDiscoveryConfig, LabelKeys};
 pub use pods::{SkipReason, classify_pod, pair_rolesets, routable_pods};
-pub use watch::{client_from_env, install_crypto_provider, run};
+pub use watch::{client_from_env, client_from_kubeconfig, install_crypto_provider, run};
 
 /// The endpoint type discovery publishes: `kvtransfer::Pod`, with `ready == true`, `ip` set,
 /// the pod's labels plus the canonical AIBrix keys, only canonical annotations, and
@@ -67,6 +67,9 @@ pub enum KubeDiscoveryError {
     /// Neither in-cluster configuration nor a kubeconfig could be loaded.
     #[error("no kubernetes client configuration (in-cluster or kubeconfig): {0}")]
     ClientConfig(#[source] kube::config::InferConfigError),
+    /// The kubeconfig file could not be read or has no usable context.
+    #[error("kubeconfig: {0}")]
+    Kubeconfig(#[source] kube::config::KubeconfigError),
     /// The client could not be built from the configuration.
     #[error("building the kubernetes client: {0}")]
     Client(#[source] kube::Error),

@@ -28,6 +28,25 @@ pub async fn client_from_env() -> Result<Client, KubeDiscoveryError> {
     Client::try_from(config).map_err(KubeDiscoveryError::Client)
 }
 
+/// Builds a client from an explicit kubeconfig file and optional context (default: the file's
+/// current context). For a `--kubeconfig` flag; [`client_from_env`] covers the usual cases.
+pub async fn client_from_kubeconfig(
+    path: &std::path::Path,
+    context: Option<&str>,
+) -> Result<Client, KubeDiscoveryError> {
+    install_crypto_provider();
+    let kubeconfig =
+        kube::config::Kubeconfig::read_from(path).map_err(KubeDiscoveryError::Kubeconfig)?;
+    let options = kube::config::KubeConfigOptions {
+        context: context.map(str::to_owned),
+        ..Default::default()
+    };
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .map_err(KubeDiscoveryError::Kubeconfig)?;
+    Client::try_from(config).map_err(KubeDiscoveryError::Client)
+}
+
 /// Installs rustls' ring provider as the process default unless one is installed already.
 /// Without this, a process that links both ring and aws-lc-rs would panic on the first TLS
 /// connection.

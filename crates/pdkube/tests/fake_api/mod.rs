@@ -3,6 +3,9 @@
 //! `{"type":..,"object":..}` lines, BOOKMARK events, `410 Gone` for compacted history, dropped
 //! connections and an "API server down" switch.
 
+// Each test binary uses a different subset of the helpers.
+#![allow(dead_code)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::net::SocketAddr;
