@@ -1,1 +1,213 @@
-//! pdsim
+//! pdsim: an engine simulator that speaks vLLM 0.33's HTTP surface and
+//! reproduces each KV-transfer connector's prefill/decode handoff, so that a
+//! gateway that gets a PD contract wrong fails the way it would against real
+//! engines. Contracts: `docs/contracts.md` of the pdgate workspace.
+//!
+//! Modules:
+//! - [`config`]: [`Role`], [`Connector`], [`LatencyModel`], [`Faults`], [`SimConfig`].
+//! - `request` / `respond`: vLLM request validation and response shapes.
+//! - `engine`: per-request plan (which handoff) and the job that runs it.
+//! - `kv`: the prefill's KV store, side channel and bootstrap servers, the decode's pull client.
+//! - `http`: the OpenAI routes and `/sim/faults`, `/sim/stats`, `/abort_request`.
+//! - [`stats`]: [`SimStats`], also rendered as Prometheus text on `/metrics`.
+//!
+//! ```no_run
+//! use pdsim::{Connector, Role, SimConfig};
+//! # async fn demo() -> std::io::Result<()> {
+//! let prefill = pdsim::spawn(SimConfig::new(Role::Prefill, Connector::Shfs)).await?;
+//! let decode = pdsim::spawn(SimConfig::new(Role::Decode, Connector::Shfs)).await?;
+//! println!("P {} D {}", prefill.base_url(), decode.base_url());
+//! assert_eq!(decode.stats().transfers_pulled, 0);
+//! prefill.shutdown().await;
+//! decode.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod config;
+mod engine;
+mod error;
+mod http;
+mod kv;
+mod request;
+mod respond;
+pub mod stats;
+mod tokens;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::serve::ListenerExt;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+
+pub use config::{
+    CONNECTOR_TYPE_MOONCAKE, CONNECTOR_TYPE_NIXL, CONNECTOR_TYPE_NONE, CONNECTOR_TYPE_SGLANG,
+    CONNECTOR_TYPE_SHFS, Connector, Faults, LatencyModel, ParseEnumError, Role, SimConfig,
+};
+pub use error::ApiError;
+pub use stats::{EndpointCounts, RecentRequest, SimStats};
+
+use engine::Engine;
+
+/// How long [`SimHandle::shutdown`] waits for connections to drain.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
+
+/// A running engine. Dropping it stops every listener and task it owns.
+pub struct SimHandle {
+    engine: Arc<Engine>,
+    addr: SocketAddr,
+    tasks: JoinSet<()>,
+}
+
+fn snapshot(engine: &Engine) -> SimStats {
+    engine.counters.snapshot(
+        engine.cfg.role.as_str(),
+        engine.cfg.connector.as_str(),
+        &engine.engine_id,
+        &engine.recent,
+    )
+}
+
+fn serve(tasks: &mut JoinSet<()>, listener: TcpListener, router: Router, engine: &Engine) {
+    let token = engine.shutdown.clone();
+    let listener = listener.tap_io(|tcp| {
+        // Small SSE events must not wait for Nagle.
+        let _ = tcp.set_nodelay(true);
+    });
+    tasks.spawn(async move {
+        let r = axum::serve(listener, router)
+            .with_graceful_shutdown(token.cancelled_owned())
+            .await;
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "pdsim listener stopped");
+        }
+    });
+}
+
+/// Binds every listener the role and connector need and starts serving.
+///
+/// Returns once the sockets are bound, so requests can be sent right away.
+pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
+    let listener = TcpListener::bind(config.listen).await?;
+    let addr = listener.local_addr()?;
+    let produces = config.role.produces();
+    let side = if produces && config.connector.has_side_channel() {
+        Some(TcpListener::bind(config.side_channel_listen).await?)
+    } else {
+        None
+    };
+    let boot = if produces && config.connector.has_bootstrap() {
+        Some(TcpListener::bind(config.bootstrap_listen).await?)
+    } else {
+        None
+    };
+    let side_port = side
+        .as_ref()
+        .map(TcpListener::local_addr)
+        .transpose()?
+        .map(|a| a.port());
+    let boot_port = boot
+        .as_ref()
+        .map(TcpListener::local_addr)
+        .transpose()?
+        .map(|a| a.port());
+    let engine_id = config
+        .engine_id
+        .clone()
+        .unwrap_or_else(|| format!("pdsim-{}", uuid::Uuid::new_v4().simple()));
+    let engine = Arc::new(Engine::new(config, engine_id, side_port, boot_port));
+    let mut tasks = JoinSet::new();
+    serve(&mut tasks, listener, http::router(engine.clone()), &engine);
+    if let Some(l) = side {
+        serve(
+            &mut tasks,
+            l,
+            kv::side_channel_router(engine.clone()),
+            &engine,
+        );
+    }
+    if let Some(l) = boot {
+        serve(&mut tasks, l, kv::bootstrap_router(engine.clone()), &engine);
+    }
+    tracing::info!(
+        %addr,
+        role = %engine.cfg.role,
+        connector = %engine.cfg.connector,
+        engine_id = %engine.engine_id,
+        side_channel_port = ?side_port,
+        bootstrap_port = ?boot_port,
+        "pdsim serving"
+    );
+    Ok(SimHandle {
+        engine,
+        addr,
+        tasks,
+    })
+}
+
+impl SimHandle {
+    /// The OpenAI HTTP address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://IP:PORT` of the OpenAI HTTP listener.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Bootstrap server port (mooncake/sglang prefill or combined engines), if any.
+    pub fn bootstrap_port(&self) -> Option<u16> {
+        self.engine.bootstrap_port
+    }
+
+    /// KV side-channel port (shfs/nixl/mooncake prefill or combined engines), if any.
+    pub fn side_channel_port(&self) -> Option<u16> {
+        self.engine.side_channel_port
+    }
+
+    /// The engine id advertised to decodes.
+    pub fn engine_id(&self) -> &str {
+        &self.engine.engine_id
+    }
+
+    /// The configuration the engine started with (faults may have changed since).
+    pub fn config(&self) -> &SimConfig {
+        &self.engine.cfg
+    }
+
+    /// The same data as `GET /sim/stats`.
+    pub fn stats(&self) -> SimStats {
+        snapshot(&self.engine)
+    }
+
+    /// Replaces the active faults (same as `POST /sim/faults`).
+    pub fn set_faults(&self, faults: Faults) {
+        self.engine.faults.store(Arc::new(faults));
+    }
+
+    /// Stops accepting, ends in-flight work, waits (bounded) for connections to close.
+    pub async fn shutdown(mut self) {
+        self.engine.shutdown.cancel();
+        let tasks = &mut self.tasks;
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!("pdsim shutdown grace elapsed; aborting listeners");
+            self.tasks.abort_all();
+        }
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        self.engine.shutdown.cancel();
+        self.tasks.abort_all();
+    }
+}

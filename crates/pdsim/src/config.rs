@@ -1,0 +1,326 @@
+//! Configuration: engine role, KV connector, latency model and fault set.
+
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Connector label values, matching the pod label `model.aibrix.ai/kv-connector-type`.
+///
+/// Kept local so pdsim does not depend on the kvtransfer crate for three strings.
+pub const CONNECTOR_TYPE_SHFS: &str = "shfs";
+/// Connector label value for the AWS Neuron NixlConnector.
+pub const CONNECTOR_TYPE_NIXL: &str = "nixl";
+/// Connector label value for vLLM's MooncakeConnector.
+pub const CONNECTOR_TYPE_MOONCAKE: &str = "mooncake";
+/// Connector label value for SGLang's bootstrap handoff.
+pub const CONNECTOR_TYPE_SGLANG: &str = "sglang";
+/// Connector label value for an engine without KV transfer.
+pub const CONNECTOR_TYPE_NONE: &str = "none";
+
+/// A string did not name a known role or connector.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {value:?} (valid: {valid})")]
+pub struct ParseEnumError {
+    what: &'static str,
+    value: String,
+    valid: &'static str,
+}
+
+/// Which side of a prefill/decode pair this engine plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Produces KV: answers the prefill leg and keeps the prompt's KV for a decode.
+    Prefill,
+    /// Consumes KV: answers the decode leg after pulling the prefill's KV.
+    Decode,
+    /// A combined engine: serves plain requests and may both produce and consume KV.
+    Both,
+}
+
+impl Role {
+    /// The lower-case name used on the command line and in stats.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+
+    /// Whether this role keeps KV for a remote decode.
+    pub fn produces(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+
+    /// Whether this role loads KV from a remote prefill.
+    pub fn consumes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = ParseEnumError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            "both" => Ok(Role::Both),
+            _ => Err(ParseEnumError {
+                what: "role",
+                value: s.to_owned(),
+                valid: "prefill, decode, both",
+            }),
+        }
+    }
+}
+
+/// The KV-transfer backend whose handoff this engine reproduces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Connector {
+    /// vLLM NixlConnector wire format (AIBrix `shfs`): params returned by prefill, copied to decode.
+    Shfs,
+    /// AWS Neuron NixlConnector: the whole prefill response travels in `disagg_prefill_resp`.
+    Nixl,
+    /// vLLM MooncakeConnector: bootstrap server, `transfer_id`, concurrent legs.
+    Mooncake,
+    /// SGLang: shared `bootstrap_host`/`bootstrap_port`/`bootstrap_room` on both legs.
+    Sglang,
+    /// No KV transfer at all.
+    None,
+}
+
+impl Connector {
+    /// The lower-case name used on the command line, in pod labels and in stats.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Connector::Shfs => CONNECTOR_TYPE_SHFS,
+            Connector::Nixl => CONNECTOR_TYPE_NIXL,
+            Connector::Mooncake => CONNECTOR_TYPE_MOONCAKE,
+            Connector::Sglang => CONNECTOR_TYPE_SGLANG,
+            Connector::None => CONNECTOR_TYPE_NONE,
+        }
+    }
+
+    /// Whether a prefill with this connector serves a KV side channel.
+    pub(crate) fn has_side_channel(self) -> bool {
+        matches!(
+            self,
+            Connector::Shfs | Connector::Nixl | Connector::Mooncake
+        )
+    }
+
+    /// Whether a prefill with this connector serves a bootstrap server.
+    pub(crate) fn has_bootstrap(self) -> bool {
+        matches!(self, Connector::Mooncake | Connector::Sglang)
+    }
+}
+
+impl fmt::Display for Connector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Connector {
+    type Err = ParseEnumError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            CONNECTOR_TYPE_SHFS => Ok(Connector::Shfs),
+            CONNECTOR_TYPE_NIXL => Ok(Connector::Nixl),
+            CONNECTOR_TYPE_MOONCAKE => Ok(Connector::Mooncake),
+            CONNECTOR_TYPE_SGLANG => Ok(Connector::Sglang),
+            CONNECTOR_TYPE_NONE => Ok(Connector::None),
+            _ => Err(ParseEnumError {
+                what: "connector",
+                value: s.to_owned(),
+                valid: "shfs, nixl, mooncake, sglang, none",
+            }),
+        }
+    }
+}
+
+/// How long simulated work takes. `Default` is zero delay everywhere.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LatencyModel {
+    /// Compute time per prompt token that is not cached or loaded from a remote prefill.
+    #[serde(with = "millis_f64")]
+    pub prefill_per_token: Duration,
+    /// Fixed time to first token (scheduling, first forward pass), paid by every request.
+    #[serde(with = "millis_f64")]
+    pub ttft: Duration,
+    /// Inter-token latency: time per generated token after the first.
+    #[serde(with = "millis_f64")]
+    pub itl: Duration,
+    /// Concurrent requests served at once; further requests queue. 0 = unlimited.
+    pub slots: usize,
+}
+
+impl LatencyModel {
+    /// Whether every delay is zero (no timers on the hot path).
+    pub fn is_zero(&self) -> bool {
+        self.prefill_per_token.is_zero() && self.ttft.is_zero() && self.itl.is_zero()
+    }
+
+    /// A latency model shaped like a small model on one GPU.
+    pub fn realistic() -> Self {
+        LatencyModel {
+            prefill_per_token: Duration::from_micros(100),
+            ttft: Duration::from_millis(20),
+            itl: Duration::from_millis(10),
+            slots: 64,
+        }
+    }
+}
+
+/// Faults to inject. `Default` injects nothing. Accepted as JSON by `POST /sim/faults`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Faults {
+    /// Probability in `[0, 1]` that a generation request is answered with `error_status`.
+    pub error_rate: f64,
+    /// HTTP status of injected errors (default 500).
+    pub error_status: u16,
+    /// Never answer generation requests; wait until the client leaves.
+    pub hang: bool,
+    /// Delay before the response head of generation requests, in milliseconds.
+    pub first_byte_delay_ms: u64,
+    /// Drop the connection after this many body chunks (SSE events; non-streaming bodies are cut in half).
+    pub drop_after_chunks: Option<u32>,
+    /// `GET /health` answers 503.
+    pub dead: bool,
+    /// Refuse KV handoffs: side channel and bootstrap pulls fail, incoming remote KV fails.
+    pub refuse_kv: bool,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Faults {
+            error_rate: 0.0,
+            error_status: 500,
+            hang: false,
+            first_byte_delay_ms: 0,
+            drop_after_chunks: None,
+            dead: false,
+            refuse_kv: false,
+        }
+    }
+}
+
+impl Faults {
+    /// Whether any request-path fault is active (dead health and KV refusal excluded).
+    pub(crate) fn affects_requests(&self) -> bool {
+        self.error_rate > 0.0
+            || self.hang
+            || self.first_byte_delay_ms > 0
+            || self.drop_after_chunks.is_some()
+    }
+}
+
+/// Everything an engine needs to start. Build with [`SimConfig::new`] and adjust fields.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Prefill, decode or both.
+    pub role: Role,
+    /// KV-transfer backend reproduced.
+    pub connector: Connector,
+    /// Served model name (default `pdsim`).
+    pub model: String,
+    /// OpenAI HTTP listener (default `127.0.0.1:0`).
+    pub listen: SocketAddr,
+    /// shfs/nixl/mooncake KV side channel listener (default `127.0.0.1:0`).
+    pub side_channel_listen: SocketAddr,
+    /// mooncake/sglang bootstrap listener (default `127.0.0.1:0`).
+    pub bootstrap_listen: SocketAddr,
+    /// `remote_host` advertised by a prefill (default `localhost`, like vLLM).
+    pub advertise_host: String,
+    /// How long a prefill keeps KV for a decode (default 30 s).
+    pub kv_lease: Duration,
+    /// Bound on every handoff wait: mooncake decode waiting for KV, sglang rendezvous, pulls (default 10 s).
+    pub handoff_timeout: Duration,
+    /// Simulated compute time.
+    pub latency: LatencyModel,
+    /// Faults active at start.
+    pub faults: Faults,
+    /// Engine id advertised to decodes (default random).
+    pub engine_id: Option<String>,
+}
+
+impl SimConfig {
+    /// A zero-delay, fault-free engine on loopback port 0 with every default.
+    pub fn new(role: Role, connector: Connector) -> Self {
+        let any = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        SimConfig {
+            role,
+            connector,
+            model: "pdsim".to_owned(),
+            listen: any,
+            side_channel_listen: any,
+            bootstrap_listen: any,
+            advertise_host: "localhost".to_owned(),
+            kv_lease: Duration::from_secs(30),
+            handoff_timeout: Duration::from_secs(10),
+            latency: LatencyModel::default(),
+            faults: Faults::default(),
+            engine_id: None,
+        }
+    }
+}
+
+mod millis_f64 {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64() * 1000.0)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let ms = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(ms / 1000.0).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn role_and_connector_round_trip() {
+        for r in [Role::Prefill, Role::Decode, Role::Both] {
+            assert_eq!(r.to_string().parse::<Role>(), Ok(r));
+        }
+        for c in [
+            Connector::Shfs,
+            Connector::Nixl,
+            Connector::Mooncake,
+            Connector::Sglang,
+            Connector::None,
+        ] {
+            assert_eq!(c.to_string().parse::<Connector>(), Ok(c));
+        }
+        assert_eq!("ShFs".parse::<Connector>(), Ok(Connector::Shfs));
+        assert!("nope".parse::<Connector>().is_err());
+        assert!("".parse::<Role>().is_err());
+    }
+
+    #[test]
+    fn faults_parse_partial_and_reject_unknown() {
+        let f: Faults = serde_json::from_str(r#"{"hang":true}"#).unwrap();
+        assert!(f.hang);
+        assert_eq!(f.error_status, 500);
+        assert!(serde_json::from_str::<Faults>(r#"{"hnag":true}"#).is_err());
+    }
+}

@@ -1,0 +1,717 @@
+//! The engine: shared state, the per-request plan (which handoff to perform)
+//! and the job that runs it.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwap;
+use axum::http::StatusCode;
+use serde_json::{Map, Value};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Connector, Faults, Role, SimConfig};
+use crate::error::ApiError;
+use crate::kv::{KvStore, KvWire, PullClient, PullError, host_port};
+use crate::request::{Endpoint, GenRequest};
+use crate::respond::ChoiceOut;
+use crate::stats::{Counters, Recent};
+use crate::tokens::word;
+
+/// vLLM's KV block size; used for block ids and prefix-cache granularity.
+const BLOCK_SIZE: u32 = 16;
+/// Context window of the simulated model.
+pub(crate) const MAX_MODEL_LEN: u32 = 32_768;
+const PREFIX_CACHE_CAPACITY: usize = 4096;
+
+/// State shared by every request and listener of one engine.
+pub(crate) struct Engine {
+    pub cfg: SimConfig,
+    pub engine_id: String,
+    pub faults: ArcSwap<Faults>,
+    pub counters: Counters,
+    pub recent: Recent,
+    pub kv: KvStore,
+    pub slots: Option<Arc<Semaphore>>,
+    pub shutdown: CancellationToken,
+    pub client: PullClient,
+    pub side_channel_port: Option<u16>,
+    pub bootstrap_port: Option<u16>,
+    /// JSON-escaped model name, with quotes.
+    pub model_json: String,
+    aborts: Mutex<HashMap<String, CancellationToken>>,
+    prefix_cache: Mutex<HashSet<u64>>,
+    next_block: AtomicU64,
+}
+
+impl Engine {
+    pub fn new(
+        cfg: SimConfig,
+        engine_id: String,
+        side_channel_port: Option<u16>,
+        bootstrap_port: Option<u16>,
+    ) -> Self {
+        let slots = (cfg.latency.slots > 0).then(|| Arc::new(Semaphore::new(cfg.latency.slots)));
+        Engine {
+            engine_id,
+            faults: ArcSwap::from_pointee(cfg.faults.clone()),
+            counters: Counters::default(),
+            recent: Recent::default(),
+            kv: KvStore::new(cfg.kv_lease),
+            slots,
+            shutdown: CancellationToken::new(),
+            client: PullClient::new(),
+            side_channel_port,
+            bootstrap_port,
+            model_json: crate::respond::json_str(&cfg.model),
+            aborts: Mutex::new(HashMap::new()),
+            prefix_cache: Mutex::new(HashSet::new()),
+            next_block: AtomicU64::new(1),
+            cfg,
+        }
+    }
+
+    /// Cancels every in-flight request registered under `rid`; true if one was found.
+    pub fn abort(&self, rid: &str) -> bool {
+        let token = self.aborts.lock().ok().and_then(|m| m.get(rid).cloned());
+        token.map(|t| t.cancel()).is_some()
+    }
+
+    /// Prefix-cache hit for a prompt computed here: whole blocks, never the last token.
+    fn cached_tokens(&self, digest: u64, count: u32) -> u32 {
+        let Ok(mut seen) = self.prefix_cache.lock() else {
+            return 0;
+        };
+        if seen.contains(&digest) {
+            return count.saturating_sub(1) / BLOCK_SIZE * BLOCK_SIZE;
+        }
+        if seen.len() >= PREFIX_CACHE_CAPACITY {
+            seen.clear();
+        }
+        seen.insert(digest);
+        0
+    }
+}
+
+/// How this request loads its prompt's KV.
+pub(crate) enum Consume {
+    /// Compute locally (plain request, or a prefill).
+    Local,
+    /// A decode without KV params: compute locally and count it.
+    Recompute,
+    /// shfs / nixl: GET the prefill's side channel.
+    Pull(String),
+    /// mooncake: query the bootstrap server, then wait for the transfer.
+    Mooncake {
+        bootstrap: String,
+        engine_id: String,
+        transfer_id: String,
+    },
+    /// sglang: join the room on the prefill's bootstrap server.
+    Sglang(String),
+    /// The params are unusable; the request fails like a KV load failure.
+    Fail(ApiError),
+}
+
+/// What a prefill does with its prompt's KV when it finishes.
+pub(crate) enum Produce {
+    Nothing,
+    /// shfs / nixl: keep it for a pull and return `kv_transfer_params`.
+    Params,
+    /// mooncake: ship it under `transfer_id` if finished by length.
+    Mooncake(String),
+    /// sglang: rendezvous with the decode for this room, then publish.
+    Sglang(u64),
+    Fail(ApiError),
+}
+
+pub(crate) struct Plan {
+    pub consume: Consume,
+    pub produce: Produce,
+}
+
+fn kv_fail(message: impl Into<String>) -> ApiError {
+    ApiError::handoff(StatusCode::INTERNAL_SERVER_ERROR, message)
+}
+
+fn is_true(params: &Map<String, Value>, key: &str) -> bool {
+    params.get(key).and_then(Value::as_bool) == Some(true)
+}
+
+fn need_str<'a>(
+    params: &'a Map<String, Value>,
+    key: &str,
+    what: &str,
+) -> Result<&'a str, ApiError> {
+    params
+        .get(key)
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| {
+            kv_fail(format!(
+                "{what}: kv_transfer_params.{key} is missing or not a string"
+            ))
+        })
+}
+
+/// Percent-encodes one URL path segment.
+fn seg(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// shfs / nixl decode: the side-channel URL named by vLLM NixlConnector params.
+fn nixl_pull_url(params: &Map<String, Value>) -> Result<String, ApiError> {
+    const WHAT: &str = "invalid KV transfer params";
+    if !params.get("remote_block_ids").is_some_and(Value::is_array) {
+        return Err(kv_fail(format!(
+            "{WHAT}: kv_transfer_params.remote_block_ids is missing or not an array"
+        )));
+    }
+    let engine_id = need_str(params, "remote_engine_id", WHAT)?;
+    let request_id = need_str(params, "remote_request_id", WHAT)?;
+    let host = need_str(params, "remote_host", WHAT)?;
+    let port = params
+        .get("remote_port")
+        .and_then(Value::as_u64)
+        .filter(|p| (1..=65535).contains(p))
+        .ok_or_else(|| {
+            kv_fail(format!(
+                "{WHAT}: kv_transfer_params.remote_port is missing or not a port"
+            ))
+        })?;
+    Ok(format!(
+        "http://{}/kv/{}/{}",
+        host_port(host, port),
+        seg(engine_id),
+        seg(request_id)
+    ))
+}
+
+fn sglang_url(req: &GenRequest, engine: &Engine) -> Result<String, ApiError> {
+    let b = &req.bootstrap;
+    let bad = |m: &str| ApiError::bad(format!("disaggregated decode: {m}"));
+    let host = b
+        .host
+        .as_ref()
+        .and_then(Value::as_str)
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| bad("bootstrap_host is missing or not a string"))?;
+    let port = b
+        .port
+        .as_ref()
+        .and_then(Value::as_u64)
+        .filter(|p| (1..=65535).contains(p))
+        .ok_or_else(|| bad("bootstrap_port is missing or not a port"))?;
+    let room = b
+        .room
+        .as_ref()
+        .and_then(Value::as_u64)
+        .ok_or_else(|| bad("bootstrap_room is missing or not a non-negative integer"))?;
+    let ms = engine.cfg.handoff_timeout.as_millis();
+    Ok(format!(
+        "http://{}/room/{room}?timeout_ms={ms}",
+        host_port(host, port)
+    ))
+}
+
+/// Decides the handoff for one request; 400s here are answered before any head.
+pub(crate) fn plan(
+    engine: &Engine,
+    req: &GenRequest,
+    dp_rank: Option<&str>,
+) -> Result<Plan, ApiError> {
+    let role = engine.cfg.role;
+    let kvp = req.kv_transfer_params.as_ref();
+    let consume = if !role.consumes() {
+        Consume::Local
+    } else {
+        let remote_prefill = kvp.is_some_and(|p| is_true(p, "do_remote_prefill"));
+        match engine.cfg.connector {
+            Connector::Shfs => match kvp {
+                Some(p) if remote_prefill => match nixl_pull_url(p) {
+                    Ok(url) => Consume::Pull(url),
+                    Err(e) => Consume::Fail(e),
+                },
+                _ => Consume::Recompute,
+            },
+            Connector::Nixl => match &req.disagg_prefill_resp {
+                Some(raw) => match serde_json::from_str::<Value>(raw.get()) {
+                    Ok(Value::Object(resp)) => match resp.get("kv_transfer_params") {
+                        Some(Value::Object(p)) => match nixl_pull_url(p) {
+                            Ok(url) => Consume::Pull(url),
+                            Err(e) => Consume::Fail(e),
+                        },
+                        _ => Consume::Fail(kv_fail(
+                            "disagg_prefill_resp carries no kv_transfer_params object",
+                        )),
+                    },
+                    _ => Consume::Fail(kv_fail("disagg_prefill_resp is not a JSON object")),
+                },
+                None if remote_prefill => Consume::Fail(kv_fail(
+                    "connector nixl expects the prefill response under disagg_prefill_resp, not top-level kv_transfer_params",
+                )),
+                None => Consume::Recompute,
+            },
+            Connector::Mooncake => match kvp {
+                Some(p) if remote_prefill => mooncake_consume(p),
+                _ => Consume::Recompute,
+            },
+            Connector::Sglang if req.bootstrap.any() => Consume::Sglang(sglang_url(req, engine)?),
+            Connector::Sglang | Connector::None => Consume::Recompute,
+        }
+    };
+    // A combined engine computing its own prompt is not a "recompute".
+    let consume = match consume {
+        Consume::Recompute if role != Role::Decode => Consume::Local,
+        c => c,
+    };
+    let produce = if !role.produces() {
+        Produce::Nothing
+    } else {
+        let remote_decode = kvp.is_some_and(|p| is_true(p, "do_remote_decode"));
+        match engine.cfg.connector {
+            Connector::Shfs if remote_decode => Produce::Params,
+            Connector::Nixl if role == Role::Prefill => Produce::Params,
+            Connector::Mooncake if remote_decode => {
+                if let Some(rank) = dp_rank
+                    && rank.trim() != "0"
+                {
+                    return Err(ApiError::BadRequest {
+                        message: format!("data_parallel_rank {rank} is out of range [0, 1)."),
+                        param: None,
+                    });
+                }
+                match kvp
+                    .and_then(|p| p.get("transfer_id"))
+                    .and_then(Value::as_str)
+                {
+                    Some(t) if !t.is_empty() => Produce::Mooncake(t.to_owned()),
+                    _ => Produce::Fail(kv_fail(
+                        "kv_transfer_params.transfer_id is required for a mooncake prefill",
+                    )),
+                }
+            }
+            Connector::Sglang if role == Role::Prefill => {
+                match req.bootstrap.room.as_ref().and_then(Value::as_u64) {
+                    Some(room) => Produce::Sglang(room),
+                    None => {
+                        return Err(ApiError::bad(
+                            "disaggregated prefill: bootstrap_room is missing or not a non-negative integer",
+                        ));
+                    }
+                }
+            }
+            _ => Produce::Nothing,
+        }
+    };
+    Ok(Plan { consume, produce })
+}
+
+fn mooncake_consume(p: &Map<String, Value>) -> Consume {
+    const WHAT: &str = "invalid mooncake KV transfer params";
+    let r = (|| {
+        let bootstrap = need_str(p, "remote_bootstrap_addr", WHAT)?;
+        if !bootstrap.starts_with("http://") {
+            return Err(kv_fail(format!(
+                "{WHAT}: remote_bootstrap_addr {bootstrap:?} must start with http://"
+            )));
+        }
+        Ok(Consume::Mooncake {
+            bootstrap: bootstrap.trim_end_matches('/').to_owned(),
+            engine_id: need_str(p, "remote_engine_id", WHAT)?.to_owned(),
+            transfer_id: need_str(p, "transfer_id", WHAT)?.to_owned(),
+        })
+    })();
+    r.unwrap_or_else(Consume::Fail)
+}
+
+/// Marks a request finished; when dropped unfinished the client went away.
+pub(crate) struct InFlight {
+    engine: Arc<Engine>,
+    done: bool,
+}
+
+impl InFlight {
+    pub fn new(engine: Arc<Engine>) -> Self {
+        engine.counters.in_flight.fetch_add(1, Relaxed);
+        InFlight {
+            engine,
+            done: false,
+        }
+    }
+
+    pub fn finish(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let c = &self.engine.counters;
+        c.in_flight.fetch_sub(1, Relaxed);
+        if !self.done {
+            c.client_disconnects.fetch_add(1, Relaxed);
+            c.finished_abort.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+/// Registration in the abort table (sglang `/abort_request`), removed on drop.
+struct AbortReg {
+    engine: Arc<Engine>,
+    keys: Vec<String>,
+    token: CancellationToken,
+}
+
+impl Drop for AbortReg {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.engine.aborts.lock() {
+            for k in &self.keys {
+                m.remove(k);
+            }
+        }
+    }
+}
+
+/// One generation request from plan to last byte.
+pub(crate) struct Job {
+    pub engine: Arc<Engine>,
+    pub endpoint: Endpoint,
+    pub req: GenRequest,
+    /// JSON-escaped response id, with quotes.
+    pub id_json: String,
+    pub id: String,
+    pub created: u64,
+    pub guard: InFlight,
+    plan: Plan,
+    abort: Option<AbortReg>,
+    permit: Option<OwnedSemaphorePermit>,
+    /// Cached tokens reported in usage.
+    pub cached: u32,
+    sglang_published: bool,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl Job {
+    pub fn new(
+        engine: Arc<Engine>,
+        endpoint: Endpoint,
+        req: GenRequest,
+        base_id: &str,
+        plan: Plan,
+        guard: InFlight,
+    ) -> Self {
+        let prefix = match endpoint {
+            Endpoint::Completions => "cmpl-",
+            Endpoint::Chat => "chatcmpl-",
+        };
+        let id = format!("{prefix}{base_id}");
+        let abort = (engine.cfg.connector == Connector::Sglang).then(|| {
+            let token = CancellationToken::new();
+            let mut keys = vec![base_id.to_owned(), id.clone()];
+            if let Some(rid) = &req.rid {
+                keys.push(rid.clone());
+            }
+            if let Ok(mut m) = engine.aborts.lock() {
+                for k in &keys {
+                    m.insert(k.clone(), token.clone());
+                }
+            }
+            AbortReg {
+                engine: engine.clone(),
+                keys,
+                token,
+            }
+        });
+        Job {
+            id_json: crate::respond::json_str(&id),
+            id,
+            created: now_unix(),
+            engine,
+            endpoint,
+            req,
+            guard,
+            plan,
+            abort,
+            permit: None,
+            cached: 0,
+            sglang_published: false,
+        }
+    }
+
+    /// Runs `fut` unless the engine shuts down or the request is aborted first.
+    async fn guarded<F: Future>(&self, fut: F) -> Result<F::Output, ApiError> {
+        let abort = self.abort.as_ref().map(|a| a.token.clone());
+        let aborted = async move {
+            match abort {
+                Some(t) => t.cancelled_owned().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = self.engine.shutdown.cancelled() => Err(ApiError::Aborted("engine is shutting down".into())),
+            () = aborted => {
+                self.engine.counters.aborted.fetch_add(1, Relaxed);
+                Err(ApiError::Aborted(format!("Request {} was aborted.", self.id)))
+            }
+            out = fut => Ok(out),
+        }
+    }
+
+    /// Sleeps `d` (no timer at all when zero), abortable.
+    pub async fn delay(&self, d: Duration) -> Result<(), ApiError> {
+        if d.is_zero() {
+            return Ok(());
+        }
+        self.guarded(tokio::time::sleep(d)).await
+    }
+
+    /// Slot, handoff and prefill compute: everything before the first token.
+    pub async fn prepare(&mut self) -> Result<(), ApiError> {
+        let engine = self.engine.clone();
+        if let Some(sem) = &engine.slots {
+            engine.counters.waiting.fetch_add(1, Relaxed);
+            let r = self.guarded(sem.clone().acquire_owned()).await;
+            engine.counters.waiting.fetch_sub(1, Relaxed);
+            self.permit =
+                Some(r?.map_err(|_| ApiError::Aborted("engine is shutting down".into()))?);
+        }
+        match std::mem::replace(&mut self.plan.produce, Produce::Nothing) {
+            Produce::Fail(e) => return Err(e),
+            Produce::Sglang(room) => {
+                let deadline = Instant::now() + engine.cfg.handoff_timeout;
+                let r = self
+                    .guarded(engine.kv.room_await_decode(&engine, room, deadline))
+                    .await;
+                if !matches!(r, Ok(Ok(()))) {
+                    engine
+                        .kv
+                        .room_fail(room, "prefill failed before the transfer");
+                }
+                r?.map_err(|e| kv_fail(format!("KV transfer failed: {e}")))?;
+                self.plan.produce = Produce::Sglang(room);
+            }
+            p => self.plan.produce = p,
+        }
+        let prompt = self.req.prompt;
+        let compute = match std::mem::replace(&mut self.plan.consume, Consume::Local) {
+            Consume::Local => {
+                self.cached = engine.cached_tokens(prompt.digest, prompt.count);
+                prompt.count - self.cached
+            }
+            Consume::Recompute => {
+                engine.counters.recomputed.fetch_add(1, Relaxed);
+                self.cached = engine.cached_tokens(prompt.digest, prompt.count);
+                prompt.count - self.cached
+            }
+            Consume::Fail(e) => {
+                engine.counters.transfers_failed.fetch_add(1, Relaxed);
+                return Err(e);
+            }
+            remote => {
+                let wire = self.pull(remote).await.inspect_err(|_| {
+                    engine.counters.transfers_failed.fetch_add(1, Relaxed);
+                })?;
+                engine.counters.transfers_pulled.fetch_add(1, Relaxed);
+                self.cached = wire.cached_tokens;
+                0
+            }
+        };
+        let lat = &engine.cfg.latency;
+        self.delay(lat.prefill_per_token * compute + lat.ttft).await
+    }
+
+    async fn pull(&self, consume: Consume) -> Result<KvWire, ApiError> {
+        let engine = &self.engine;
+        let fail = |e: String| kv_fail(format!("KV transfer failed for request {}: {e}", self.id));
+        if engine.faults.load().refuse_kv {
+            engine.counters.faults_injected.fetch_add(1, Relaxed);
+            return Err(fail("KV handoff refused (injected fault)".into()));
+        }
+        let timeout = engine.cfg.handoff_timeout + Duration::from_secs(1);
+        let body = match consume {
+            Consume::Pull(url) | Consume::Sglang(url) => self
+                .guarded(engine.client.get(url, timeout))
+                .await?
+                .map_err(|e| fail(e.to_string()))?,
+            Consume::Mooncake {
+                bootstrap,
+                engine_id,
+                transfer_id,
+            } => {
+                let q = self
+                    .guarded(engine.client.get(format!("{bootstrap}/query"), timeout))
+                    .await?
+                    .map_err(|e| fail(e.to_string()))?;
+                let worker = mooncake_worker(&q, &engine_id).map_err(fail)?;
+                let ms = engine.cfg.handoff_timeout.as_millis();
+                let url = format!(
+                    "http://{worker}/mooncake/{}?engine_id={}&timeout_ms={ms}",
+                    seg(&transfer_id),
+                    seg(&engine_id)
+                );
+                self.guarded(engine.client.get(url, timeout))
+                    .await?
+                    .map_err(|e| fail(e.to_string()))?
+            }
+            Consume::Local | Consume::Recompute | Consume::Fail(_) => {
+                return Err(fail("internal: nothing to pull".into()));
+            }
+        };
+        let wire: KvWire = serde_json::from_slice(&body)
+            .map_err(|_| fail(PullError::Malformed("side channel".into()).to_string()))?;
+        let own = format!("{:016x}", self.req.prompt.digest);
+        if wire.digest != own || wire.num_tokens != self.req.prompt.count {
+            return Err(fail(format!(
+                "KV does not match this prompt (remote {} tokens digest {}, local {} tokens digest {own})",
+                wire.num_tokens, wire.digest, self.req.prompt.count
+            )));
+        }
+        Ok(wire)
+    }
+
+    /// Generates every choice up front (deterministic, cheap).
+    pub fn choices(&self) -> Vec<ChoiceOut> {
+        let r = &self.req;
+        (0..r.n)
+            .map(|c| {
+                let mut words = Vec::with_capacity(r.max_tokens.min(4096) as usize);
+                for i in 0..r.max_tokens {
+                    let w = word(r.prompt.digest, c, i);
+                    if i >= r.min_tokens
+                        && let Some(s) = r.stop.iter().find(|s| s.trim() == w)
+                    {
+                        return ChoiceOut {
+                            words,
+                            finish: "stop",
+                            stop_reason: Some(s.clone()),
+                        };
+                    }
+                    words.push(w);
+                }
+                ChoiceOut {
+                    words,
+                    finish: "length",
+                    stop_reason: None,
+                }
+            })
+            .collect()
+    }
+
+    /// Hands the KV over as the connector does; returns `kv_transfer_params` JSON.
+    pub fn finish(&mut self, choices: &[ChoiceOut]) -> Option<String> {
+        let engine = self.engine.clone();
+        let c = &engine.counters;
+        let prompt = self.req.prompt;
+        c.prompt_tokens.fetch_add(u64::from(prompt.count), Relaxed);
+        for ch in choices {
+            c.generation_tokens
+                .fetch_add(ch.words.len() as u64, Relaxed);
+            match ch.finish {
+                "stop" => c.finished_stop.fetch_add(1, Relaxed),
+                _ => c.finished_length.fetch_add(1, Relaxed),
+            };
+        }
+        let entry = engine.kv.entry(prompt.digest, prompt.count, self.cached);
+        match std::mem::replace(&mut self.plan.produce, Produce::Nothing) {
+            Produce::Params => {
+                let request_id = format!("{}-{:08x}", self.id, rand::random::<u32>());
+                let blocks = prompt.count.div_ceil(BLOCK_SIZE);
+                let first = engine
+                    .next_block
+                    .fetch_add(u64::from(blocks), Ordering::Relaxed);
+                let block_ids: Vec<u64> = (first..first + u64::from(blocks)).collect();
+                let expiry = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64())
+                    + engine.cfg.kv_lease.as_secs_f64();
+                let params = serde_json::json!({
+                    "do_remote_prefill": true,
+                    "do_remote_decode": false,
+                    "remote_block_ids": [block_ids],
+                    "remote_engine_id": engine.engine_id,
+                    "remote_request_id": request_id,
+                    "remote_host": engine.cfg.advertise_host,
+                    "remote_port": engine.side_channel_port,
+                    "tp_size": 1,
+                    "dcp_size": 1,
+                    "pp_size": 1,
+                    "remote_num_tokens": prompt.count,
+                    "remote_blocks_expiry_time": expiry,
+                    "remote_registration_generation": 0,
+                    "transfer_mode": "pull",
+                    "remote_prefill_cached_tokens": self.cached,
+                });
+                engine.kv.put_request(request_id, entry);
+                c.transfers_stored.fetch_add(1, Relaxed);
+                Some(params.to_string())
+            }
+            Produce::Mooncake(transfer_id) => {
+                if choices.first().is_some_and(|ch| ch.finish == "length") {
+                    engine.kv.put_transfer(transfer_id, entry);
+                    c.transfers_stored.fetch_add(1, Relaxed);
+                }
+                None
+            }
+            Produce::Sglang(room) => {
+                engine.kv.room_publish(room, entry);
+                self.sglang_published = true;
+                c.transfers_stored.fetch_add(1, Relaxed);
+                None
+            }
+            Produce::Nothing | Produce::Fail(_) => None,
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if let Produce::Sglang(room) = self.plan.produce
+            && !self.sglang_published
+        {
+            self.engine
+                .kv
+                .room_fail(room, "prefill request ended before the transfer");
+        }
+    }
+}
+
+fn mooncake_worker(query: &[u8], engine_id: &str) -> Result<String, String> {
+    let v: Value = serde_json::from_slice(query)
+        .map_err(|e| format!("bootstrap /query answer is not JSON: {e}"))?;
+    let ranks = v
+        .as_object()
+        .ok_or("bootstrap /query answer is not an object")?;
+    let rank = ranks
+        .values()
+        .find(|r| r.get("engine_id").and_then(Value::as_str) == Some(engine_id))
+        .ok_or_else(|| {
+            format!("remote_engine_id {engine_id:?} is not served by that bootstrap server")
+        })?;
+    let addr = rank
+        .pointer("/worker_addr/0/0")
+        .and_then(Value::as_str)
+        .ok_or("bootstrap /query answer has no worker_addr")?;
+    addr.strip_prefix("tcp://")
+        .map(str::to_owned)
+        .ok_or_else(|| format!("worker_addr {addr:?} is not tcp://host:port"))
+}

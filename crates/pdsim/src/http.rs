@@ -1,0 +1,469 @@
+//! The OpenAI-compatible HTTP surface and the `/sim/*` control endpoints.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::stream;
+
+use crate::config::Faults;
+use crate::engine::{Engine, InFlight, Job, MAX_MODEL_LEN, plan};
+use crate::error::ApiError;
+use crate::request::{Endpoint, parse};
+use crate::respond::{self, ChoiceOut, Head, Usage};
+use crate::stats::Recorded;
+
+/// The engine's main router.
+pub(crate) fn router(engine: Arc<Engine>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/abort_request", post(abort_request))
+        .route("/sim/faults", get(get_faults).post(set_faults))
+        .route("/sim/stats", get(stats))
+        .fallback(not_found)
+        .with_state(engine)
+}
+
+async fn completions(State(e): State<Arc<Engine>>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(e, Endpoint::Completions, headers, body).await
+}
+
+async fn chat_completions(
+    State(e): State<Arc<Engine>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(e, Endpoint::Chat, headers, body).await
+}
+
+fn random_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+fn count(c: &AtomicU64) {
+    c.fetch_add(1, Relaxed);
+}
+
+async fn generate(
+    engine: Arc<Engine>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let c = &engine.counters;
+    count(match endpoint {
+        Endpoint::Completions => &c.completions,
+        Endpoint::Chat => &c.chat_completions,
+    });
+    let rid_header = headers.get("x-request-id");
+    let dp_rank = headers
+        .get("x-data-parallel-rank")
+        .and_then(|v| v.to_str().ok());
+    engine.recent.push(Recorded {
+        path: endpoint.path(),
+        request_id: rid_header.and_then(|v| v.to_str().ok()).map(str::to_owned),
+        data_parallel_rank: dp_rank.map(str::to_owned),
+        body: body.clone(),
+    });
+    let base_id = rid_header
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
+        .map_or_else(random_id, str::to_owned);
+    let mut guard = InFlight::new(engine.clone());
+    let faults = engine.faults.load_full();
+    let mut resp = if faults.affects_requests() {
+        match inject(&engine, &faults).await {
+            Some(r) => {
+                guard.finish();
+                r
+            }
+            None => {
+                run(
+                    engine.clone(),
+                    endpoint,
+                    &body,
+                    &base_id,
+                    dp_rank,
+                    guard,
+                    faults.drop_after_chunks,
+                )
+                .await
+            }
+        }
+    } else {
+        run(
+            engine.clone(),
+            endpoint,
+            &body,
+            &base_id,
+            dp_rank,
+            guard,
+            None,
+        )
+        .await
+    };
+    count(if resp.status().is_success() {
+        &c.responses_ok
+    } else {
+        &c.responses_error
+    });
+    let echo = rid_header
+        .cloned()
+        .or_else(|| HeaderValue::from_str(&base_id).ok());
+    if let Some(v) = echo {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+/// Applies request-path faults; `Some` is the answer instead of a real one.
+async fn inject(engine: &Engine, faults: &Faults) -> Option<Response> {
+    let c = &engine.counters;
+    if faults.first_byte_delay_ms > 0 {
+        count(&c.faults_injected);
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(faults.first_byte_delay_ms)) => {}
+            () = engine.shutdown.cancelled() => {}
+        }
+    }
+    if faults.hang {
+        count(&c.faults_injected);
+        // Never answer: the client leaving drops this future (counted as a disconnect).
+        engine.shutdown.cancelled().await;
+        return Some(
+            ApiError::handoff(StatusCode::SERVICE_UNAVAILABLE, "engine is shutting down")
+                .into_response(),
+        );
+    }
+    if faults.error_rate > 0.0 && rand::random::<f64>() < faults.error_rate {
+        count(&c.faults_injected);
+        let status =
+            StatusCode::from_u16(faults.error_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return Some(ApiError::Injected(status).into_response());
+    }
+    None
+}
+
+async fn run(
+    engine: Arc<Engine>,
+    endpoint: Endpoint,
+    body: &[u8],
+    base_id: &str,
+    dp_rank: Option<&str>,
+    mut guard: InFlight,
+    drop_after: Option<u32>,
+) -> Response {
+    let prepared = parse(endpoint, body, &engine.cfg.model).and_then(|req| {
+        let total = u64::from(req.prompt.count) + u64::from(req.max_tokens);
+        if total > u64::from(MAX_MODEL_LEN) {
+            return Err(ApiError::BadRequest {
+                message: format!(
+                    "This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {} output tokens and your prompt contains {} input tokens, for a total of {total} tokens. Please reduce the length of the input prompt or the number of requested output tokens.",
+                    req.max_tokens, req.prompt.count
+                ),
+                param: Some("max_tokens"),
+            });
+        }
+        let p = plan(&engine, &req, dp_rank)?;
+        Ok((req, p))
+    });
+    let (req, plan) = match prepared {
+        Ok(x) => x,
+        Err(e) => {
+            guard.finish();
+            return e.into_response();
+        }
+    };
+    let stream = req.stream;
+    let mut job = Job::new(engine, endpoint, req, base_id, plan, guard);
+    if stream {
+        return sse_response(job, drop_after);
+    }
+    let r = run_full(&mut job).await;
+    job.guard.finish();
+    match r {
+        Ok(body) => match drop_after {
+            Some(_) => {
+                count(&job.engine.counters.faults_injected);
+                let half = Bytes::from(body).slice(..);
+                let cut = half.len() / 2;
+                let parts: Vec<Result<Bytes, io::Error>> = vec![
+                    Ok(half.slice(..cut)),
+                    Err(io::Error::other("injected connection drop")),
+                ];
+                json_response(Body::from_stream(stream::iter(parts)))
+            }
+            None => json_response(Body::from(body)),
+        },
+        Err(e) => e.into_response(),
+    }
+}
+
+fn json_response(body: Body) -> Response {
+    let mut r = Response::new(body);
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn head(job: &Job) -> Head<'_> {
+    Head {
+        endpoint: job.endpoint,
+        id: &job.id_json,
+        created: job.created,
+        model: &job.engine.model_json,
+    }
+}
+
+fn usage(job: &Job, choices: &[ChoiceOut]) -> Usage {
+    Usage {
+        prompt: job.req.prompt.count,
+        completion: choices.iter().map(|c| c.words.len() as u32).sum(),
+        cached: job.cached,
+    }
+}
+
+async fn run_full(job: &mut Job) -> Result<String, ApiError> {
+    job.prepare().await?;
+    let choices = job.choices();
+    let steps = choices.iter().map(|c| c.words.len()).max().unwrap_or(0) as u32;
+    if steps > 1 {
+        job.delay(job.engine.cfg.latency.itl * (steps - 1)).await?;
+    }
+    let kv = job.finish(&choices);
+    Ok(respond::full_body(
+        &head(job),
+        &choices,
+        usage(job, &choices),
+        kv.as_deref(),
+    ))
+}
+
+enum Phase {
+    Start,
+    Tokens,
+    End,
+}
+
+struct SseState {
+    job: Job,
+    phase: Phase,
+    choices: Vec<ChoiceOut>,
+    step: usize,
+    last_step: usize,
+    sent: u32,
+    drop_after: Option<u32>,
+}
+
+impl SseState {
+    fn fail(&mut self, e: &ApiError) -> Bytes {
+        count(&self.job.engine.counters.responses_error);
+        let mut out = String::with_capacity(256);
+        respond::error_event(&mut out, &e.to_json());
+        out.push_str(respond::DONE);
+        self.phase = Phase::End;
+        self.job.guard.finish();
+        Bytes::from(out)
+    }
+
+    async fn next(&mut self) -> Option<Result<Bytes, io::Error>> {
+        if let Some(n) = self.drop_after
+            && self.sent >= n
+            && !matches!(self.phase, Phase::End)
+        {
+            count(&self.job.engine.counters.faults_injected);
+            self.phase = Phase::End;
+            self.job.guard.finish();
+            return Some(Err(io::Error::other("injected connection drop")));
+        }
+        self.sent += 1;
+        match self.phase {
+            Phase::End => None,
+            Phase::Start => {
+                if let Err(e) = self.job.prepare().await {
+                    return Some(Ok(self.fail(&e)));
+                }
+                self.choices = self.job.choices();
+                self.last_step = self
+                    .choices
+                    .iter()
+                    .map(|c| c.words.len().saturating_sub(1))
+                    .max()
+                    .unwrap_or(0);
+                self.phase = Phase::Tokens;
+                Some(Ok(self.step_chunk()))
+            }
+            Phase::Tokens => {
+                if let Err(e) = self.job.delay(self.job.engine.cfg.latency.itl).await {
+                    return Some(Ok(self.fail(&e)));
+                }
+                Some(Ok(self.step_chunk()))
+            }
+        }
+    }
+
+    fn step_chunk(&mut self) -> Bytes {
+        let step = self.step;
+        let last = step == self.last_step;
+        let kv = if last {
+            let choices = std::mem::take(&mut self.choices);
+            let kv = self.job.finish(&choices);
+            self.choices = choices;
+            Some(kv.unwrap_or_else(|| "null".to_owned()))
+        } else {
+            None
+        };
+        let job = &self.job;
+        let h = head(job);
+        let mut out = String::with_capacity(256 * self.choices.len());
+        for (i, c) in self.choices.iter().enumerate() {
+            let finish_at = c.words.len().saturating_sub(1);
+            if step > finish_at {
+                continue;
+            }
+            if step == 0 && job.endpoint == Endpoint::Chat {
+                respond::role_event(&mut out, &h, i);
+            }
+            let fin = (step == finish_at).then_some((c.finish, &c.stop_reason));
+            let kv_here = if step == finish_at {
+                kv.as_deref()
+            } else {
+                None
+            };
+            respond::token_event(&mut out, &h, i, c.words.get(step).copied(), fin, kv_here);
+        }
+        if last {
+            if job.req.include_usage {
+                respond::usage_event(&mut out, &h, usage(job, &self.choices));
+            }
+            out.push_str(respond::DONE);
+            self.phase = Phase::End;
+            self.job.guard.finish();
+        }
+        self.step += 1;
+        Bytes::from(out)
+    }
+}
+
+fn sse_response(job: Job, drop_after: Option<u32>) -> Response {
+    let state = SseState {
+        job,
+        phase: Phase::Start,
+        choices: Vec::new(),
+        step: 0,
+        last_step: 0,
+        sent: 0,
+        drop_after,
+    };
+    let body = stream::unfold(state, |mut st| async move {
+        let item = st.next().await?;
+        Some((item, st))
+    });
+    let mut r = Response::new(Body::from_stream(body));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+async fn models(State(engine): State<Arc<Engine>>) -> Response {
+    count(&engine.counters.models);
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let m = &engine.cfg.model;
+    let body = serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": m, "object": "model", "created": created, "owned_by": "vllm",
+            "root": m, "parent": null, "max_model_len": MAX_MODEL_LEN,
+        }]
+    });
+    axum::Json(body).into_response()
+}
+
+async fn health(State(engine): State<Arc<Engine>>) -> StatusCode {
+    count(&engine.counters.health);
+    if engine.faults.load().dead {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
+    count(&engine.counters.metrics);
+    let text = engine.counters.render_prometheus(
+        &engine.cfg.model,
+        engine.cfg.role.as_str(),
+        engine.cfg.connector.as_str(),
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct AbortBody {
+    rid: String,
+}
+
+async fn abort_request(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    count(&engine.counters.abort_requests);
+    match serde_json::from_slice::<AbortBody>(&body) {
+        Ok(a) => {
+            engine.abort(&a.rid);
+            StatusCode::OK.into_response()
+        }
+        Err(e) => ApiError::bad(format!("JSON decode error: {e}")).into_response(),
+    }
+}
+
+async fn get_faults(State(engine): State<Arc<Engine>>) -> Response {
+    axum::Json(engine.faults.load_full().as_ref().clone()).into_response()
+}
+
+async fn set_faults(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    match serde_json::from_slice::<Faults>(&body) {
+        Ok(f) => {
+            engine.faults.store(Arc::new(f.clone()));
+            axum::Json(f).into_response()
+        }
+        Err(e) => ApiError::bad(format!("invalid faults: {e}")).into_response(),
+    }
+}
+
+async fn stats(State(engine): State<Arc<Engine>>) -> Response {
+    axum::Json(crate::snapshot(&engine)).into_response()
+}
+
+async fn not_found() -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        [(header::CONTENT_TYPE, "application/json")],
+        "{\"detail\":\"Not Found\"}",
+    )
+        .into_response()
+}

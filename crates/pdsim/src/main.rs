@@ -1,0 +1,186 @@
+//! `pdsim`: run one simulated vLLM-like engine. See `pdsim --help` and the crate README.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use pdsim::{Connector, Faults, LatencyModel, Role, SimConfig};
+
+/// A vLLM 0.33-like engine simulator that verifies prefill/decode KV handoffs.
+///
+/// Serves POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+/// GET /metrics, POST /abort_request {"rid":...}, GET|POST /sim/faults (JSON, see the
+/// --fault-* flags for fields) and GET /sim/stats (JSON counters and the last request bodies).
+#[derive(Debug, Parser)]
+#[command(name = "pdsim", version, about, long_about)]
+struct Args {
+    /// Engine role: prefill (produces KV), decode (consumes KV) or both (plain, single engine).
+    #[arg(long, default_value = "both")]
+    role: Role,
+    /// KV connector reproduced: shfs (vLLM NixlConnector params), nixl (Neuron,
+    /// disagg_prefill_resp), mooncake (bootstrap /query + transfer_id), sglang (bootstrap room), none.
+    #[arg(long, default_value = "shfs")]
+    connector: Connector,
+    /// OpenAI HTTP listen address.
+    #[arg(long, default_value = "127.0.0.1:8100")]
+    listen: SocketAddr,
+    /// Served model name (requests naming another model get 404).
+    #[arg(long, default_value = "pdsim")]
+    model: String,
+    /// KV side-channel listen address (shfs/nixl/mooncake prefill); vLLM's default port is 5600.
+    #[arg(long, default_value = "127.0.0.1:5600")]
+    side_channel_listen: SocketAddr,
+    /// Bootstrap server listen address (mooncake/sglang prefill); engines default to 8998.
+    #[arg(long, default_value = "127.0.0.1:8998")]
+    bootstrap_listen: SocketAddr,
+    /// Host a prefill advertises as remote_host / in worker_addr (vLLM's default is localhost).
+    #[arg(long, default_value = "localhost")]
+    advertise_host: String,
+    /// Engine id advertised to decodes (default: random).
+    #[arg(long)]
+    engine_id: Option<String>,
+    /// Seconds a prefill keeps KV for its decode.
+    #[arg(long, default_value_t = 30.0)]
+    kv_lease_secs: f64,
+    /// Seconds any handoff may wait (mooncake decode for its transfer, sglang rendezvous, pulls).
+    #[arg(long, default_value_t = 10.0)]
+    handoff_timeout_secs: f64,
+    /// No simulated compute time at all (for overhead benchmarks); overrides the latency flags.
+    #[arg(long)]
+    zero_delay: bool,
+    /// Prefill compute per uncached prompt token, milliseconds.
+    #[arg(long, default_value_t = 0.1)]
+    prefill_ms_per_token: f64,
+    /// Time to first token, milliseconds.
+    #[arg(long, default_value_t = 20.0)]
+    ttft_ms: f64,
+    /// Inter-token latency, milliseconds.
+    #[arg(long, default_value_t = 10.0)]
+    itl_ms: f64,
+    /// Concurrent requests served at once; more queue. 0 = unlimited.
+    #[arg(long, default_value_t = 64)]
+    slots: usize,
+    /// Fault: probability in [0,1] of answering a generation request with --fault-error-status.
+    #[arg(long, default_value_t = 0.0)]
+    fault_error_rate: f64,
+    /// Fault: HTTP status of injected errors.
+    #[arg(long, default_value_t = 500)]
+    fault_error_status: u16,
+    /// Fault: never answer generation requests (until the client leaves).
+    #[arg(long)]
+    fault_hang: bool,
+    /// Fault: delay before the response head, milliseconds.
+    #[arg(long, default_value_t = 0)]
+    fault_first_byte_delay_ms: u64,
+    /// Fault: drop the connection after N body chunks (SSE events; JSON bodies are cut in half).
+    #[arg(long)]
+    fault_drop_after_chunks: Option<u32>,
+    /// Fault: GET /health answers 503.
+    #[arg(long)]
+    fault_dead: bool,
+    /// Fault: refuse KV handoffs (side channel/bootstrap pulls and incoming remote KV fail).
+    #[arg(long)]
+    fault_refuse_kv: bool,
+    /// Tokio worker threads (default: one per available core).
+    #[arg(long)]
+    worker_threads: Option<usize>,
+}
+
+fn secs(v: f64, name: &str) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|e| anyhow::anyhow!("--{name}: {e}"))
+}
+
+fn ms(v: f64, name: &str) -> anyhow::Result<Duration> {
+    secs(v / 1000.0, name)
+}
+
+fn config(a: &Args) -> anyhow::Result<SimConfig> {
+    let mut c = SimConfig::new(a.role, a.connector);
+    c.model = a.model.clone();
+    c.listen = a.listen;
+    c.side_channel_listen = a.side_channel_listen;
+    c.bootstrap_listen = a.bootstrap_listen;
+    c.advertise_host = a.advertise_host.clone();
+    c.engine_id = a.engine_id.clone();
+    c.kv_lease = secs(a.kv_lease_secs, "kv-lease-secs")?;
+    c.handoff_timeout = secs(a.handoff_timeout_secs, "handoff-timeout-secs")?;
+    c.latency = if a.zero_delay {
+        LatencyModel {
+            slots: a.slots,
+            ..LatencyModel::default()
+        }
+    } else {
+        LatencyModel {
+            prefill_per_token: ms(a.prefill_ms_per_token, "prefill-ms-per-token")?,
+            ttft: ms(a.ttft_ms, "ttft-ms")?,
+            itl: ms(a.itl_ms, "itl-ms")?,
+            slots: a.slots,
+        }
+    };
+    if !(0.0..=1.0).contains(&a.fault_error_rate) {
+        anyhow::bail!("--fault-error-rate must be within [0, 1]");
+    }
+    c.faults = Faults {
+        error_rate: a.fault_error_rate,
+        error_status: a.fault_error_status,
+        hang: a.fault_hang,
+        first_byte_delay_ms: a.fault_first_byte_delay_ms,
+        drop_after_chunks: a.fault_drop_after_chunks,
+        dead: a.fault_dead,
+        refuse_kv: a.fault_refuse_kv,
+    };
+    Ok(c)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cfg = config(&args)?;
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.worker_threads {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = rt.enable_all().build()?;
+    rt.block_on(async move {
+        let handle = pdsim::spawn(cfg).await?;
+        println!(
+            "pdsim {} {} listening on {} (engine_id {}, side channel {:?}, bootstrap {:?})",
+            handle.config().role,
+            handle.config().connector,
+            handle.base_url(),
+            handle.engine_id(),
+            handle.side_channel_port(),
+            handle.bootstrap_port()
+        );
+        shutdown_signal().await;
+        handle.shutdown().await;
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,368 @@
+//! Parsing and validating generation requests the way vLLM does.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use crate::tokens::{PromptTokens, Tokenizer};
+
+/// Which OpenAI endpoint a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// Default `max_tokens` when the client sends none.
+pub(crate) const DEFAULT_MAX_TOKENS: u32 = 16;
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct Wire<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(default)]
+    max_tokens: Option<i64>,
+    #[serde(default)]
+    max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    min_tokens: Option<i64>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<i64>,
+    #[serde(borrow, default)]
+    stop: Option<&'a RawValue>,
+    #[serde(default)]
+    kv_transfer_params: Option<Map<String, Value>>,
+    #[serde(borrow, default)]
+    disagg_prefill_resp: Option<&'a RawValue>,
+    #[serde(default)]
+    bootstrap_host: Option<Value>,
+    #[serde(default)]
+    bootstrap_port: Option<Value>,
+    #[serde(default)]
+    bootstrap_room: Option<Value>,
+    #[serde(default)]
+    rid: Option<String>,
+}
+
+/// A validated generation request.
+#[derive(Debug)]
+pub(crate) struct GenRequest {
+    pub prompt: PromptTokens,
+    pub max_tokens: u32,
+    pub min_tokens: u32,
+    pub n: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub stop: Vec<String>,
+    pub kv_transfer_params: Option<Map<String, Value>>,
+    /// Raw `disagg_prefill_resp` (Neuron nixl decode).
+    pub disagg_prefill_resp: Option<Box<RawValue>>,
+    pub bootstrap: Bootstrap,
+    pub rid: Option<String>,
+}
+
+/// SGLang bootstrap fields as received (any of them may be missing or mistyped).
+#[derive(Debug, Default)]
+pub(crate) struct Bootstrap {
+    pub host: Option<Value>,
+    pub port: Option<Value>,
+    pub room: Option<Value>,
+}
+
+impl Bootstrap {
+    pub fn any(&self) -> bool {
+        self.host.is_some() || self.port.is_some() || self.room.is_some()
+    }
+}
+
+fn bad_json(e: &serde_json::Error) -> ApiError {
+    ApiError::bad(format!("JSON decode error: {e}"))
+}
+
+/// Parses and validates `body` for `endpoint` against the served `model`.
+pub(crate) fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<GenRequest, ApiError> {
+    let w: Wire<'_> = serde_json::from_slice(body).map_err(|e| bad_json(&e))?;
+    if let Some(m) = &w.model
+        && m.as_ref() != model
+    {
+        return Err(ApiError::ModelNotFound(m.clone().into_owned()));
+    }
+    let stream = w.stream.unwrap_or(false);
+    if w.stream_options.is_some() && !stream {
+        return Err(ApiError::BadRequest {
+            message: "Stream options can only be defined when stream=True.".into(),
+            param: Some("stream_options"),
+        });
+    }
+    let include_usage = w
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+
+    let prompt = match endpoint {
+        Endpoint::Completions => tokenize_prompt(w.prompt)?,
+        Endpoint::Chat => tokenize_messages(w.messages)?,
+    };
+
+    let max = match endpoint {
+        Endpoint::Completions => w.max_tokens,
+        Endpoint::Chat => w.max_completion_tokens.or(w.max_tokens),
+    };
+    let max_tokens = match max {
+        None => DEFAULT_MAX_TOKENS,
+        Some(m) if m < 1 => {
+            return Err(ApiError::BadRequest {
+                message: format!("max_tokens must be at least 1, got {m}."),
+                param: Some("max_tokens"),
+            });
+        }
+        Some(m) => u32::try_from(m).unwrap_or(u32::MAX),
+    };
+    let min_tokens = match w.min_tokens {
+        None => 0,
+        Some(m) if m < 0 => {
+            return Err(ApiError::BadRequest {
+                message: format!("min_tokens must be greater than or equal to 0, got {m}."),
+                param: Some("min_tokens"),
+            });
+        }
+        Some(m) if m > i64::from(max_tokens) => {
+            return Err(ApiError::BadRequest {
+                message: format!(
+                    "min_tokens must be less than or equal to max_tokens={max_tokens}, got {m}."
+                ),
+                param: Some("min_tokens"),
+            });
+        }
+        Some(m) => u32::try_from(m).unwrap_or(0),
+    };
+    let n = match w.n {
+        None => 1,
+        Some(n) if !(1..=128).contains(&n) => {
+            return Err(ApiError::BadRequest {
+                message: format!("n must be between 1 and 128, got {n}."),
+                param: Some("n"),
+            });
+        }
+        Some(n) => u32::try_from(n).unwrap_or(1),
+    };
+    let stop = match w.stop {
+        None => Vec::new(),
+        Some(raw) => parse_stop(raw)?,
+    };
+    let disagg_prefill_resp = w.disagg_prefill_resp.map(|r| r.to_owned());
+    Ok(GenRequest {
+        prompt,
+        max_tokens,
+        min_tokens,
+        n,
+        stream,
+        include_usage,
+        stop,
+        kv_transfer_params: w.kv_transfer_params,
+        disagg_prefill_resp,
+        bootstrap: Bootstrap {
+            host: w.bootstrap_host,
+            port: w.bootstrap_port,
+            room: w.bootstrap_room,
+        },
+        rid: w.rid,
+    })
+}
+
+fn parse_stop(raw: &RawValue) -> Result<Vec<String>, ApiError> {
+    let s = raw.get();
+    if s == "null" {
+        return Ok(Vec::new());
+    }
+    if s.starts_with('"') {
+        let one: String = serde_json::from_str(s).map_err(|e| bad_json(&e))?;
+        return Ok(vec![one]);
+    }
+    serde_json::from_str(s).map_err(|e| bad_json(&e))
+}
+
+fn missing_prompt() -> ApiError {
+    ApiError::BadRequest {
+        message: "Either prompt or prompt_embeds must be provided and non-empty.".into(),
+        param: Some("prompt"),
+    }
+}
+
+fn tokenize_prompt(raw: Option<&RawValue>) -> Result<PromptTokens, ApiError> {
+    let raw = raw.ok_or_else(missing_prompt)?;
+    let s = raw.get();
+    let mut t = Tokenizer::new();
+    if s.starts_with('"') {
+        let text: Cow<'_, str> = serde_json::from_str(s).map_err(|e| bad_json(&e))?;
+        if text.is_empty() {
+            return Err(missing_prompt());
+        }
+        t.push_text(&text);
+        return Ok(t.finish());
+    }
+    if s.starts_with('[') {
+        if let Ok(ids) = serde_json::from_str::<Vec<u64>>(s) {
+            if ids.is_empty() {
+                return Err(missing_prompt());
+            }
+            ids.into_iter().for_each(|id| t.push_id(id));
+            return Ok(t.finish());
+        }
+        if let Ok(texts) = serde_json::from_str::<Vec<Cow<'_, str>>>(s) {
+            return match texts.as_slice() {
+                [one] if !one.is_empty() => {
+                    t.push_text(one);
+                    Ok(t.finish())
+                }
+                [_] | [] => Err(missing_prompt()),
+                _ => Err(ApiError::BadRequest {
+                    message:
+                        "pdsim serves one prompt per request; batched prompts are not supported."
+                            .into(),
+                    param: Some("prompt"),
+                }),
+            };
+        }
+        if serde_json::from_str::<Vec<Vec<u64>>>(s).is_ok() {
+            return Err(ApiError::BadRequest {
+                message: "pdsim serves one prompt per request; batched prompts are not supported."
+                    .into(),
+                param: Some("prompt"),
+            });
+        }
+    }
+    Err(ApiError::BadRequest {
+        message: "prompt must be a string, an array of strings or an array of token ids.".into(),
+        param: Some("prompt"),
+    })
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow)]
+    role: Cow<'a, str>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+fn tokenize_messages(raw: Option<&RawValue>) -> Result<PromptTokens, ApiError> {
+    let raw = raw.ok_or_else(|| ApiError::BadRequest {
+        message: "Field required: messages".into(),
+        param: Some("messages"),
+    })?;
+    let messages: Vec<Message<'_>> = serde_json::from_str(raw.get()).map_err(|e| bad_json(&e))?;
+    let mut t = Tokenizer::new();
+    for m in &messages {
+        // A role marker token, like a chat template's header.
+        t.push_text(&format!("<|{}|>", m.role));
+        let Some(content) = m.content else { continue };
+        let s = content.get();
+        if s.starts_with('"') {
+            let text: Cow<'_, str> = serde_json::from_str(s).map_err(|e| bad_json(&e))?;
+            t.push_text(&text);
+        } else if s.starts_with('[') {
+            let parts: Vec<Part<'_>> = serde_json::from_str(s).map_err(|e| bad_json(&e))?;
+            for p in parts.iter().filter_map(|p| p.text.as_deref()) {
+                t.push_text(p);
+            }
+        }
+    }
+    // The generation prompt the template appends.
+    t.push_text("<|assistant|>");
+    Ok(t.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(endpoint: Endpoint, body: &str) -> ApiError {
+        parse(endpoint, body.as_bytes(), "m").unwrap_err()
+    }
+
+    #[test]
+    fn vllm_validation_errors() {
+        let e = err(
+            Endpoint::Completions,
+            r#"{"prompt":"x","stream":false,"stream_options":{"include_usage":true}}"#,
+        );
+        assert_eq!(
+            e.to_string(),
+            "Stream options can only be defined when stream=True."
+        );
+        let e = err(
+            Endpoint::Completions,
+            r#"{"prompt":"x","max_tokens":2,"min_tokens":3}"#,
+        );
+        assert_eq!(e.status(), 400);
+        assert!(e.to_string().contains("min_tokens"));
+        let e = err(Endpoint::Completions, r#"{"model":"other","prompt":"x"}"#);
+        assert_eq!(e.status(), 404);
+        assert_eq!(err(Endpoint::Completions, r#"{"model":"m"}"#).status(), 400);
+        assert_eq!(err(Endpoint::Chat, r#"{"model":"m"}"#).status(), 400);
+        assert_eq!(err(Endpoint::Completions, "not json").status(), 400);
+        assert_eq!(
+            err(Endpoint::Completions, r#"{"prompt":"x","max_tokens":0}"#).status(),
+            400
+        );
+    }
+
+    #[test]
+    fn accepts_prompt_shapes_and_chat() {
+        let a = parse(Endpoint::Completions, br#"{"prompt":"a b c"}"#, "m").unwrap();
+        assert_eq!(a.prompt.count, 4);
+        assert_eq!(a.max_tokens, DEFAULT_MAX_TOKENS);
+        let b = parse(
+            Endpoint::Completions,
+            br#"{"prompt":["a b c"],"max_tokens":3}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(b.prompt, a.prompt);
+        let c = parse(Endpoint::Completions, br#"{"prompt":[1,2,3]}"#, "m").unwrap();
+        assert_eq!(c.prompt.count, 4);
+        let d = parse(
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":"hi there"}],"max_completion_tokens":5,"max_tokens":9,"stream":true,"stream_options":{"include_usage":true}}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(d.max_tokens, 5);
+        assert!(d.stream && d.include_usage);
+        assert_eq!(d.prompt.count, 5);
+    }
+}

@@ -1,0 +1,284 @@
+//! Counters behind `GET /sim/stats` and `GET /metrics`.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// How many request bodies the ring keeps.
+pub const RECENT_CAPACITY: usize = 32;
+
+/// Live counters (atomics; cheap on the hot path).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub completions: AtomicU64,
+    pub chat_completions: AtomicU64,
+    pub models: AtomicU64,
+    pub health: AtomicU64,
+    pub metrics: AtomicU64,
+    pub abort_requests: AtomicU64,
+    pub responses_ok: AtomicU64,
+    pub responses_error: AtomicU64,
+    pub faults_injected: AtomicU64,
+    pub transfers_stored: AtomicU64,
+    pub transfers_served: AtomicU64,
+    pub transfers_refused: AtomicU64,
+    pub transfers_pulled: AtomicU64,
+    pub transfers_failed: AtomicU64,
+    pub recomputed: AtomicU64,
+    pub aborted: AtomicU64,
+    pub in_flight: AtomicU64,
+    pub waiting: AtomicU64,
+    pub client_disconnects: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub finished_length: AtomicU64,
+    pub finished_stop: AtomicU64,
+    pub finished_abort: AtomicU64,
+}
+
+/// One request as received, kept in a bounded ring.
+#[derive(Debug, Clone)]
+pub(crate) struct Recorded {
+    pub path: &'static str,
+    pub request_id: Option<String>,
+    pub data_parallel_rank: Option<String>,
+    pub body: Bytes,
+}
+
+/// The last [`RECENT_CAPACITY`] generation requests.
+#[derive(Debug, Default)]
+pub(crate) struct Recent {
+    ring: Mutex<VecDeque<Recorded>>,
+}
+
+impl Recent {
+    pub fn push(&self, r: Recorded) {
+        if let Ok(mut ring) = self.ring.lock() {
+            if ring.len() == RECENT_CAPACITY {
+                ring.pop_front();
+            }
+            ring.push_back(r);
+        }
+    }
+
+    fn snapshot(&self) -> Vec<RecentRequest> {
+        let Ok(ring) = self.ring.lock() else {
+            return Vec::new();
+        };
+        ring.iter()
+            .map(|r| RecentRequest {
+                path: r.path.to_owned(),
+                request_id: r.request_id.clone(),
+                data_parallel_rank: r.data_parallel_rank.clone(),
+                body: String::from_utf8_lossy(&r.body).into_owned(),
+            })
+            .collect()
+    }
+}
+
+/// Requests received, by endpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointCounts {
+    /// `POST /v1/completions`.
+    pub completions: u64,
+    /// `POST /v1/chat/completions`.
+    pub chat_completions: u64,
+    /// `GET /v1/models`.
+    pub models: u64,
+    /// `GET /health`.
+    pub health: u64,
+    /// `GET /metrics`.
+    pub metrics: u64,
+    /// `POST /abort_request`.
+    pub abort_requests: u64,
+}
+
+/// A request body the engine received (one entry of the bounded ring).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecentRequest {
+    /// Request path, e.g. `/v1/completions`.
+    pub path: String,
+    /// The `X-Request-Id` header, if sent.
+    pub request_id: Option<String>,
+    /// The `X-data-parallel-rank` header, if sent.
+    pub data_parallel_rank: Option<String>,
+    /// The body as received (lossy UTF-8).
+    pub body: String,
+}
+
+/// A snapshot of the engine's counters: what `GET /sim/stats` returns.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimStats {
+    /// The engine's role (`prefill`, `decode`, `both`).
+    pub role: String,
+    /// The engine's connector (`shfs`, ...).
+    pub connector: String,
+    /// The engine id advertised to decodes.
+    pub engine_id: String,
+    /// Requests received, by endpoint.
+    pub requests: EndpointCounts,
+    /// Generation requests answered 200 (streams count when their head is sent).
+    pub responses_ok: u64,
+    /// Generation requests answered with an error status or a mid-stream error event.
+    pub responses_error: u64,
+    /// Injected faults that fired (errors, hangs, delays, drops).
+    pub faults_injected: u64,
+    /// KV entries this prefill stored for a decode.
+    pub transfers_stored: u64,
+    /// KV entries this prefill handed to a decode over its side channel or bootstrap server.
+    pub transfers_served: u64,
+    /// KV pulls this prefill refused (unknown, expired, wrong engine, fault).
+    pub transfers_refused: u64,
+    /// KV entries this decode pulled and verified.
+    pub transfers_pulled: u64,
+    /// Decode requests that failed their KV handoff.
+    pub transfers_failed: u64,
+    /// Decode requests that got no KV params and recomputed the prompt.
+    pub recomputed: u64,
+    /// Requests aborted by `/abort_request`.
+    pub aborted: u64,
+    /// Generation requests being served now.
+    pub in_flight: u64,
+    /// Generation requests waiting for a concurrency slot.
+    pub waiting: u64,
+    /// Requests whose client went away before the response completed.
+    pub client_disconnects: u64,
+    /// Prompt tokens processed.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generation_tokens: u64,
+    /// The last few generation request bodies, oldest first.
+    pub recent_requests: Vec<RecentRequest>,
+}
+
+impl Counters {
+    pub fn snapshot(
+        &self,
+        role: &str,
+        connector: &str,
+        engine_id: &str,
+        recent: &Recent,
+    ) -> SimStats {
+        SimStats {
+            role: role.to_owned(),
+            connector: connector.to_owned(),
+            engine_id: engine_id.to_owned(),
+            requests: EndpointCounts {
+                completions: self.completions.load(Relaxed),
+                chat_completions: self.chat_completions.load(Relaxed),
+                models: self.models.load(Relaxed),
+                health: self.health.load(Relaxed),
+                metrics: self.metrics.load(Relaxed),
+                abort_requests: self.abort_requests.load(Relaxed),
+            },
+            responses_ok: self.responses_ok.load(Relaxed),
+            responses_error: self.responses_error.load(Relaxed),
+            faults_injected: self.faults_injected.load(Relaxed),
+            transfers_stored: self.transfers_stored.load(Relaxed),
+            transfers_served: self.transfers_served.load(Relaxed),
+            transfers_refused: self.transfers_refused.load(Relaxed),
+            transfers_pulled: self.transfers_pulled.load(Relaxed),
+            transfers_failed: self.transfers_failed.load(Relaxed),
+            recomputed: self.recomputed.load(Relaxed),
+            aborted: self.aborted.load(Relaxed),
+            in_flight: self.in_flight.load(Relaxed),
+            waiting: self.waiting.load(Relaxed),
+            client_disconnects: self.client_disconnects.load(Relaxed),
+            prompt_tokens: self.prompt_tokens.load(Relaxed),
+            generation_tokens: self.generation_tokens.load(Relaxed),
+            recent_requests: recent.snapshot(),
+        }
+    }
+
+    /// Prometheus text exposition with a few vLLM-named series.
+    pub fn render_prometheus(&self, model: &str, role: &str, connector: &str) -> String {
+        use std::fmt::Write;
+        let mut out = String::with_capacity(2048);
+        let l = format!("model_name=\"{model}\"");
+        let g = |out: &mut String, name: &str, kind: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{l}}} {v}"
+            );
+        };
+        g(
+            &mut out,
+            "vllm:num_requests_running",
+            "gauge",
+            "Requests in model execution batches.",
+            self.in_flight.load(Relaxed),
+        );
+        g(
+            &mut out,
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Requests waiting to be processed.",
+            self.waiting.load(Relaxed),
+        );
+        g(
+            &mut out,
+            "vllm:prompt_tokens_total",
+            "counter",
+            "Number of prefill tokens processed.",
+            self.prompt_tokens.load(Relaxed),
+        );
+        g(
+            &mut out,
+            "vllm:generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            self.generation_tokens.load(Relaxed),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter"
+        );
+        for (reason, v) in [
+            ("length", &self.finished_length),
+            ("stop", &self.finished_stop),
+            ("abort", &self.finished_abort),
+        ] {
+            let _ = writeln!(
+                out,
+                "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {}",
+                v.load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP pdsim_kv_transfers_total KV handoffs by outcome.\n# TYPE pdsim_kv_transfers_total counter"
+        );
+        for (outcome, v) in [
+            ("stored", &self.transfers_stored),
+            ("served", &self.transfers_served),
+            ("refused", &self.transfers_refused),
+            ("pulled", &self.transfers_pulled),
+            ("failed", &self.transfers_failed),
+            ("recomputed", &self.recomputed),
+        ] {
+            let _ = writeln!(
+                out,
+                "pdsim_kv_transfers_total{{{l},role=\"{role}\",connector=\"{connector}\",outcome=\"{outcome}\"}} {}",
+                v.load(Relaxed)
+            );
+        }
+        g(
+            &mut out,
+            "pdsim_client_disconnects_total",
+            "counter",
+            "Requests whose client left early.",
+            self.client_disconnects.load(Relaxed),
+        );
+        g(
+            &mut out,
+            "pdsim_aborted_total",
+            "counter",
+            "Requests aborted by /abort_request.",
+            self.aborted.load(Relaxed),
+        );
+        out
+    }
+}
