@@ -306,7 +306,16 @@ def kill_group(pgid: int, what: str) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        return
+    # Wait (bounded) until the whole group is gone, so "dead" means dead.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    print(f"INFO process group {pgid} still present 15 s after SIGKILL", flush=True)
 
 
 def is_clear_error(reply: Reply) -> bool:
@@ -355,7 +364,7 @@ def phase_kill_decode(res: Result, gw, args) -> None:
         body = make_body(kind, stream, f"dkill-{uuid.uuid4().hex[:8]}")
         try:
             reply = gw.send(kind, body, timeout=FAILURE_TIMEOUT_S)
-        except ConnectionRefusedError as e:
+        except ConnectionError as e:
             # Only the direct mode talks to the dead engine itself.
             res.check(isinstance(gw, DirectGateway), f"decode killed {kind} stream={stream}: refused", repr(e))
             continue
