@@ -15,6 +15,9 @@ use axum::routing::{get, post};
 use futures_util::stream;
 
 use crate::config::Faults;
+
+/// Pause before an injected connection drop so earlier bytes are flushed first.
+const DROP_FLUSH: Duration = Duration::from_millis(20);
 use crate::engine::{Engine, InFlight, Job, MAX_MODEL_LEN, plan};
 use crate::error::ApiError;
 use crate::request::{Endpoint, parse};
@@ -199,11 +202,21 @@ async fn run(
                 count(&job.engine.counters.faults_injected);
                 let half = Bytes::from(body).slice(..);
                 let cut = half.len() / 2;
-                let parts: Vec<Result<Bytes, io::Error>> = vec![
-                    Ok(half.slice(..cut)),
-                    Err(io::Error::other("injected connection drop")),
-                ];
-                json_response(Body::from_stream(stream::iter(parts)))
+                let first = half.slice(..cut);
+                let parts = stream::unfold(0u8, move |step| {
+                    let first = first.clone();
+                    async move {
+                        match step {
+                            0 => Some((Ok(first), 1)),
+                            1 => {
+                                tokio::time::sleep(DROP_FLUSH).await;
+                                Some((Err(io::Error::other("injected connection drop")), 2))
+                            }
+                            _ => None,
+                        }
+                    }
+                });
+                json_response(Body::from_stream(parts))
             }
             None => json_response(Body::from(body)),
         },
@@ -288,6 +301,8 @@ impl SseState {
             count(&self.job.engine.counters.faults_injected);
             self.phase = Phase::End;
             self.job.guard.finish();
+            // Let the chunks already produced reach the socket before the cut.
+            tokio::time::sleep(DROP_FLUSH).await;
             return Some(Err(io::Error::other("injected connection drop")));
         }
         self.sent += 1;
