@@ -54,7 +54,8 @@ pub struct EndpointConfig {
     /// Annotations (`model.aibrix.ai/sglang-bootstrap-port`, ...).
     #[serde(default)]
     pub annotations: BTreeMap<String, String>,
-    /// Mooncake bootstrap port of a prefill engine (default 8998).
+    /// Bootstrap port of a prefill engine: the Mooncake `/query` server or the SGLang bootstrap
+    /// server (default 8998 for both).
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
 }
@@ -300,10 +301,12 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
             .insert(kvtransfer::labels::MODEL_NAME.to_string(), model.clone());
     }
     if let Some(port) = ep.bootstrap_port {
-        pod.annotations.insert(
-            crate::endpoints::MOONCAKE_BOOTSTRAP_PORT_ANNOTATION.to_string(),
-            port.to_string(),
-        );
+        for key in [
+            crate::endpoints::MOONCAKE_BOOTSTRAP_PORT_ANNOTATION,
+            kvtransfer::labels::SGLANG_BOOTSTRAP_PORT,
+        ] {
+            pod.annotations.insert(key.to_string(), port.to_string());
+        }
     }
     Ok(pod)
 }

@@ -1,0 +1,216 @@
+//! Shared harness: pdsim engines on port 0 and a pdgate in front of them, all in-process.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use pdgate::config::{Config, EndpointConfig};
+use pdgate::{Gateway, RunningGateway};
+use pdsim::{Connector, Role, SimConfig, SimHandle};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+
+pub const MODEL: &str = "m";
+
+pub struct Fleet {
+    pub prefill: Vec<SimHandle>,
+    pub decode: Vec<SimHandle>,
+    pub gateway: RunningGateway,
+    pub http: reqwest::Client,
+}
+
+pub fn sim(role: Role, connector: Connector) -> SimConfig {
+    let mut c = SimConfig::new(role, connector);
+    c.model = MODEL.to_string();
+    c
+}
+
+pub fn endpoint_for(engine: &SimHandle, connector: Option<Connector>) -> EndpointConfig {
+    let mut labels = BTreeMap::new();
+    if let Some(c) = connector {
+        labels.insert(
+            kvtransfer::CONNECTOR_TYPE_IDENTIFIER.to_string(),
+            c.as_str().to_string(),
+        );
+    }
+    EndpointConfig {
+        url: engine.base_url(),
+        model: Some(MODEL.to_string()),
+        labels,
+        bootstrap_port: engine.bootstrap_port(),
+        ..EndpointConfig::default()
+    }
+}
+
+/// Starts the given engines and a gateway; waits until the gateway is ready (bounded).
+pub async fn start(
+    prefill: Vec<SimConfig>,
+    decode: Vec<SimConfig>,
+    tweak: impl FnOnce(&mut Config),
+) -> Fleet {
+    let mut config = Config::default();
+    let mut p = Vec::new();
+    for c in prefill {
+        let connector = c.connector;
+        let e = pdsim::spawn(c).await.expect("prefill engine");
+        config.prefill.push(endpoint_for(&e, Some(connector)));
+        p.push(e);
+    }
+    let mut d = Vec::new();
+    for c in decode {
+        let connector = c.connector;
+        let e = pdsim::spawn(c).await.expect("decode engine");
+        config.decode.push(endpoint_for(&e, Some(connector)));
+        d.push(e);
+    }
+    tweak(&mut config);
+    let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("config");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let pods = gw.config.pods().expect("pods");
+    let gateway = RunningGateway::start(gw, listener, pods)
+        .await
+        .expect("gateway");
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client");
+    let fleet = Fleet {
+        prefill: p,
+        decode: d,
+        gateway,
+        http,
+    };
+    fleet.wait_ready(true).await;
+    fleet
+}
+
+/// One prefill and one decode of `connector`.
+pub async fn pair(connector: Connector, tweak: impl FnOnce(&mut Config)) -> Fleet {
+    start(
+        vec![sim(Role::Prefill, connector)],
+        vec![sim(Role::Decode, connector)],
+        tweak,
+    )
+    .await
+}
+
+impl Fleet {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.gateway.base_url(), path)
+    }
+
+    pub async fn wait_ready(&self, want: bool) {
+        let mut last = 0;
+        for _ in 0..200 {
+            let r = self
+                .http
+                .get(self.url("/ready"))
+                .send()
+                .await
+                .expect("ready");
+            last = r.status().as_u16();
+            if (last == 200) == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("gateway readiness stayed {last}");
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.http
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .expect("request")
+    }
+
+    pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> reqwest::Response {
+        self.http
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("request")
+    }
+
+    /// In-flight counts of every gateway endpoint.
+    pub fn gateway_in_flight(&self) -> usize {
+        let snap = self.gateway.gateway().store.load();
+        snap.prefill
+            .iter()
+            .chain(snap.decode.iter())
+            .map(|e| e.load.in_flight())
+            .sum()
+    }
+
+    /// Waits (bounded) until no engine and no gateway endpoint holds a request.
+    pub async fn wait_idle(&self) {
+        for _ in 0..200 {
+            let engines: u64 = self
+                .prefill
+                .iter()
+                .chain(self.decode.iter())
+                .map(|e| e.stats().in_flight)
+                .sum();
+            if engines == 0 && self.gateway_in_flight() == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "still busy: gateway {} engines {:?}",
+            self.gateway_in_flight(),
+            self.prefill
+                .iter()
+                .chain(self.decode.iter())
+                .map(|e| e.stats().in_flight)
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+pub fn completion(stream: bool) -> Value {
+    json!({"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 12, "stream": stream})
+}
+
+pub fn chat(stream: bool) -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story about a fox"}], "max_tokens": 12, "stream": stream})
+}
+
+/// The generated text of a non-streaming or streaming (SSE) response body.
+pub fn text_of(body: &str) -> String {
+    if body.starts_with("data:") {
+        let mut out = String::new();
+        let mut done = false;
+        for event in body.split("\n\n").filter(|e| !e.is_empty()) {
+            let data = event.strip_prefix("data: ").expect("data: framing");
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).expect("event json");
+            assert!(v.get("error").is_none(), "error event: {data}");
+            for c in v["choices"].as_array().into_iter().flatten() {
+                if let Some(t) = c["text"].as_str() {
+                    out.push_str(t);
+                }
+                if let Some(t) = c["delta"]["content"].as_str() {
+                    out.push_str(t);
+                }
+            }
+        }
+        assert!(done, "stream ended without [DONE]: {body}");
+        out
+    } else {
+        let v: Value = serde_json::from_str(body).expect("json body");
+        let c = &v["choices"][0];
+        c["text"]
+            .as_str()
+            .or_else(|| c["message"]["content"].as_str())
+            .unwrap_or_else(|| panic!("no text in {body}"))
+            .to_string()
+    }
+}
