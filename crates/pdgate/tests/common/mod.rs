@@ -48,6 +48,17 @@ pub async fn start(
     decode: Vec<SimConfig>,
     tweak: impl FnOnce(&mut Config),
 ) -> Fleet {
+    let fleet = start_unready(prefill, decode, tweak).await;
+    fleet.wait_ready(true).await;
+    fleet
+}
+
+/// Like [`start`], without waiting for readiness (for fleets that are never ready).
+pub async fn start_unready(
+    prefill: Vec<SimConfig>,
+    decode: Vec<SimConfig>,
+    tweak: impl FnOnce(&mut Config),
+) -> Fleet {
     let mut config = Config::default();
     let mut p = Vec::new();
     for c in prefill {
@@ -74,14 +85,12 @@ pub async fn start(
         .timeout(Duration::from_secs(60))
         .build()
         .expect("client");
-    let fleet = Fleet {
+    Fleet {
         prefill: p,
         decode: d,
         gateway,
         http,
-    };
-    fleet.wait_ready(true).await;
-    fleet
+    }
 }
 
 /// One prefill and one decode of `connector`.
