@@ -1,0 +1,167 @@
+//! Config-file hot reload without dropping in-flight requests, and the demo fleet.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use pdgate::cli::RunArgs;
+use pdgate::{Gateway, RunningGateway};
+use pdsim::{Connector, LatencyModel, Role};
+use serde_json::json;
+use tokio::net::TcpListener;
+
+fn toml_for(prefill: &[&pdsim::SimHandle], decode: &[&pdsim::SimHandle]) -> String {
+    let mut s = String::from("kv_connector = \"shfs\"\nmodels = [\"m\"]\n");
+    for p in prefill {
+        s.push_str(&format!("[[prefill]]\nurl = \"{}\"\n", p.base_url()));
+    }
+    for d in decode {
+        s.push_str(&format!("[[decode]]\nurl = \"{}\"\n", d.base_url()));
+    }
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn editing_the_config_file_swaps_endpoints_without_dropping_requests() {
+    let slow = LatencyModel {
+        itl: Duration::from_millis(10),
+        ..LatencyModel::default()
+    };
+    let p = pdsim::spawn(sim(Role::Prefill, Connector::Shfs))
+        .await
+        .unwrap();
+    let mut d1 = sim(Role::Decode, Connector::Shfs);
+    d1.latency = slow;
+    let d1 = pdsim::spawn(d1).await.unwrap();
+    let d2 = pdsim::spawn(sim(Role::Decode, Connector::Shfs))
+        .await
+        .unwrap();
+
+    let dir = std::env::temp_dir().join(format!("pdgate-reload-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("pdgate.toml");
+    std::fs::write(&file, toml_for(&[&p], &[&d1])).unwrap();
+    let args = RunArgs {
+        config: Some(file.clone()),
+        ..RunArgs::default()
+    };
+    let registry = kvtransfer::Registry::with_builtins();
+    let gw = Gateway::new(args.load().unwrap(), registry.clone()).unwrap();
+    let pods = gw.config.pods().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut running = RunningGateway::start(gw, listener, pods).await.unwrap();
+    let tx = running.pods().clone();
+    let cancel = running.cancel_token();
+    running.spawn_owned(pdgate::cli::watch_config_file(
+        args,
+        registry,
+        tx,
+        cancel,
+        Duration::from_millis(50),
+    ));
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/completions", running.base_url());
+
+    // A long stream on d1 is in flight while the file moves traffic to d2.
+    let mut long = completion(true);
+    long["max_tokens"] = json!(60);
+    let mut inflight = http.post(&url).json(&long).send().await.unwrap();
+    assert_eq!(inflight.headers()["target-pod"], d1.addr().to_string());
+    let first = inflight.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "));
+
+    // A bad edit is rejected and the last good set keeps serving.
+    std::fs::write(&file, "kv_connector = \"bogus\"\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = http
+        .post(&url)
+        .json(&completion(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["target-pod"], d1.addr().to_string());
+
+    std::fs::write(&file, toml_for(&[&p], &[&d2])).unwrap();
+    let mut moved = false;
+    for _ in 0..100 {
+        let r = http
+            .post(&url)
+            .json(&completion(false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        if r.headers()["target-pod"] == d2.addr().to_string().as_str() {
+            moved = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(moved, "traffic moved to the new decode");
+    // The stream that started before the reload completes intact.
+    let mut rest = first.to_vec();
+    while let Some(c) = inflight.chunk().await.unwrap() {
+        rest.extend_from_slice(&c);
+    }
+    assert!(!text_of(std::str::from_utf8(&rest).unwrap()).is_empty());
+    running.shutdown(Duration::from_secs(5)).await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_serves_every_connector() {
+    let demo = pdgate::demo::start("127.0.0.1:0".parse().unwrap(), LatencyModel::default())
+        .await
+        .unwrap();
+    let base = demo.gateway.base_url();
+    let http = reqwest::Client::new();
+    for _ in 0..100 {
+        if http
+            .get(format!("{base}/ready"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            == 200
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut connectors = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        let (path, body) = if i % 2 == 0 {
+            (
+                "/v1/chat/completions",
+                json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": i % 4 == 0}),
+            )
+        } else {
+            (
+                "/v1/completions",
+                json!({"model": "demo", "prompt": "hello", "max_tokens": 8}),
+            )
+        };
+        let r = http
+            .post(format!("{base}{path}"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        connectors.insert(
+            r.headers()["x-pdgate-connector"]
+                .to_str()
+                .unwrap()
+                .to_string(),
+        );
+        assert!(!text_of(&r.text().await.unwrap()).is_empty());
+    }
+    assert_eq!(
+        connectors.into_iter().collect::<Vec<_>>(),
+        ["mooncake", "nixl", "shfs"]
+    );
+    for engine in &demo.engines {
+        assert_eq!(engine.stats().recomputed, 0);
+    }
+}
