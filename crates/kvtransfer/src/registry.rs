@@ -1,9 +1,9 @@
 //! Agents by connector type: an owned [`Registry`] and a process-wide default
 //! one behind free functions mirroring upstream's package-level API.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
-use std::sync::{Arc, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 use crate::agent::KvTransferAgent;
 use crate::agents::{MooncakeAgent, NixlAgent, SglangAgent, ShfsAgent};
@@ -130,8 +130,8 @@ impl Registry {
 
     /// The connector type for a pod label value: trimmed and lower-cased; a
     /// registered value wins; empty falls back to `global_default`
-    /// (normalised); an unregistered non-empty value logs a warning and falls
-    /// back too.
+    /// (normalised); an unregistered non-empty value logs a warning (once per
+    /// distinct value per process, then at debug level) and falls back too.
     pub fn resolve_connector_type(&self, label_value: &str, global_default: &str) -> String {
         let name = normalize_connector_type(label_value);
         if name.is_empty() {
@@ -140,12 +140,16 @@ impl Registry {
         if self.factories.contains_key(&name) {
             return name;
         }
-        tracing::warn!(
-            label = CONNECTOR_TYPE_IDENTIFIER,
-            value = %label_value,
-            default = %global_default,
-            "unrecognised KV connector type on pod label; using the default"
-        );
+        if first_sighting(&name) {
+            tracing::warn!(
+                label = CONNECTOR_TYPE_IDENTIFIER,
+                value = %label_value,
+                default = %global_default,
+                "unrecognised KV connector type on pod label; using the default"
+            );
+        } else {
+            tracing::debug!(value = %label_value, "unrecognised KV connector type; using the default");
+        }
         normalize_connector_type(global_default)
     }
 
@@ -164,6 +168,24 @@ impl Registry {
         let label = pod.label(CONNECTOR_TYPE_IDENTIFIER).unwrap_or("");
         self.resolve(&self.resolve_connector_type(label, global_default))
     }
+}
+
+/// How many distinct unrecognised label values get their own warning; beyond
+/// that (a misbehaving label source) they are logged at debug level.
+const WARN_DISTINCT_LIMIT: usize = 64;
+
+/// Whether `value` has not been warned about yet. Resolution runs per request,
+/// so a mistyped label would otherwise log one warning per request.
+fn first_sighting(value: &str) -> bool {
+    static WARNED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let mut warned = WARNED
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if warned.contains(value) || warned.len() >= WARN_DISTINCT_LIMIT {
+        return false;
+    }
+    warned.insert(value.to_owned())
 }
 
 fn default_registry() -> &'static RwLock<Registry> {
