@@ -191,7 +191,12 @@ impl JsonBody {
         let mut pos = open + 1;
         for (key, value) in parsed {
             let text = value.get();
-            let start = text.as_ptr() as usize - base;
+            // `&'de RawValue` borrows from `input`; check anyway rather than
+            // trust pointer arithmetic blindly.
+            let start = (text.as_ptr() as usize)
+                .checked_sub(base)
+                .filter(|s| s + text.len() <= input.len() && *s >= pos)
+                .ok_or_else(|| BodyError::Invalid(de::Error::custom("raw value outside input")))?;
             let end = start + text.len();
             if let Some(prev) = members.last_mut() {
                 let comma = skip_ws(input, pos);
