@@ -30,7 +30,7 @@ pub struct TransferState {
     /// SGLang bootstrap room (the first one for batches).
     pub bootstrap_room: Option<u64>,
     /// All SGLang bootstrap rooms, in order; one entry unless the request is a
-    /// batch (prompt array or `n > 1`), in which case the body carries an array.
+    /// batch of prompts, in which case the body carries an array.
     pub bootstrap_rooms: Vec<u64>,
     /// Whether the bootstrap room went out as an array (batch request).
     pub bootstrap_room_is_array: bool,

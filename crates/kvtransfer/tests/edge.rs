@@ -351,8 +351,12 @@ fn sglang_batch_gets_arrays_and_ipv6_brackets() {
     let distinct: std::collections::BTreeSet<_> =
         rooms.iter().map(|r| r.as_u64().unwrap()).collect();
     assert_eq!(distinct.len(), 3);
-    let (_, decode, _) = both_legs("sglang", &pod, r#"{"prompt":"a","n":2}"#, b"");
+    // SGLang repeats list fields `n` times itself: one entry per prompt.
+    let (_, decode, _) = both_legs("sglang", &pod, r#"{"prompt":["a","b"],"n":3}"#, b"");
     assert_eq!(json(&decode)["bootstrap_room"].as_array().unwrap().len(), 2);
+    let (_, decode, _) = both_legs("sglang", &pod, r#"{"prompt":"a","n":2}"#, b"");
+    assert!(json(&decode)["bootstrap_room"].is_u64());
+    assert_eq!(json(&decode)["bootstrap_host"], "[fd00::3]");
 }
 
 #[test]

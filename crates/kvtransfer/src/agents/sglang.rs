@@ -27,22 +27,17 @@ fn prompt_count(body: &JsonBody, key: &str) -> Option<usize> {
     }
 }
 
-/// How many bootstrap rooms a request needs: `None` for a single request
-/// (scalar fields), `Some(k)` for a batch (array fields of length `k`): the
-/// number of prompts in `prompt`, `text` or `input_ids` times `n` when `n > 1`.
+/// How many bootstrap rooms a request needs: `None` for a single prompt
+/// (scalar fields), `Some(k)` for a batch of `k` prompts in `prompt`, `text` or
+/// `input_ids` (array fields of length `k`).
+///
+/// `n` does not count: SGLang itself repeats list-valued bootstrap fields
+/// `n` times (and a scalar for every sample), so lists must have one entry per
+/// prompt.
 pub fn sglang_batch_size(body: &JsonBody) -> Option<usize> {
-    let prompts = ["prompt", "text", "input_ids"]
+    ["prompt", "text", "input_ids"]
         .iter()
-        .find_map(|k| prompt_count(body, k));
-    let n = body
-        .get::<u64>("n")
-        .and_then(Result::ok)
-        .and_then(|n| usize::try_from(n).ok())
-        .filter(|n| *n > 1);
-    match (prompts, n) {
-        (None, None) => None,
-        (p, n) => Some(p.unwrap_or(1).saturating_mul(n.unwrap_or(1))),
-    }
+        .find_map(|k| prompt_count(body, k))
 }
 
 /// A random room id in `0..2^63` (SGLang's range), from a v4 UUID's random bits.
@@ -157,10 +152,10 @@ mod tests {
             sglang_batch_size(&body(r#"{"prompt":[[1],[2],[3]]}"#)),
             Some(3)
         );
-        assert_eq!(sglang_batch_size(&body(r#"{"prompt":"a","n":3}"#)), Some(3));
+        assert_eq!(sglang_batch_size(&body(r#"{"prompt":"a","n":3}"#)), None);
         assert_eq!(
             sglang_batch_size(&body(r#"{"prompt":["a","b"],"n":2}"#)),
-            Some(4)
+            Some(2)
         );
         assert_eq!(sglang_batch_size(&body(r#"{"text":["a"],"n":1}"#)), Some(1));
         assert_eq!(sglang_batch_size(&body(r#"{"messages":[],"n":1}"#)), None);
