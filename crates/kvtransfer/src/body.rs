@@ -204,6 +204,11 @@ impl JsonBody {
                 pos = comma + 1;
             }
             let key_start = skip_ws(input, pos);
+            if key_start > start {
+                return Err(BodyError::Invalid(de::Error::custom(
+                    "member layout not understood",
+                )));
+            }
             members.push(Member {
                 key: key.into_boxed_str(),
                 pre: pos..key_start,
