@@ -1,0 +1,318 @@
+#!/usr/bin/env bash
+# bench/compare.sh: what a PD gateway adds on top of the engines, on one machine, in one run.
+#
+# Builds release binaries, starts zero-delay pdsim engines (one prefill, one decode, shfs),
+# then, interleaved cell by cell: pdbench's direct PD mode (the baseline), pdgate and
+# vllm-router against the same engines. Each gateway's CPU time (utime+stime from
+# /proc/PID/stat, all its threads and child processes) and peak RSS (VmHWM, reset per cell
+# through /proc/PID/clear_refs) are sampled around every cell. Finally a soak: 5,000
+# concurrent open streams against slow-streaming engines. Prints one table of ratios.
+#
+# Pinning (2 cores): every gateway runs alone on core $GATEWAY_CPU; pdbench and both engines
+# share core $CLIENT_CPU. The direct baseline therefore runs with the gateway core idle.
+#
+# Every step is bounded in time; every process started here is killed by pid on exit.
+#
+# Environment (all optional):
+#   PDGATE_CACHE        cache dir for the vllm-router virtualenv   [~/.cache/pdgate]
+#   CARGO_TARGET_DIR    cargo target dir                           [<repo>/target]
+#   BENCH_OUT           where JSON results go                      [<repo>/bench/out/<utc time>]
+#   BENCH_DURATION      seconds per measured cell                  [5]
+#   BENCH_WARMUP        unmeasured requests before each cell       [200, at least the concurrency]
+#   BENCH_CONCURRENCY   closed-loop client counts                  ["1 16 64 256"]
+#   BENCH_MODES         "plain stream"                             ["plain stream"]
+#   BENCH_GATEWAYS      gateways to compare                        ["pdgate vllm-router"]
+#   BENCH_SOAK_STREAMS  concurrent streams in the soak (0 = skip)  [5000]
+#   BENCH_SOAK_DURATION seconds of soak per target                 [20]
+#   BENCH_SKIP_BUILD=1  use existing release binaries
+#   VLLM_ROUTER_VERSION PyPI version of vllm-router                [0.1.17]
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${PDGATE_CACHE:-$HOME/.cache/pdgate}"
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+BIN="$TARGET_DIR/release"
+OUT="${BENCH_OUT:-$ROOT/bench/out/$(date -u +%Y%m%dT%H%M%SZ)}"
+DURATION="${BENCH_DURATION:-5}"
+WARMUP="${BENCH_WARMUP:-200}"
+CONCURRENCIES="${BENCH_CONCURRENCY:-1 16 64 256}"
+MODES="${BENCH_MODES:-plain stream}"
+GATEWAYS="${BENCH_GATEWAYS:-pdgate vllm-router}"
+SOAK_STREAMS="${BENCH_SOAK_STREAMS:-5000}"
+SOAK_DURATION="${BENCH_SOAK_DURATION:-20}"
+VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
+CLIENT_CPU="${CLIENT_CPU:-0}"
+GATEWAY_CPU="${GATEWAY_CPU:-1}"
+PROMPT_LEN=128
+PLAIN_TOKENS=16
+STREAM_TOKENS=256
+SOAK_TOKENS=64
+SOAK_ITL_MS=100
+
+mkdir -p "$OUT"
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+PROC="$OUT/proc.tsv"
+printf 'cell\ttarget\tcpu_s\trss_kb\tpids\n' >"$PROC"
+
+log() { printf '[compare %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+
+# ---- process bookkeeping: everything we start is recorded and killed by pid -------------
+PIDS=()
+cleanup() {
+  local pid
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  sleep 0.5
+  for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+stop_pid() {
+  local pid="$1" i
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for i in $(seq 1 50); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -KILL "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+# Waits (bounded) until URL answers 200.
+wait_http() {
+  local url="$1" secs="${2:-60}" i
+  for i in $(seq 1 $((secs * 10))); do
+    if curl -fsS -o /dev/null --max-time 1 "$url" 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  log "timed out waiting for $url"
+  return 1
+}
+
+# A pid and all its descendants.
+tree_pids() {
+  local pid="$1" child
+  echo "$pid"
+  for child in $(pgrep -P "$pid" 2>/dev/null || true); do tree_pids "$child"; done
+}
+
+# CPU ticks (utime+stime) of a process tree; fields after the ")" of /proc/PID/stat.
+cpu_ticks() {
+  local total=0 pid t
+  for pid in $(tree_pids "$1"); do
+    t=$(awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$pid/stat" 2>/dev/null || echo 0)
+    total=$((total + t))
+  done
+  echo "$total"
+}
+
+# Peak RSS (VmHWM, kB) of a process tree, summed.
+peak_rss_kb() {
+  local total=0 pid v
+  for pid in $(tree_pids "$1"); do
+    v=$(awk '/^VmHWM:/ { print $2 }' "/proc/$pid/status" 2>/dev/null || echo 0)
+    total=$((total + ${v:-0}))
+  done
+  echo "$total"
+}
+
+reset_peak_rss() {
+  local pid
+  for pid in $(tree_pids "$1"); do echo 5 >"/proc/$pid/clear_refs" 2>/dev/null || true; done
+}
+
+CLK_TCK=$(getconf CLK_TCK)
+
+# ---- limits and build --------------------------------------------------------------------
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt 16384 ]; then
+  log "warning: open-file limit $(ulimit -n) is low for the ${SOAK_STREAMS}-stream soak"
+fi
+
+if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
+  log "building release binaries (pdbench, pdsim)"
+  (cd "$ROOT" && timeout 1800 cargo build --release -p pdbench -p pdsim) >"$LOGS/build.log" 2>&1 ||
+    { log "build failed, see $LOGS/build.log"; exit 1; }
+  if [[ " $GATEWAYS " == *" pdgate "* ]]; then
+    log "building pdgate"
+    if ! (cd "$ROOT" && timeout 1800 cargo build --release -p pdgate) >>"$LOGS/build.log" 2>&1; then
+      log "pdgate does not build; leaving it out (see $LOGS/build.log)"
+      GATEWAYS="${GATEWAYS//pdgate/}"
+    fi
+  fi
+fi
+for b in pdbench pdsim; do
+  [ -x "$BIN/$b" ] || { log "missing $BIN/$b"; exit 1; }
+done
+if [[ " $GATEWAYS " == *" pdgate "* ]] && [ ! -x "$BIN/pdgate" ]; then
+  log "no $BIN/pdgate; leaving it out"
+  GATEWAYS="${GATEWAYS//pdgate/}"
+fi
+
+VR_VENV="$CACHE/vllm-router-$VLLM_ROUTER_VERSION"
+if [[ " $GATEWAYS " == *" vllm-router "* ]] && [ ! -x "$VR_VENV/bin/vllm-router" ]; then
+  log "installing vllm-router==$VLLM_ROUTER_VERSION into $VR_VENV"
+  mkdir -p "$CACHE"
+  if ! (timeout 900 python3 -m venv "$VR_VENV" &&
+    timeout 900 "$VR_VENV/bin/pip" install -q "vllm-router==$VLLM_ROUTER_VERSION") >"$LOGS/pip.log" 2>&1; then
+    log "vllm-router install failed; leaving it out (see $LOGS/pip.log)"
+    GATEWAYS="${GATEWAYS//vllm-router/}"
+  fi
+fi
+GATEWAYS="$(echo $GATEWAYS)"
+
+# ---- engines and gateways ------------------------------------------------------------------
+# start_engine ROLE PORT SIDE_PORT [extra pdsim flags...]; sets LAST_PID.
+start_engine() {
+  local role="$1" port="$2" side="$3"
+  shift 3
+  taskset -c "$CLIENT_CPU" "$BIN/pdsim" --role "$role" --connector shfs \
+    --listen "127.0.0.1:$port" --side-channel-listen "127.0.0.1:$side" \
+    --bootstrap-listen "127.0.0.1:$(free_port)" --advertise-host 127.0.0.1 \
+    --worker-threads 1 --slots 0 "$@" >"$LOGS/pdsim-$role-$port.log" 2>&1 &
+  LAST_PID=$!
+  PIDS+=("$LAST_PID")
+  wait_http "http://127.0.0.1:$port/health" 30
+}
+
+# start_gateway NAME PORT PREFILL_URL DECODE_URL; sets LAST_PID.
+start_gateway() {
+  local name="$1" port="$2" p="$3" d="$4"
+  case "$name" in
+    pdgate)
+      RUST_LOG=warn taskset -c "$GATEWAY_CPU" "$BIN/pdgate" --prefill "$p" --decode "$d" \
+        --kv-connector shfs --listen "127.0.0.1:$port" >"$LOGS/pdgate-$port.log" 2>&1 &
+      ;;
+    vllm-router)
+      taskset -c "$GATEWAY_CPU" "$VR_VENV/bin/vllm-router" --vllm-pd-disaggregation \
+        --prefill "$p" --decode "$d" --kv-connector nixl --policy round_robin \
+        --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" \
+        --log-level warning --worker-startup-check-interval 1 \
+        >"$LOGS/vllm-router-$port.log" 2>&1 &
+      ;;
+    *)
+      log "unknown gateway $name"
+      return 1
+      ;;
+  esac
+  LAST_PID=$!
+  PIDS+=("$LAST_PID")
+  wait_http "http://127.0.0.1:$port/health" 90
+}
+
+# run_cell CELL TARGET PIDOFTARGET ARGS...: one pdbench run, sampled.
+run_cell() {
+  local cell="$1" target="$2" pid="$3"
+  shift 3
+  local t0=0 t1=0 rss=0
+  if [ "$pid" != - ]; then
+    reset_peak_rss "$pid"
+    t0=$(cpu_ticks "$pid")
+  fi
+  if ! timeout "$CELL_LIMIT" taskset -c "$CLIENT_CPU" "$BIN/pdbench" "$@" --json --threads 1 \
+    >"$OUT/$cell-$target.json" 2>"$LOGS/$cell-$target.err"; then
+    log "$cell $target: pdbench failed (see $LOGS/$cell-$target.err)"
+  fi
+  if [ "$pid" != - ]; then
+    t1=$(cpu_ticks "$pid")
+    rss=$(peak_rss_kb "$pid")
+    printf '%s\t%s\t%s\t%s\t%s\n' "$cell" "$target" \
+      "$(awk -v a="$t0" -v b="$t1" -v h="$CLK_TCK" 'BEGIN { printf "%.3f", (b - a) / h }')" \
+      "$rss" "$(tree_pids "$pid" | tr '\n' ',')" >>"$PROC"
+  fi
+  log "$cell $target: $(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"{r[\"ok\"]} ok, {r[\"errors\"]} err, {r[\"throughput_rps\"]:.0f} req/s")' "$OUT/$cell-$target.json" 2>/dev/null || echo 'no result')"
+}
+
+# run_matrix PREFIX PREFILL_URL DECODE_URL: every target at every cell, interleaved.
+declare -A GW_PORT GW_PID
+run_target() {
+  local cell="$1" target="$2" p="$3" d="$4"
+  shift 4
+  if [ "$target" = direct ]; then
+    run_cell "$cell" direct - direct --prefill "$p" --decode "$d" --connector shfs "$@"
+  else
+    run_cell "$cell" "$target" "${GW_PID[$target]}" --url "http://127.0.0.1:${GW_PORT[$target]}" "$@"
+  fi
+}
+
+# ---- phase 1: zero-delay engines, concurrency sweep ----------------------------------------
+CELL_LIMIT=$((DURATION * 3 + 120))
+P_PORT=$(free_port)
+D_PORT=$(free_port)
+log "starting zero-delay pdsim prefill :$P_PORT and decode :$D_PORT (core $CLIENT_CPU)"
+start_engine prefill "$P_PORT" "$(free_port)" --zero-delay
+start_engine decode "$D_PORT" "$(free_port)" --zero-delay
+PREFILL="http://127.0.0.1:$P_PORT"
+DECODE="http://127.0.0.1:$D_PORT"
+
+for gw in $GATEWAYS; do
+  GW_PORT[$gw]=$(free_port)
+  log "starting $gw on :${GW_PORT[$gw]} (core $GATEWAY_CPU)"
+  if start_gateway "$gw" "${GW_PORT[$gw]}" "$PREFILL" "$DECODE"; then
+    GW_PID[$gw]=$LAST_PID
+  else
+    log "$gw did not become healthy; leaving it out"
+    stop_pid "$LAST_PID"
+    GATEWAYS="$(echo "${GATEWAYS//$gw/}")"
+  fi
+done
+
+for mode in $MODES; do
+  for c in $CONCURRENCIES; do
+    cell="$mode-c$c"
+    warm=$((c > WARMUP ? c : WARMUP))
+    args=(--concurrency "$c" --duration "$DURATION" --warmup "$warm" --timeout 30
+      --prompt-len "$PROMPT_LEN")
+    if [ "$mode" = stream ]; then
+      args+=(--stream --output-len "$STREAM_TOKENS")
+    else
+      args+=(--output-len "$PLAIN_TOKENS")
+    fi
+    for target in direct $GATEWAYS; do
+      run_target "$cell" "$target" "$PREFILL" "$DECODE" "${args[@]}"
+    done
+  done
+done
+
+for gw in $GATEWAYS; do stop_pid "${GW_PID[$gw]}"; done
+
+# ---- phase 2: soak, N concurrent open streams against slow-streaming engines ---------------
+if [ "$SOAK_STREAMS" -gt 0 ]; then
+  SP_PORT=$(free_port)
+  SD_PORT=$(free_port)
+  log "soak: pdsim engines streaming one token per ${SOAK_ITL_MS} ms, $SOAK_STREAMS streams"
+  start_engine prefill "$SP_PORT" "$(free_port)" --ttft-ms 0 --prefill-ms-per-token 0 --itl-ms "$SOAK_ITL_MS"
+  start_engine decode "$SD_PORT" "$(free_port)" --ttft-ms 0 --prefill-ms-per-token 0 --itl-ms "$SOAK_ITL_MS"
+  SPREFILL="http://127.0.0.1:$SP_PORT"
+  SDECODE="http://127.0.0.1:$SD_PORT"
+  soak_args=(--concurrency "$SOAK_STREAMS" --duration "$SOAK_DURATION" --warmup 0 --timeout 60
+    --stream --prompt-len "$PROMPT_LEN" --output-len "$SOAK_TOKENS")
+  CELL_LIMIT=$((SOAK_DURATION * 3 + 180))
+  run_target soak direct "$SPREFILL" "$SDECODE" "${soak_args[@]}"
+  for gw in $GATEWAYS; do
+    GW_PORT[$gw]=$(free_port)
+    if start_gateway "$gw" "${GW_PORT[$gw]}" "$SPREFILL" "$SDECODE"; then
+      GW_PID[$gw]=$LAST_PID
+      run_target soak "$gw" "$SPREFILL" "$SDECODE" "${soak_args[@]}"
+    else
+      log "$gw did not become healthy for the soak"
+    fi
+    stop_pid "$LAST_PID"
+  done
+fi
+
+# ---- the table -------------------------------------------------------------------------------
+{
+  echo "machine: $(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(uname -sr)"
+  echo "run: $(date -u +%Y-%m-%dT%H:%MZ), load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "pinning: gateway on core $GATEWAY_CPU; pdbench + engines on core $CLIENT_CPU; ${DURATION}s cells; soak ${SOAK_STREAMS} streams x ${SOAK_TOKENS} tokens at ${SOAK_ITL_MS} ms/token for ${SOAK_DURATION}s"
+  python3 "$ROOT/bench/ratios.py" "$OUT"
+} | tee "$OUT/table.txt"
+python3 "$ROOT/bench/ratios.py" "$OUT" --markdown >"$OUT/table.md"
+log "results in $OUT"
