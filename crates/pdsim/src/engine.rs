@@ -338,6 +338,26 @@ fn mooncake_consume(p: &Map<String, Value>) -> Consume {
     r.unwrap_or_else(Consume::Fail)
 }
 
+/// vLLM 0.33 NixlConnector `kv_transfer_params` of a prefill response, in vLLM's key order.
+#[derive(serde::Serialize)]
+struct KvParams<'a> {
+    do_remote_prefill: bool,
+    do_remote_decode: bool,
+    remote_block_ids: [Vec<u64>; 1],
+    remote_engine_id: &'a str,
+    remote_request_id: &'a str,
+    remote_host: &'a str,
+    remote_port: u16,
+    tp_size: u32,
+    dcp_size: u32,
+    pp_size: u32,
+    remote_num_tokens: u32,
+    remote_blocks_expiry_time: f64,
+    remote_registration_generation: u64,
+    transfer_mode: &'static str,
+    remote_prefill_cached_tokens: u32,
+}
+
 /// Marks a request finished; when dropped unfinished the client went away.
 pub(crate) struct InFlight {
     engine: Arc<Engine>,
@@ -644,26 +664,27 @@ impl Job {
                     .duration_since(UNIX_EPOCH)
                     .map_or(0.0, |d| d.as_secs_f64())
                     + engine.cfg.kv_lease.as_secs_f64();
-                let params = serde_json::json!({
-                    "do_remote_prefill": true,
-                    "do_remote_decode": false,
-                    "remote_block_ids": [block_ids],
-                    "remote_engine_id": engine.engine_id,
-                    "remote_request_id": request_id,
-                    "remote_host": engine.cfg.advertise_host,
-                    "remote_port": engine.side_channel_port,
-                    "tp_size": 1,
-                    "dcp_size": 1,
-                    "pp_size": 1,
-                    "remote_num_tokens": prompt.count,
-                    "remote_blocks_expiry_time": expiry,
-                    "remote_registration_generation": 0,
-                    "transfer_mode": "pull",
-                    "remote_prefill_cached_tokens": self.cached,
-                });
+                let params = KvParams {
+                    do_remote_prefill: true,
+                    do_remote_decode: false,
+                    remote_block_ids: [block_ids],
+                    remote_engine_id: &engine.engine_id,
+                    remote_request_id: &request_id,
+                    remote_host: &engine.cfg.advertise_host,
+                    remote_port: engine.side_channel_port.unwrap_or(0),
+                    tp_size: 1,
+                    dcp_size: 1,
+                    pp_size: 1,
+                    remote_num_tokens: prompt.count,
+                    remote_blocks_expiry_time: expiry,
+                    remote_registration_generation: 0,
+                    transfer_mode: "pull",
+                    remote_prefill_cached_tokens: self.cached,
+                };
+                let params = serde_json::to_string(&params).ok();
                 engine.kv.put_request(request_id, entry);
                 c.transfers_stored.fetch_add(1, Relaxed);
-                Some(params.to_string())
+                params
             }
             Produce::Mooncake(transfer_id) => {
                 if choices.first().is_some_and(|ch| ch.finish == "length") {

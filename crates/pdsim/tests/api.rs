@@ -382,3 +382,39 @@ async fn slots_queue_requests() {
     assert_eq!(e.stats().waiting, 0);
     e.shutdown().await;
 }
+
+#[tokio::test]
+async fn shutdown_ends_hanging_requests() {
+    let e = engine(Role::Decode, Connector::Shfs).await;
+    e.set_faults(Faults {
+        hang: true,
+        ..Faults::default()
+    });
+    let pending = tokio::spawn({
+        let url = completions(&e);
+        async move { post(url, &json!({"prompt":"x"})).await.0 }
+    });
+    wait_stats(&e, |s| s.in_flight == 1).await;
+    e.shutdown().await;
+    assert_eq!(pending.await.unwrap(), 503);
+}
+
+#[tokio::test]
+async fn dropping_the_handle_frees_the_port() {
+    let e = engine(Role::Prefill, Connector::Sglang).await;
+    let addr = e.addr();
+    let boot = e.bootstrap_port().unwrap();
+    drop(e);
+    // Listeners are gone: connecting fails once the tasks are aborted.
+    let mut refused = false;
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(addr).is_err()
+            && std::net::TcpStream::connect(("127.0.0.1", boot)).is_err()
+        {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(refused);
+}
