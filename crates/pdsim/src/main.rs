@@ -12,79 +12,104 @@ use pdsim::{Connector, Faults, LatencyModel, Role, SimConfig};
 /// GET /metrics, POST /abort_request {"rid":...}, GET|POST /sim/faults (JSON, see the
 /// --fault-* flags for fields) and GET /sim/stats (JSON counters and the last request bodies).
 #[derive(Debug, Parser)]
-#[command(name = "pdsim", version, about, long_about)]
+#[command(name = "pdsim", version, about, long_about, after_long_help = AFTER_HELP)]
 struct Args {
     /// Engine role: prefill (produces KV), decode (consumes KV) or both (plain, single engine).
-    #[arg(long, default_value = "both")]
+    #[arg(long, env = "PDSIM_ROLE", default_value = "both")]
     role: Role,
     /// KV connector reproduced: shfs (vLLM NixlConnector params), nixl (Neuron,
     /// disagg_prefill_resp), mooncake (bootstrap /query + transfer_id), sglang (bootstrap room), none.
-    #[arg(long, default_value = "shfs")]
+    #[arg(long, env = "PDSIM_CONNECTOR", default_value = "shfs")]
     connector: Connector,
     /// OpenAI HTTP listen address.
-    #[arg(long, default_value = "127.0.0.1:8100")]
+    #[arg(long, env = "PDSIM_LISTEN", default_value = "127.0.0.1:8100")]
     listen: SocketAddr,
     /// Served model name (requests naming another model get 404).
-    #[arg(long, default_value = "pdsim")]
+    #[arg(long, env = "PDSIM_MODEL", default_value = "pdsim")]
     model: String,
     /// KV side-channel listen address (shfs/nixl/mooncake prefill); vLLM's default port is 5600.
-    #[arg(long, default_value = "127.0.0.1:5600")]
+    #[arg(
+        long,
+        env = "PDSIM_SIDE_CHANNEL_LISTEN",
+        default_value = "127.0.0.1:5600"
+    )]
     side_channel_listen: SocketAddr,
     /// Bootstrap server listen address (mooncake/sglang prefill); engines default to 8998.
-    #[arg(long, default_value = "127.0.0.1:8998")]
+    #[arg(long, env = "PDSIM_BOOTSTRAP_LISTEN", default_value = "127.0.0.1:8998")]
     bootstrap_listen: SocketAddr,
     /// Host a prefill advertises as remote_host / in worker_addr (vLLM's default is localhost).
-    #[arg(long, default_value = "localhost")]
+    #[arg(long, env = "PDSIM_ADVERTISE_HOST", default_value = "localhost")]
     advertise_host: String,
     /// Engine id advertised to decodes (default: random).
-    #[arg(long)]
+    #[arg(long, env = "PDSIM_ENGINE_ID")]
     engine_id: Option<String>,
     /// Seconds a prefill keeps KV for its decode.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, env = "PDSIM_KV_LEASE_SECS", default_value_t = 30.0)]
     kv_lease_secs: f64,
     /// Seconds any handoff may wait (mooncake decode for its transfer, sglang rendezvous, pulls).
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, env = "PDSIM_HANDOFF_TIMEOUT_SECS", default_value_t = 10.0)]
     handoff_timeout_secs: f64,
     /// No simulated compute time at all (for overhead benchmarks); overrides the latency flags.
-    #[arg(long)]
+    #[arg(long, env = "PDSIM_ZERO_DELAY")]
     zero_delay: bool,
     /// Prefill compute per uncached prompt token, milliseconds.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, env = "PDSIM_PREFILL_MS_PER_TOKEN", default_value_t = 0.1)]
     prefill_ms_per_token: f64,
     /// Time to first token, milliseconds.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, env = "PDSIM_TTFT_MS", default_value_t = 20.0)]
     ttft_ms: f64,
     /// Inter-token latency, milliseconds.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, env = "PDSIM_ITL_MS", default_value_t = 10.0)]
     itl_ms: f64,
     /// Concurrent requests served at once; more queue. 0 = unlimited.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "PDSIM_SLOTS", default_value_t = 64)]
     slots: usize,
     /// Fault: probability in [0,1] of answering a generation request with --fault-error-status.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "PDSIM_FAULT_ERROR_RATE", default_value_t = 0.0)]
     fault_error_rate: f64,
     /// Fault: HTTP status of injected errors.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, env = "PDSIM_FAULT_ERROR_STATUS", default_value_t = 500)]
     fault_error_status: u16,
     /// Fault: never answer generation requests (until the client leaves).
-    #[arg(long)]
+    #[arg(long, env = "PDSIM_FAULT_HANG")]
     fault_hang: bool,
     /// Fault: delay before the response head, milliseconds.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "PDSIM_FAULT_FIRST_BYTE_DELAY_MS", default_value_t = 0)]
     fault_first_byte_delay_ms: u64,
     /// Fault: drop the connection after N body chunks (SSE events; JSON bodies are cut in half).
-    #[arg(long)]
+    #[arg(long, env = "PDSIM_FAULT_DROP_AFTER_CHUNKS")]
     fault_drop_after_chunks: Option<u32>,
     /// Fault: GET /health answers 503.
-    #[arg(long)]
+    #[arg(long, env = "PDSIM_FAULT_DEAD")]
     fault_dead: bool,
     /// Fault: refuse KV handoffs (side channel/bootstrap pulls and incoming remote KV fail).
-    #[arg(long)]
+    #[arg(long, env = "PDSIM_FAULT_REFUSE_KV")]
     fault_refuse_kv: bool,
     /// Tokio worker threads (default: one per available core).
-    #[arg(long)]
+    #[arg(long, env = "PDSIM_WORKER_THREADS")]
     worker_threads: Option<usize>,
 }
+
+const AFTER_HELP: &str = "\
+Handoffs (a wrong one fails like the real engine: 500 JSON error, or 200 then a data: {\"error\":...} event):
+  shfs      prefill given kv_transfer_params.do_remote_decode=true returns vLLM 0.33's full kv_transfer_params
+            and keeps the KV for --kv-lease-secs on its side channel; decode given do_remote_prefill=true pulls
+            it from remote_host:remote_port by remote_engine_id/remote_request_id (once) and checks the prompt.
+  nixl      prefill stores KV unasked and returns the same params; decode needs disagg_prefill_resp (the whole
+            prefill response) and pulls through its kv_transfer_params.
+  mooncake  prefill serves GET /query on its bootstrap port and ships KV under kv_transfer_params.transfer_id
+            when it finished by length (answers kv_transfer_params: null); decode needs remote_bootstrap_addr
+            (http://...), remote_engine_id and transfer_id, and waits up to --handoff-timeout-secs.
+  sglang    both legs carry bootstrap_host/bootstrap_port/bootstrap_room; the prefill waits for the decode of
+            its room, the decode for the prefill's KV (400 when a room is missing). POST /abort_request {\"rid\"}.
+  none      no handoff. A decode without KV params (any connector) recomputes and counts it.
+
+Faults JSON (POST /sim/faults; missing fields take these defaults, unknown fields are rejected):
+  {\"error_rate\":0.0,\"error_status\":500,\"hang\":false,\"first_byte_delay_ms\":0,
+   \"drop_after_chunks\":null,\"dead\":false,\"refuse_kv\":false}
+
+Every flag can also be set through the environment variable shown next to it.
+";
 
 fn secs(v: f64, name: &str) -> anyhow::Result<Duration> {
     Duration::try_from_secs_f64(v).map_err(|e| anyhow::anyhow!("--{name}: {e}"))
@@ -139,6 +164,7 @@ fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
+        .with_writer(std::io::stderr)
         .init();
     let cfg = config(&args)?;
     let mut rt = tokio::runtime::Builder::new_multi_thread();

@@ -418,3 +418,81 @@ async fn dropping_the_handle_frees_the_port() {
     }
     assert!(refused);
 }
+
+#[tokio::test]
+async fn binary_help_and_serving() {
+    let bin = env!("CARGO_BIN_EXE_pdsim");
+    let help = std::process::Command::new(bin)
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    let text = String::from_utf8(help.stdout).unwrap();
+    for flag in [
+        "--role",
+        "--connector",
+        "--listen",
+        "--model",
+        "--side-channel-listen",
+        "--bootstrap-listen",
+        "--advertise-host",
+        "--kv-lease-secs",
+        "--handoff-timeout-secs",
+        "--zero-delay",
+        "--ttft-ms",
+        "--itl-ms",
+        "--prefill-ms-per-token",
+        "--slots",
+        "--fault-error-rate",
+        "--fault-hang",
+        "--fault-drop-after-chunks",
+        "--fault-dead",
+        "--fault-refuse-kv",
+        "--fault-first-byte-delay-ms",
+        "/sim/faults",
+        "/sim/stats",
+    ] {
+        assert!(text.contains(flag), "--help lacks {flag}");
+    }
+    let mut child = std::process::Command::new(bin)
+        .args([
+            "--role",
+            "prefill",
+            "--connector",
+            "mooncake",
+            "--listen",
+            "127.0.0.1:0",
+            "--side-channel-listen",
+            "127.0.0.1:0",
+            "--bootstrap-listen",
+            "127.0.0.1:0",
+            "--zero-delay",
+            "--fault-dead",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).unwrap();
+        line
+    })
+    .await
+    .unwrap();
+    let url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap()
+        .to_owned();
+    let status = client()
+        .get(format!("{url}/health"))
+        .send()
+        .await
+        .unwrap()
+        .status();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(status, 503, "--fault-dead makes /health 503");
+}
