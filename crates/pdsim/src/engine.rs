@@ -651,7 +651,7 @@ impl Job {
                 _ => c.finished_length.fetch_add(1, Relaxed),
             };
         }
-        let entry = engine.kv.entry(prompt.digest, prompt.count, self.cached);
+        let entry = || engine.kv.entry(prompt.digest, prompt.count, self.cached);
         match std::mem::replace(&mut self.plan.produce, Produce::Nothing) {
             Produce::Params => {
                 let request_id = format!("{}-{:08x}", self.id, rand::random::<u32>());
@@ -682,19 +682,19 @@ impl Job {
                     remote_prefill_cached_tokens: self.cached,
                 };
                 let params = serde_json::to_string(&params).ok();
-                engine.kv.put_request(request_id, entry);
+                engine.kv.put_request(request_id, entry());
                 c.transfers_stored.fetch_add(1, Relaxed);
                 params
             }
             Produce::Mooncake(transfer_id) => {
                 if choices.first().is_some_and(|ch| ch.finish == "length") {
-                    engine.kv.put_transfer(transfer_id, entry);
+                    engine.kv.put_transfer(transfer_id, entry());
                     c.transfers_stored.fetch_add(1, Relaxed);
                 }
                 None
             }
             Produce::Sglang(room) => {
-                engine.kv.room_publish(room, entry);
+                engine.kv.room_publish(room, entry());
                 self.sglang_published = true;
                 c.transfers_stored.fetch_add(1, Relaxed);
                 None

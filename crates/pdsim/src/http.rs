@@ -76,8 +76,8 @@ async fn generate(
         .and_then(|v| v.to_str().ok());
     engine.recent.push(Recorded {
         path: endpoint.path(),
-        request_id: rid_header.and_then(|v| v.to_str().ok()).map(str::to_owned),
-        data_parallel_rank: dp_rank.map(str::to_owned),
+        request_id: rid_header.cloned(),
+        data_parallel_rank: headers.get("x-data-parallel-rank").cloned(),
         body: body.clone(),
     });
     let base_id = rid_header
@@ -85,8 +85,12 @@ async fn generate(
         .filter(|s| !s.is_empty())
         .map_or_else(random_id, str::to_owned);
     let mut guard = InFlight::new(engine.clone());
-    let faults = engine.faults.load_full();
-    let mut resp = if faults.affects_requests() {
+    // Only take a reference to the fault set when a request-path fault is active.
+    let active = {
+        let f = engine.faults.load();
+        f.affects_requests().then(|| Arc::clone(&f))
+    };
+    let mut resp = if let Some(faults) = active {
         match inject(&engine, &faults).await {
             Some(r) => {
                 guard.finish();

@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use axum::http::HeaderValue;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
@@ -43,9 +44,13 @@ pub(crate) struct Counters {
 #[derive(Debug, Clone)]
 pub(crate) struct Recorded {
     pub path: &'static str,
-    pub request_id: Option<String>,
-    pub data_parallel_rank: Option<String>,
+    pub request_id: Option<HeaderValue>,
+    pub data_parallel_rank: Option<HeaderValue>,
     pub body: Bytes,
+}
+
+fn header_text(v: &HeaderValue) -> String {
+    String::from_utf8_lossy(v.as_bytes()).into_owned()
 }
 
 /// The last [`RECENT_CAPACITY`] generation requests.
@@ -71,8 +76,8 @@ impl Recent {
         ring.iter()
             .map(|r| RecentRequest {
                 path: r.path.to_owned(),
-                request_id: r.request_id.clone(),
-                data_parallel_rank: r.data_parallel_rank.clone(),
+                request_id: r.request_id.as_ref().map(header_text),
+                data_parallel_rank: r.data_parallel_rank.as_ref().map(header_text),
                 body: String::from_utf8_lossy(&r.body).into_owned(),
             })
             .collect()
