@@ -326,8 +326,10 @@ def is_clear_error(reply: Reply) -> bool:
         doc = reply.json()
     except ValueError:
         return False
-    err = doc.get("error") if isinstance(doc, dict) else None
-    return isinstance(err, dict) and bool(err.get("message")) or doc.get("object") == "error"
+    if not isinstance(doc, dict):
+        return False
+    err = doc.get("error")
+    return (isinstance(err, dict) and bool(err.get("message"))) or doc.get("object") == "error"
 
 
 def phase_kill_prefill(res: Result, gw, args) -> None:
@@ -342,6 +344,12 @@ def phase_kill_prefill(res: Result, gw, args) -> None:
         except (OSError, TimeoutError) as e:
             res.check(False, f"prefill killed #{i}: answered within {FAILURE_TIMEOUT_S}s", repr(e))
             continue
+        h = reply.headers
+        print(
+            f"INFO prefill-killed #{i}: {reply.status} x-pdgate-fallback={h.get('x-pdgate-fallback')}"
+            f" prefill-target-pod={h.get('prefill-target-pod')} ({reply.elapsed:.2f}s)",
+            flush=True,
+        )
         if reply.status == 200:
             got, _, problem = output_text(kind, stream, reply)
             res.check(
@@ -380,15 +388,27 @@ def phase_kill_decode(res: Result, gw, args) -> None:
 
 
 def phase_all_prefills_dead(res: Result, gw, args) -> None:
+    """Every prefill dead, decode alive: decode-only fallback (baseline output) or a clear 5xx."""
     kill_group(args.prefill_pgid[0], "first prefill engine")
-    body = make_body("completions", False, f"allp-{uuid.uuid4().hex[:8]}")
-    try:
-        reply = gw.send("completions", body, timeout=FAILURE_TIMEOUT_S)
-    except (OSError, TimeoutError) as e:
-        res.check(isinstance(gw, DirectGateway), "no prefill alive: answered within timeout", repr(e))
-        return
-    res.check(is_clear_error(reply), f"no prefill alive: clear {reply.status} ({reply.elapsed:.1f}s)", f"{reply.body[:300]!r}")
-    print(f"INFO no-prefill answer: {reply.status} {reply.body[:300]!r}", flush=True)
+    for kind, stream in CASES:
+        name = f"no prefill alive {kind} stream={stream}"
+        body = make_body(kind, stream, f"allp-{uuid.uuid4().hex[:8]}")
+        want, _, _ = output_text(kind, stream, request("POST", f"{args.baseline}/v1/{kind}", body))
+        try:
+            reply = gw.send(kind, body, timeout=FAILURE_TIMEOUT_S)
+        except (OSError, TimeoutError) as e:
+            res.check(isinstance(gw, DirectGateway), f"{name}: answered within timeout", repr(e))
+            continue
+        print(
+            f"INFO {name}: {reply.status} x-pdgate-fallback={reply.headers.get('x-pdgate-fallback')}"
+            f" ({reply.elapsed:.2f}s) {reply.body[:200]!r}",
+            flush=True,
+        )
+        if reply.status == 200:
+            got, _, problem = output_text(kind, stream, reply)
+            res.check(not problem and got == want, f"{name}: fallback 200 with baseline output", f"{problem} {got!r} != {want!r}")
+        else:
+            res.check(is_clear_error(reply), f"{name}: clear {reply.status}", f"{reply.body[:300]!r}")
 
 
 def phase_stale_params(res: Result, args) -> None:
@@ -431,8 +451,8 @@ def main() -> int:
             phase_stale_params(res, args)
         else:
             phase_kill_prefill(res, two, args)
-        phase_kill_decode(res, two, args)
         phase_all_prefills_dead(res, two, args)
+        phase_kill_decode(res, two, args)
     except Exception as e:  # noqa: BLE001 - report any crash as a failed check
         res.check(False, "checker finished", f"{type(e).__name__}: {e}")
     print(f"vllm_cpu: {res.passed} passed, {res.failed} failed", flush=True)
