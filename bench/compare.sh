@@ -23,7 +23,7 @@
 #   BENCH_MODES         "plain stream"                             ["plain stream"]
 #   BENCH_GATEWAYS      gateways to compare                        ["pdgate vllm-router"]
 #   BENCH_SOAK_STREAMS  concurrent streams in the soak (0 = skip)  [5000]
-#   BENCH_SOAK_DURATION seconds of soak per target                 [20]
+#   BENCH_SOAK_DURATION seconds of soak per target                 [40]
 #   BENCH_SKIP_BUILD=1  use existing release binaries
 #   VLLM_ROUTER_VERSION PyPI version of vllm-router                [0.1.17]
 set -euo pipefail
@@ -39,15 +39,16 @@ CONCURRENCIES="${BENCH_CONCURRENCY:-1 16 64 256}"
 MODES="${BENCH_MODES:-plain stream}"
 GATEWAYS="${BENCH_GATEWAYS:-pdgate vllm-router}"
 SOAK_STREAMS="${BENCH_SOAK_STREAMS:-5000}"
-SOAK_DURATION="${BENCH_SOAK_DURATION:-20}"
+SOAK_DURATION="${BENCH_SOAK_DURATION:-40}"
 VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
 CLIENT_CPU="${CLIENT_CPU:-0}"
 GATEWAY_CPU="${GATEWAY_CPU:-1}"
 PROMPT_LEN=128
 PLAIN_TOKENS=16
 STREAM_TOKENS=256
-SOAK_TOKENS=64
-SOAK_ITL_MS=100
+SOAK_TOKENS=16
+SOAK_ITL_MS=1000
+SOAK_RAMP=5
 
 mkdir -p "$OUT"
 LOGS="$OUT/logs"
@@ -226,7 +227,7 @@ run_cell() {
       "$(awk -v a="$t0" -v b="$t1" -v h="$CLK_TCK" 'BEGIN { printf "%.3f", (b - a) / h }')" \
       "$rss" "$(tree_pids "$pid" | tr '\n' ',')" >>"$PROC"
   fi
-  log "$cell $target: $(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"{r[\"ok\"]} ok, {r[\"errors\"]} err, {r[\"throughput_rps\"]:.0f} req/s")' "$OUT/$cell-$target.json" 2>/dev/null || echo 'no result')"
+  log "$cell $target: $(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%d ok, %d errors, %.0f req/s" % (r["ok"], r["errors"], r["throughput_rps"]))' "$OUT/$cell-$target.json" 2>/dev/null || echo 'no result')"
 }
 
 # run_matrix PREFIX PREFILL_URL DECODE_URL: every target at every cell, interleaved.
@@ -292,6 +293,7 @@ if [ "$SOAK_STREAMS" -gt 0 ]; then
   SPREFILL="http://127.0.0.1:$SP_PORT"
   SDECODE="http://127.0.0.1:$SD_PORT"
   soak_args=(--concurrency "$SOAK_STREAMS" --duration "$SOAK_DURATION" --warmup 0 --timeout 60
+    --ramp "$SOAK_RAMP"
     --stream --prompt-len "$PROMPT_LEN" --output-len "$SOAK_TOKENS")
   CELL_LIMIT=$((SOAK_DURATION * 3 + 180))
   run_target soak direct "$SPREFILL" "$SDECODE" "${soak_args[@]}"
@@ -311,7 +313,7 @@ fi
 {
   echo "machine: $(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(uname -sr)"
   echo "run: $(date -u +%Y-%m-%dT%H:%MZ), load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "pinning: gateway on core $GATEWAY_CPU; pdbench + engines on core $CLIENT_CPU; ${DURATION}s cells; soak ${SOAK_STREAMS} streams x ${SOAK_TOKENS} tokens at ${SOAK_ITL_MS} ms/token for ${SOAK_DURATION}s"
+  echo "pinning: gateway on core $GATEWAY_CPU; pdbench + engines on core $CLIENT_CPU; ${DURATION}s cells; soak ${SOAK_STREAMS} streams x ${SOAK_TOKENS} tokens at ${SOAK_ITL_MS} ms/token, ${SOAK_RAMP}s ramp, ${SOAK_DURATION}s"
   python3 "$ROOT/bench/ratios.py" "$OUT"
 } | tee "$OUT/table.txt"
 python3 "$ROOT/bench/ratios.py" "$OUT" --markdown >"$OUT/table.md"

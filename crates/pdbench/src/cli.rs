@@ -91,6 +91,9 @@ pub struct LoadArgs {
     /// Unmeasured requests sent before the measured phase (opens connections).
     #[arg(long, default_value_t = 0)]
     pub warmup: u64,
+    /// Closed loop: start the clients evenly spread over S seconds (part of the measured phase).
+    #[arg(long, default_value_t = 0.0)]
+    pub ramp: f64,
     /// Seed for the length distributions.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -142,6 +145,11 @@ impl LoadArgs {
             timeout: seconds("--timeout", self.timeout)?,
             seed: self.seed,
             warmup: self.warmup,
+            ramp: if self.ramp == 0.0 {
+                Duration::ZERO
+            } else {
+                seconds("--ramp", self.ramp)?
+            },
         })
     }
 }

@@ -204,7 +204,13 @@ async fn send(
     let req = req
         .body(Full::new(body))
         .map_err(|_| ErrorClass::Protocol)?;
-    client.request(req).await.map_err(|_| ErrorClass::Connect)
+    client.request(req).await.map_err(|e| {
+        if e.is_connect() {
+            ErrorClass::Connect
+        } else {
+            ErrorClass::Closed
+        }
+    })
 }
 
 /// Passes a 2xx response through; otherwise drains its (bounded) body so the connection can

@@ -55,7 +55,7 @@ pub struct Report {
     pub ok: u64,
     /// Failed requests.
     pub errors: u64,
-    /// Failed requests by class (`connect`, `timeout`, `http_4xx`, `http_5xx`, `http_other`,
+    /// Failed requests by class (`connect`, `closed`, `timeout`, `http_4xx`, `http_5xx`, `http_other`,
     /// `stream_error`, `truncated`, `protocol`, `overflow`).
     pub errors_by_class: BTreeMap<String, u64>,
     /// Wall time of the measured phase, seconds.

@@ -84,6 +84,8 @@ pub struct Config {
     /// Unmeasured requests sent first (closed loop at the same concurrency; open loop at up
     /// to 64 clients) to open connections and warm caches.
     pub warmup: u64,
+    /// Closed loop: client `i` of `n` starts after `ramp * i / n` (measured phase only).
+    pub ramp: Duration,
 }
 
 impl Config {
@@ -102,6 +104,7 @@ impl Config {
             timeout: Duration::from_secs(60),
             seed: 1,
             warmup: 0,
+            ramp: Duration::ZERO,
         }
     }
 
@@ -258,7 +261,7 @@ pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, Benc
             output_len: cfg.output_len,
             cancel: cancel.child_token(),
         });
-        closed_loop(&warm, concurrency, cfg.seed ^ 0x5eed).await;
+        closed_loop(&warm, concurrency, cfg.seed ^ 0x5eed, Duration::ZERO).await;
     }
 
     let start = Instant::now();
@@ -275,7 +278,9 @@ pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, Benc
         cancel: cancel.child_token(),
     });
     match cfg.load {
-        Load::Closed { concurrency } => closed_loop(&phase, concurrency, cfg.seed).await,
+        Load::Closed { concurrency } => {
+            closed_loop(&phase, concurrency, cfg.seed, cfg.ramp).await;
+        }
         Load::Open {
             rate,
             max_in_flight,
@@ -292,11 +297,19 @@ pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, Benc
     ))
 }
 
-async fn closed_loop(phase: &Arc<Phase>, concurrency: usize, seed: u64) {
+async fn closed_loop(phase: &Arc<Phase>, concurrency: usize, seed: u64, ramp: Duration) {
     let mut set = JoinSet::new();
+    let start = Instant::now();
     for w in 0..concurrency {
         let phase = phase.clone();
+        let delay = ramp.mul_f64(w as f64 / concurrency as f64);
         set.spawn(async move {
+            if !delay.is_zero() {
+                tokio::select! {
+                    () = tokio::time::sleep_until(start + delay) => {}
+                    () = phase.cancel.cancelled() => return,
+                }
+            }
             let mut rng = SmallRng::seed_from_u64(seed.wrapping_add(w as u64));
             let mut scratch = Scratch::default();
             while let Some(n) = phase.claim() {

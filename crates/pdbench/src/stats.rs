@@ -19,8 +19,10 @@ const HIST_MAX_US: u64 = 600_000_000;
 /// Why a request failed. Closed set: reports count by class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ErrorClass {
-    /// The request could not be sent or no response head came back (refused, reset).
+    /// No connection could be made (refused, unreachable, connect timeout).
     Connect,
+    /// A connection was made (or reused) but closed or reset before a response head arrived.
+    Closed,
     /// The per-request timeout elapsed.
     Timeout,
     /// A 4xx response.
@@ -41,8 +43,9 @@ pub enum ErrorClass {
 
 impl ErrorClass {
     /// Every class, in report order.
-    pub const ALL: [ErrorClass; 9] = [
+    pub const ALL: [ErrorClass; 10] = [
         ErrorClass::Connect,
+        ErrorClass::Closed,
         ErrorClass::Timeout,
         ErrorClass::Status4xx,
         ErrorClass::Status5xx,
@@ -57,6 +60,7 @@ impl ErrorClass {
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorClass::Connect => "connect",
+            ErrorClass::Closed => "closed",
             ErrorClass::Timeout => "timeout",
             ErrorClass::Status4xx => "http_4xx",
             ErrorClass::Status5xx => "http_5xx",

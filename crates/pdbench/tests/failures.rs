@@ -220,3 +220,27 @@ async fn refused_connections_are_connect_errors() {
     c.timeout = Duration::from_secs(20);
     only(&run(&c).await, "connect", 4);
 }
+
+#[tokio::test]
+async fn connections_closed_before_a_response_are_closed_errors() {
+    // Accepts, reads the request, and hangs up without answering.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let mut buf = [0u8; 4096];
+            let _ = tokio::io::AsyncReadExt::read(&mut sock, &mut buf).await;
+            drop(sock);
+        }
+    });
+    let mut c = Config::new(Target::Url(format!("http://{addr}")));
+    c.requests = Some(4);
+    c.timeout = Duration::from_secs(20);
+    only(&run(&c).await, "closed", 4);
+    task.abort();
+}

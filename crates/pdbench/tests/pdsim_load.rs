@@ -108,6 +108,7 @@ async fn duration_bound_stops_issuing() {
 
     let mut closed = base(Target::Url(engine.base_url()));
     closed.load = Load::Closed { concurrency: 2 };
+    closed.ramp = Duration::from_millis(50);
     closed.requests = Some(1_000_000);
     closed.duration = Some(Duration::from_millis(200));
     let r = run(&closed).await;
