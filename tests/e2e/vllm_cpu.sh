@@ -12,7 +12,7 @@
 #   PDGATE_CACHE           cache root (default ~/.cache/pdgate): vllm-venv/, tiny-llama/
 #   PDGATE_BIN             use this pdgate binary instead of building it
 #   PDGATE_E2E_DIRECT=1    no pdgate: the checker plays the gateway (proves engines + handoff)
-#   PDGATE_E2E_START_TIMEOUT  seconds to wait for each engine (default 900)
+#   PDGATE_E2E_START_TIMEOUT  seconds to wait for all engines to be ready (default 900)
 #   PDGATE_E2E_KEEP_LOGS=1 keep the work dir with all logs
 # Exit: 0 all checks passed (or SKIP when the package registry is unreachable).
 set -euo pipefail
@@ -145,8 +145,8 @@ start_engine() {
 
 # A busy port may answer /health for something else: wait for our served model.
 wait_engine() {
-  local name=$1 port=$2 pg=$3 deadline=$((SECONDS + START_TIMEOUT))
-  while ((SECONDS < deadline)); do
+  local name=$1 port=$2 pg=$3
+  while ((SECONDS < ENGINE_DEADLINE)); do
     if ! kill -0 "$pg" 2>/dev/null; then
       log "engine $name exited during start-up"
       return 1
@@ -156,7 +156,7 @@ wait_engine() {
     fi
     sleep 2
   done
-  log "engine $name not ready after ${START_TIMEOUT}s"
+  log "engine $name not ready ${START_TIMEOUT}s after the engines were started"
   return 1
 }
 
@@ -170,6 +170,7 @@ start_engine prefill1 "$P1_PORT" "${PORTS[5]}" kv_producer
 start_engine prefill2 "$P2_PORT" "${PORTS[6]}" kv_producer
 start_engine decode "$D_PORT" "${PORTS[7]}" kv_consumer
 t_engines=$SECONDS
+ENGINE_DEADLINE=$((SECONDS + START_TIMEOUT)) # one bound for all four (they start together)
 wait_engine baseline "$BASE_PORT" "$baseline_PG"
 wait_engine prefill1 "$P1_PORT" "$prefill1_PG"
 wait_engine prefill2 "$P2_PORT" "$prefill2_PG"
