@@ -262,6 +262,9 @@ def check_pd_case(
     res.check(local == 0 and failed == 0, f"{name}: no local prefix hits, no failed transfers", f"{local=} {failed=}")
     if isinstance(gw, PdGateway):
         h = reply.headers
+        if label == "1P1D":
+            shown = {k: v for k, v in h.items() if k != "date"}
+            print(f"INFO {name}: response headers {shown}", flush=True)
         res.check(bool(h.get("x-request-id")), f"{name}: x-request-id header", str(h))
         res.check(bool(h.get("prefill-target-pod")), f"{name}: prefill-target-pod header", str(h))
         res.check(bool(h.get("target-pod")), f"{name}: target-pod header", str(h))
