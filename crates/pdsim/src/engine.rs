@@ -9,15 +9,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
-use axum::http::StatusCode;
-use serde_json::{Map, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Connector, Faults, Role, SimConfig};
+use crate::config::{Connector, Faults, SimConfig};
 use crate::error::ApiError;
-use crate::kv::{KvStore, KvWire, PullClient, PullError, host_port};
+use crate::kv::{KvStore, KvWire, PullClient, PullError};
+use crate::plan::{Consume, Plan, Produce, kv_fail, mooncake_worker, seg};
 use crate::request::{Endpoint, GenRequest};
 use crate::respond::ChoiceOut;
 use crate::stats::{Counters, Recent};
@@ -96,246 +95,6 @@ impl Engine {
         seen.insert(digest);
         0
     }
-}
-
-/// How this request loads its prompt's KV.
-pub(crate) enum Consume {
-    /// Compute locally (plain request, or a prefill).
-    Local,
-    /// A decode without KV params: compute locally and count it.
-    Recompute,
-    /// shfs / nixl: GET the prefill's side channel.
-    Pull(String),
-    /// mooncake: query the bootstrap server, then wait for the transfer.
-    Mooncake {
-        bootstrap: String,
-        engine_id: String,
-        transfer_id: String,
-    },
-    /// sglang: join the room on the prefill's bootstrap server.
-    Sglang(String),
-    /// The params are unusable; the request fails like a KV load failure.
-    Fail(ApiError),
-}
-
-/// What a prefill does with its prompt's KV when it finishes.
-pub(crate) enum Produce {
-    Nothing,
-    /// shfs / nixl: keep it for a pull and return `kv_transfer_params`.
-    Params,
-    /// mooncake: ship it under `transfer_id` if finished by length.
-    Mooncake(String),
-    /// sglang: rendezvous with the decode for this room, then publish.
-    Sglang(u64),
-    Fail(ApiError),
-}
-
-pub(crate) struct Plan {
-    pub consume: Consume,
-    pub produce: Produce,
-}
-
-fn kv_fail(message: impl Into<String>) -> ApiError {
-    ApiError::handoff(StatusCode::INTERNAL_SERVER_ERROR, message)
-}
-
-fn is_true(params: &Map<String, Value>, key: &str) -> bool {
-    params.get(key).and_then(Value::as_bool) == Some(true)
-}
-
-fn need_str<'a>(
-    params: &'a Map<String, Value>,
-    key: &str,
-    what: &str,
-) -> Result<&'a str, ApiError> {
-    params
-        .get(key)
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty())
-        .ok_or_else(|| {
-            kv_fail(format!(
-                "{what}: kv_transfer_params.{key} is missing or not a string"
-            ))
-        })
-}
-
-/// Percent-encodes one URL path segment.
-fn seg(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// shfs / nixl decode: the side-channel URL named by vLLM NixlConnector params.
-fn nixl_pull_url(params: &Map<String, Value>) -> Result<String, ApiError> {
-    const WHAT: &str = "invalid KV transfer params";
-    if !params.get("remote_block_ids").is_some_and(Value::is_array) {
-        return Err(kv_fail(format!(
-            "{WHAT}: kv_transfer_params.remote_block_ids is missing or not an array"
-        )));
-    }
-    let engine_id = need_str(params, "remote_engine_id", WHAT)?;
-    let request_id = need_str(params, "remote_request_id", WHAT)?;
-    let host = need_str(params, "remote_host", WHAT)?;
-    let port = params
-        .get("remote_port")
-        .and_then(Value::as_u64)
-        .filter(|p| (1..=65535).contains(p))
-        .ok_or_else(|| {
-            kv_fail(format!(
-                "{WHAT}: kv_transfer_params.remote_port is missing or not a port"
-            ))
-        })?;
-    Ok(format!(
-        "http://{}/kv/{}/{}",
-        host_port(host, port),
-        seg(engine_id),
-        seg(request_id)
-    ))
-}
-
-fn sglang_url(req: &GenRequest, engine: &Engine) -> Result<String, ApiError> {
-    let b = &req.bootstrap;
-    let bad = |m: &str| ApiError::bad(format!("disaggregated decode: {m}"));
-    let host = b
-        .host
-        .as_ref()
-        .and_then(Value::as_str)
-        .filter(|h| !h.is_empty())
-        .ok_or_else(|| bad("bootstrap_host is missing or not a string"))?;
-    let port = b
-        .port
-        .as_ref()
-        .and_then(Value::as_u64)
-        .filter(|p| (1..=65535).contains(p))
-        .ok_or_else(|| bad("bootstrap_port is missing or not a port"))?;
-    let room = b
-        .room
-        .as_ref()
-        .and_then(Value::as_u64)
-        .ok_or_else(|| bad("bootstrap_room is missing or not a non-negative integer"))?;
-    let ms = engine.cfg.handoff_timeout.as_millis();
-    Ok(format!(
-        "http://{}/room/{room}?timeout_ms={ms}",
-        host_port(host, port)
-    ))
-}
-
-/// Decides the handoff for one request; 400s here are answered before any head.
-pub(crate) fn plan(
-    engine: &Engine,
-    req: &GenRequest,
-    dp_rank: Option<&str>,
-) -> Result<Plan, ApiError> {
-    let role = engine.cfg.role;
-    let kvp = req.kv_transfer_params.as_ref();
-    let consume = if !role.consumes() {
-        Consume::Local
-    } else {
-        let remote_prefill = kvp.is_some_and(|p| is_true(p, "do_remote_prefill"));
-        match engine.cfg.connector {
-            Connector::Shfs => match kvp {
-                Some(p) if remote_prefill => match nixl_pull_url(p) {
-                    Ok(url) => Consume::Pull(url),
-                    Err(e) => Consume::Fail(e),
-                },
-                _ => Consume::Recompute,
-            },
-            Connector::Nixl => match &req.disagg_prefill_resp {
-                Some(raw) => match serde_json::from_str::<Value>(raw.get()) {
-                    Ok(Value::Object(resp)) => match resp.get("kv_transfer_params") {
-                        Some(Value::Object(p)) => match nixl_pull_url(p) {
-                            Ok(url) => Consume::Pull(url),
-                            Err(e) => Consume::Fail(e),
-                        },
-                        _ => Consume::Fail(kv_fail(
-                            "disagg_prefill_resp carries no kv_transfer_params object",
-                        )),
-                    },
-                    _ => Consume::Fail(kv_fail("disagg_prefill_resp is not a JSON object")),
-                },
-                None if remote_prefill => Consume::Fail(kv_fail(
-                    "connector nixl expects the prefill response under disagg_prefill_resp, not top-level kv_transfer_params",
-                )),
-                None => Consume::Recompute,
-            },
-            Connector::Mooncake => match kvp {
-                Some(p) if remote_prefill => mooncake_consume(p),
-                _ => Consume::Recompute,
-            },
-            Connector::Sglang if req.bootstrap.any() => Consume::Sglang(sglang_url(req, engine)?),
-            Connector::Sglang | Connector::None => Consume::Recompute,
-        }
-    };
-    // A combined engine computing its own prompt is not a "recompute".
-    let consume = match consume {
-        Consume::Recompute if role != Role::Decode => Consume::Local,
-        c => c,
-    };
-    let produce = if !role.produces() {
-        Produce::Nothing
-    } else {
-        let remote_decode = kvp.is_some_and(|p| is_true(p, "do_remote_decode"));
-        match engine.cfg.connector {
-            Connector::Shfs if remote_decode => Produce::Params,
-            Connector::Nixl if role == Role::Prefill => Produce::Params,
-            Connector::Mooncake if remote_decode => {
-                if let Some(rank) = dp_rank
-                    && rank.trim() != "0"
-                {
-                    return Err(ApiError::BadRequest {
-                        message: format!("data_parallel_rank {rank} is out of range [0, 1)."),
-                        param: None,
-                    });
-                }
-                match kvp
-                    .and_then(|p| p.get("transfer_id"))
-                    .and_then(Value::as_str)
-                {
-                    Some(t) if !t.is_empty() => Produce::Mooncake(t.to_owned()),
-                    _ => Produce::Fail(kv_fail(
-                        "kv_transfer_params.transfer_id is required for a mooncake prefill",
-                    )),
-                }
-            }
-            Connector::Sglang if role == Role::Prefill => {
-                match req.bootstrap.room.as_ref().and_then(Value::as_u64) {
-                    Some(room) => Produce::Sglang(room),
-                    None => {
-                        return Err(ApiError::bad(
-                            "disaggregated prefill: bootstrap_room is missing or not a non-negative integer",
-                        ));
-                    }
-                }
-            }
-            _ => Produce::Nothing,
-        }
-    };
-    Ok(Plan { consume, produce })
-}
-
-fn mooncake_consume(p: &Map<String, Value>) -> Consume {
-    const WHAT: &str = "invalid mooncake KV transfer params";
-    let r = (|| {
-        let bootstrap = need_str(p, "remote_bootstrap_addr", WHAT)?;
-        if !bootstrap.starts_with("http://") {
-            return Err(kv_fail(format!(
-                "{WHAT}: remote_bootstrap_addr {bootstrap:?} must start with http://"
-            )));
-        }
-        Ok(Consume::Mooncake {
-            bootstrap: bootstrap.trim_end_matches('/').to_owned(),
-            engine_id: need_str(p, "remote_engine_id", WHAT)?.to_owned(),
-            transfer_id: need_str(p, "transfer_id", WHAT)?.to_owned(),
-        })
-    })();
-    r.unwrap_or_else(Consume::Fail)
 }
 
 /// vLLM 0.33 NixlConnector `kv_transfer_params` of a prefill response, in vLLM's key order.
@@ -540,16 +299,19 @@ impl Job {
             }
             Consume::Recompute => {
                 engine.counters.recomputed.fetch_add(1, Relaxed);
+                tracing::debug!(request_id = %self.id, "decode without KV params: recomputing the prompt");
                 self.cached = engine.cached_tokens(prompt.digest, prompt.count);
                 prompt.count - self.cached
             }
             Consume::Fail(e) => {
                 engine.counters.transfers_failed.fetch_add(1, Relaxed);
+                tracing::warn!(request_id = %self.id, error = %e, "unusable KV transfer params");
                 return Err(e);
             }
             remote => {
-                let wire = self.pull(remote).await.inspect_err(|_| {
+                let wire = self.pull(remote).await.inspect_err(|e| {
                     engine.counters.transfers_failed.fetch_add(1, Relaxed);
+                    tracing::warn!(request_id = %self.id, error = %e, "KV load failed");
                 })?;
                 engine.counters.transfers_pulled.fetch_add(1, Relaxed);
                 self.cached = wire.cached_tokens;
@@ -714,25 +476,4 @@ impl Drop for Job {
                 .room_fail(room, "prefill request ended before the transfer");
         }
     }
-}
-
-fn mooncake_worker(query: &[u8], engine_id: &str) -> Result<String, String> {
-    let v: Value = serde_json::from_slice(query)
-        .map_err(|e| format!("bootstrap /query answer is not JSON: {e}"))?;
-    let ranks = v
-        .as_object()
-        .ok_or("bootstrap /query answer is not an object")?;
-    let rank = ranks
-        .values()
-        .find(|r| r.get("engine_id").and_then(Value::as_str) == Some(engine_id))
-        .ok_or_else(|| {
-            format!("remote_engine_id {engine_id:?} is not served by that bootstrap server")
-        })?;
-    let addr = rank
-        .pointer("/worker_addr/0/0")
-        .and_then(Value::as_str)
-        .ok_or("bootstrap /query answer has no worker_addr")?;
-    addr.strip_prefix("tcp://")
-        .map(str::to_owned)
-        .ok_or_else(|| format!("worker_addr {addr:?} is not tcp://host:port"))
 }

@@ -18,8 +18,9 @@ use crate::config::Faults;
 
 /// Pause before an injected connection drop so earlier bytes are flushed first.
 const DROP_FLUSH: Duration = Duration::from_millis(20);
-use crate::engine::{Engine, InFlight, Job, MAX_MODEL_LEN, plan};
+use crate::engine::{Engine, InFlight, Job, MAX_MODEL_LEN};
 use crate::error::ApiError;
+use crate::plan::plan;
 use crate::request::{Endpoint, parse};
 use crate::respond::{self, ChoiceOut, Head, Usage};
 use crate::stats::Recorded;

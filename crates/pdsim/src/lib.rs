@@ -6,7 +6,8 @@
 //! Modules:
 //! - [`config`]: [`Role`], [`Connector`], [`LatencyModel`], [`Faults`], [`SimConfig`].
 //! - `request` / `respond`: vLLM request validation and response shapes.
-//! - `engine`: per-request plan (which handoff) and the job that runs it.
+//! - `plan`: which handoff a request performs (from body, role, connector).
+//! - `engine`: shared engine state and the job that runs one request.
 //! - `kv`: the prefill's KV store, side channel and bootstrap servers, the decode's pull client.
 //! - `http`: the OpenAI routes and `/sim/faults`, `/sim/stats`, `/abort_request`.
 //! - [`stats`]: [`SimStats`], also rendered as Prometheus text on `/metrics`.
@@ -30,6 +31,7 @@ mod engine;
 mod error;
 mod http;
 mod kv;
+mod plan;
 mod request;
 mod respond;
 pub mod stats;
