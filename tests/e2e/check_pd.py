@@ -285,7 +285,11 @@ def phase_single(res: Result, gw, args) -> None:
         tag = f"hostile-{uuid.uuid4().hex[:8]}"
         check_pd_case(res, gw, args, "completions", False, tag, "client kv_transfer_params replaced:", HOSTILE_PARAMS)
         alive = request("GET", f"{args.decode}/health", timeout=30)
-        res.check(alive.status == 200, "decode engine still healthy after client-supplied kv_transfer_params", str(alive.status))
+        res.check(
+            alive.status == 200,
+            "decode engine still healthy after client-supplied kv_transfer_params",
+            str(alive.status),
+        )
 
 
 def phase_two_prefills(res: Result, gw, args) -> None:
@@ -409,7 +413,11 @@ def phase_all_prefills_dead(res: Result, gw, args) -> None:
         )
         if reply.status == 200:
             got, _, problem = output_text(kind, stream, reply)
-            res.check(not problem and got == want, f"{name}: fallback 200 with baseline output", f"{problem} {got!r} != {want!r}")
+            res.check(
+                not problem and got == want,
+                f"{name}: fallback 200 with baseline output",
+                f"{problem} {got!r} != {want!r}",
+            )
         else:
             res.check(is_clear_error(reply), f"{name}: clear {reply.status}", f"{reply.body[:300]!r}")
 
@@ -422,8 +430,14 @@ def phase_stale_params(res: Result, args) -> None:
     params = pre.json().get("kv_transfer_params")
     print(f"INFO prefill kv_transfer_params: {json.dumps(params)}", flush=True)
     kill_group(args.prefill_pgid[1], "second prefill engine")
-    reply = request("POST", f"{args.decode}/v1/{kind}", dict(body, kv_transfer_params=params), timeout=FAILURE_TIMEOUT_S)
-    res.check(reply.status >= 500, f"decode with dead prefill's params: {reply.status} ({reply.elapsed:.1f}s)", f"{reply.body[:300]!r}")
+    reply = request(
+        "POST", f"{args.decode}/v1/{kind}", dict(body, kv_transfer_params=params), timeout=FAILURE_TIMEOUT_S
+    )
+    res.check(
+        reply.status >= 500,
+        f"decode with dead prefill's params: {reply.status} ({reply.elapsed:.1f}s)",
+        f"{reply.body[:300]!r}",
+    )
     print(f"INFO decode-with-dead-prefill answer: {reply.status} {reply.body[:400]!r}", flush=True)
 
 

@@ -37,7 +37,7 @@ CHAT_TEMPLATE = (
 
 def corpus(n_lines: int) -> list[str]:
     rng = random.Random(SEED)
-    words = (
+    words = (  # noqa: SIM905 (one readable line of vocabulary)
         "the prefill decode engine cache block token request gateway transfer "
         "memory host port model stream chat completion answer question small "
         "fast slow river mountain tree city light water fire earth number one two "

@@ -24,13 +24,14 @@ GATEWAY_TIMEOUT=60
 STOP_GRACE=15
 T0=$SECONDS
 
-# shellcheck source=tests/e2e/install_vllm.sh
+# shellcheck source-path=SCRIPTDIR
 source "$HERE/install_vllm.sh"
 MODEL_DIR="$E2E_CACHE/tiny-llama"
 PY="$VENV/bin/python"
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/pdgate-vllm-e2e.XXXXXX")"
 PGIDS=()
+declare -A PG # engine name -> process group id
 
 log() { printf '[vllm_cpu %(%H:%M:%S)T +%ss] %s\n' -1 "$((SECONDS - T0))" "$*"; }
 
@@ -140,7 +141,7 @@ start_engine() {
   local pid=$!
   disown "$pid" # no job-control notices when the checker kills it
   PGIDS+=("$pid")
-  eval "${name}_PG=$pid"
+  PG[$name]=$pid
 }
 
 # A busy port may answer /health for something else: wait for our served model.
@@ -171,12 +172,12 @@ start_engine prefill2 "$P2_PORT" "${PORTS[6]}" kv_producer
 start_engine decode "$D_PORT" "${PORTS[7]}" kv_consumer
 t_engines=$SECONDS
 ENGINE_DEADLINE=$((SECONDS + START_TIMEOUT)) # one bound for all four (they start together)
-wait_engine baseline "$BASE_PORT" "$baseline_PG"
-wait_engine prefill1 "$P1_PORT" "$prefill1_PG"
-wait_engine prefill2 "$P2_PORT" "$prefill2_PG"
-wait_engine decode "$D_PORT" "$decode_PG"
-log "engines ready after $((SECONDS - t_engines))s; RSS MB: baseline $(group_rss_mb "$baseline_PG")" \
-  "prefill1 $(group_rss_mb "$prefill1_PG") prefill2 $(group_rss_mb "$prefill2_PG") decode $(group_rss_mb "$decode_PG")"
+wait_engine baseline "$BASE_PORT" "${PG[baseline]}"
+wait_engine prefill1 "$P1_PORT" "${PG[prefill1]}"
+wait_engine prefill2 "$P2_PORT" "${PG[prefill2]}"
+wait_engine decode "$D_PORT" "${PG[decode]}"
+log "engines ready after $((SECONDS - t_engines))s; RSS MB: baseline $(group_rss_mb "${PG[baseline]}")" \
+  "prefill1 $(group_rss_mb "${PG[prefill1]}") prefill2 $(group_rss_mb "${PG[prefill2]}") decode $(group_rss_mb "${PG[decode]}")"
 
 # ---- 6. gateways --------------------------------------------------------------------
 start_gateway() {
@@ -199,9 +200,9 @@ start_gateway() {
 
 CHECK_ARGS=(
   --baseline "http://127.0.0.1:$BASE_PORT"
-  --prefill "http://127.0.0.1:$P1_PORT" --prefill-pgid "$prefill1_PG"
-  --prefill "http://127.0.0.1:$P2_PORT" --prefill-pgid "$prefill2_PG"
-  --decode "http://127.0.0.1:$D_PORT" --decode-pgid "$decode_PG"
+  --prefill "http://127.0.0.1:$P1_PORT" --prefill-pgid "${PG[prefill1]}"
+  --prefill "http://127.0.0.1:$P2_PORT" --prefill-pgid "${PG[prefill2]}"
+  --decode "http://127.0.0.1:$D_PORT" --decode-pgid "${PG[decode]}"
 )
 if [[ "$DIRECT" == 1 ]]; then
   log "PDGATE_E2E_DIRECT=1: the checker plays the gateway"

@@ -32,9 +32,8 @@ class _BindingsWithDelay(types.ModuleType):
     def __getattr__(self, name: str):
         return getattr(self._real, name)
 
-    def nixlAgent(self, name, config):  # noqa: N802 (the binding's own name)
-        if config.pthrDelay < _DELAY_US:
-            config.pthrDelay = _DELAY_US
+    def nixlAgent(self, name, config):
+        config.pthrDelay = max(config.pthrDelay, _DELAY_US)
         return self._real.nixlAgent(name, config)
 
 
