@@ -76,6 +76,57 @@ pub struct RunArgs {
     /// Endpoint discovery [default: static].
     #[arg(long, value_enum, value_name = "KIND")]
     pub discovery: Option<DiscoveryKind>,
+    /// Active health checks of every endpoint: true or false [default: true].
+    #[arg(long, value_name = "VALUE")]
+    pub health_checks: Option<bool>,
+    /// Time between two active checks of one endpoint [default: 5s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub health_check_interval: Option<Duration>,
+    /// Bound on one active check [default: 2s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub health_check_timeout: Option<Duration>,
+    /// Consecutive failed checks that make an endpoint unhealthy [default: 3].
+    #[arg(long, value_name = "N")]
+    pub unhealthy_threshold: Option<u32>,
+    /// Consecutive passed checks that make it healthy again [default: 2].
+    #[arg(long, value_name = "N")]
+    pub healthy_threshold: Option<u32>,
+    /// Consecutive failures on real traffic that eject an endpoint; 0 disables [default: 5].
+    #[arg(long, value_name = "N")]
+    pub outlier_consecutive_failures: Option<u32>,
+    /// First ejection period, doubled on each repeat [default: 10s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub outlier_base_ejection: Option<Duration>,
+    /// Longest ejection period [default: 300s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub outlier_max_ejection: Option<Duration>,
+    /// Retries of a failed leg on another endpoint; 0 disables [default: 1].
+    #[arg(long, value_name = "N")]
+    pub max_retries: Option<u32>,
+    /// Retries per request allowed on average [default: 0.2].
+    #[arg(long, value_name = "RATIO")]
+    pub retry_budget_ratio: Option<f64>,
+    /// Retry tokens available at start and minimum bucket size [default: 10].
+    #[arg(long, value_name = "N")]
+    pub retry_budget_min: Option<u32>,
+    /// Requests served at once; 0 means unlimited [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_in_flight: Option<usize>,
+    /// Requests waiting beyond max-in-flight; more are refused with 429 [default: 1024].
+    #[arg(long, value_name = "N")]
+    pub max_queue: Option<usize>,
+    /// Longest wait in the queue before a 429 [default: 5s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub queue_timeout: Option<Duration>,
+    /// Requests one endpoint holds at once; 0 means unlimited [default: 0].
+    #[arg(long, value_name = "N")]
+    pub max_in_flight_per_endpoint: Option<usize>,
+    /// After SIGTERM, time /ready answers 503 before the listener closes [default: 5s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub drain_delay: Option<Duration>,
+    /// Bound on waiting for in-flight requests after the listener closes [default: 30s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub shutdown_timeout: Option<Duration>,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -143,6 +194,57 @@ impl RunArgs {
         }
         if let Some(v) = self.discovery {
             c.discovery = v;
+        }
+        if let Some(v) = self.health_checks {
+            c.health_checks = v;
+        }
+        if let Some(v) = self.health_check_interval {
+            c.health_check_interval = v;
+        }
+        if let Some(v) = self.health_check_timeout {
+            c.health_check_timeout = v;
+        }
+        if let Some(v) = self.unhealthy_threshold {
+            c.unhealthy_threshold = v;
+        }
+        if let Some(v) = self.healthy_threshold {
+            c.healthy_threshold = v;
+        }
+        if let Some(v) = self.outlier_consecutive_failures {
+            c.outlier_consecutive_failures = v;
+        }
+        if let Some(v) = self.outlier_base_ejection {
+            c.outlier_base_ejection = v;
+        }
+        if let Some(v) = self.outlier_max_ejection {
+            c.outlier_max_ejection = v;
+        }
+        if let Some(v) = self.max_retries {
+            c.max_retries = v;
+        }
+        if let Some(v) = self.retry_budget_ratio {
+            c.retry_budget_ratio = v;
+        }
+        if let Some(v) = self.retry_budget_min {
+            c.retry_budget_min = v;
+        }
+        if let Some(v) = self.max_in_flight {
+            c.max_in_flight = v;
+        }
+        if let Some(v) = self.max_queue {
+            c.max_queue = v;
+        }
+        if let Some(v) = self.queue_timeout {
+            c.queue_timeout = v;
+        }
+        if let Some(v) = self.max_in_flight_per_endpoint {
+            c.max_in_flight_per_endpoint = v;
+        }
+        if let Some(v) = self.drain_delay {
+            c.drain_delay = v;
+        }
+        if let Some(v) = self.shutdown_timeout {
+            c.shutdown_timeout = v;
         }
     }
 }

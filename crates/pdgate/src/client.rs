@@ -84,9 +84,17 @@ fn upstream(leg: Source, endpoint: &Endpoint, reason: String, timeout: bool) -> 
     }
 }
 
+/// Reason prefix of a failure to connect (nothing was sent, so any endpoint may take the leg).
+const CONNECT_FAILED: &str = "refused the connection";
+
+/// Whether `err` is a failure to connect to the engine (the request never left the gateway).
+pub fn is_connect_failure(err: &GatewayError) -> bool {
+    matches!(err, GatewayError::Upstream { reason, timeout: false, .. } if reason.starts_with(CONNECT_FAILED))
+}
+
 fn describe(err: &hyper_util::client::legacy::Error) -> String {
     let mut text = if err.is_connect() {
-        "refused the connection".to_string()
+        CONNECT_FAILED.to_string()
     } else {
         "failed".to_string()
     };

@@ -99,6 +99,47 @@ pub struct Config {
     /// How often Mooncake bootstrap information is refreshed.
     #[serde(deserialize_with = "de_duration")]
     pub bootstrap_refresh: Duration,
+    /// Active health checks (`GET /health`, plus `/query` for Mooncake prefills) on every endpoint.
+    pub health_checks: bool,
+    /// Time between two active checks of one endpoint.
+    #[serde(deserialize_with = "de_duration")]
+    pub health_check_interval: Duration,
+    /// Bound on one active check.
+    #[serde(deserialize_with = "de_duration")]
+    pub health_check_timeout: Duration,
+    /// Consecutive failed checks that make an endpoint unhealthy.
+    pub unhealthy_threshold: u32,
+    /// Consecutive passed checks that make an unhealthy endpoint healthy again.
+    pub healthy_threshold: u32,
+    /// Consecutive failures on real traffic that eject an endpoint (0 disables passive ejection).
+    pub outlier_consecutive_failures: u32,
+    /// First ejection period; doubled on each repeated ejection, up to `outlier_max_ejection`.
+    #[serde(deserialize_with = "de_duration")]
+    pub outlier_base_ejection: Duration,
+    /// Longest ejection period.
+    #[serde(deserialize_with = "de_duration")]
+    pub outlier_max_ejection: Duration,
+    /// Retries of a failed leg on another endpoint (0 disables retries).
+    pub max_retries: u32,
+    /// Retries allowed per request, on average (a token bucket: each request adds this much).
+    pub retry_budget_ratio: f64,
+    /// Retry tokens available at start and the bucket's floor capacity.
+    pub retry_budget_min: u32,
+    /// Requests served at once (PD and pass-through); 0 means unlimited.
+    pub max_in_flight: usize,
+    /// Requests waiting for a slot beyond `max_in_flight`; more are refused at once.
+    pub max_queue: usize,
+    /// Longest wait in the queue before a request is refused.
+    #[serde(deserialize_with = "de_duration")]
+    pub queue_timeout: Duration,
+    /// Requests one endpoint holds at once; 0 means unlimited.
+    pub max_in_flight_per_endpoint: usize,
+    /// After SIGTERM, time `/ready` answers 503 while still serving, before the listener closes.
+    #[serde(deserialize_with = "de_duration")]
+    pub drain_delay: Duration,
+    /// After the listener closes, bound on waiting for in-flight requests to finish.
+    #[serde(deserialize_with = "de_duration")]
+    pub shutdown_timeout: Duration,
 }
 
 impl Default for Config {
@@ -119,6 +160,23 @@ impl Default for Config {
             max_body_bytes: 32 * 1024 * 1024,
             discovery: DiscoveryKind::Static,
             bootstrap_refresh: Duration::from_secs(30),
+            health_checks: true,
+            health_check_interval: Duration::from_secs(5),
+            health_check_timeout: Duration::from_secs(2),
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+            outlier_consecutive_failures: 5,
+            outlier_base_ejection: Duration::from_secs(10),
+            outlier_max_ejection: Duration::from_secs(300),
+            max_retries: 1,
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 10,
+            max_in_flight: 1024,
+            max_queue: 1024,
+            queue_timeout: Duration::from_secs(5),
+            max_in_flight_per_endpoint: 0,
+            drain_delay: Duration::from_secs(5),
+            shutdown_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -235,6 +293,11 @@ impl Config {
             ("decode_timeout", self.decode_timeout),
             ("stream_idle_timeout", self.stream_idle_timeout),
             ("connect_timeout", self.connect_timeout),
+            ("health_check_interval", self.health_check_interval),
+            ("health_check_timeout", self.health_check_timeout),
+            ("outlier_base_ejection", self.outlier_base_ejection),
+            ("queue_timeout", self.queue_timeout),
+            ("shutdown_timeout", self.shutdown_timeout),
         ] {
             if d.is_zero() {
                 return Err(field_error(field, "must be greater than zero"));
@@ -242,6 +305,30 @@ impl Config {
         }
         if self.max_body_bytes == 0 {
             return Err(field_error("max_body_bytes", "must be greater than zero"));
+        }
+        for (field, n) in [
+            ("unhealthy_threshold", self.unhealthy_threshold),
+            ("healthy_threshold", self.healthy_threshold),
+        ] {
+            if n == 0 {
+                return Err(field_error(field, "must be at least 1"));
+            }
+        }
+        if self.outlier_max_ejection < self.outlier_base_ejection {
+            return Err(field_error(
+                "outlier_max_ejection",
+                "must be at least outlier_base_ejection",
+            ));
+        }
+        if !(self.retry_budget_ratio.is_finite() && (0.0..=10.0).contains(&self.retry_budget_ratio))
+        {
+            return Err(field_error(
+                "retry_budget_ratio",
+                "must be between 0 and 10",
+            ));
+        }
+        if self.max_retries > 10 {
+            return Err(field_error("max_retries", "must be at most 10"));
         }
         self.pods()?;
         Ok(())

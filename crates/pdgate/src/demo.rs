@@ -64,6 +64,8 @@ pub async fn start(listen: SocketAddr, latency: LatencyModel) -> Result<Demo, Er
     let mut engines = Vec::with_capacity(FLEET.len());
     let mut config = Config {
         listen,
+        // A laptop demo has no load balancer to tell.
+        drain_delay: Duration::ZERO,
         ..Config::default()
     };
     for (connector, role) in FLEET {

@@ -165,6 +165,7 @@ struct Pd {
     prefill: Arc<Endpoint>,
     decode: Arc<Endpoint>,
     agent: Arc<dyn KvTransferAgent>,
+    model: Option<String>,
     meta: Meta,
     record: RequestRecord,
 }
@@ -180,6 +181,29 @@ struct PrefillJob {
 }
 
 impl Pd {
+    /// Moves the request to another prefill endpoint (same connector), with a fresh context.
+    fn switch_prefill(&mut self, next: Arc<Endpoint>) -> Result<(), GatewayError> {
+        let agent = next
+            .agent
+            .clone()
+            .ok_or_else(|| GatewayError::Internal("prefill endpoint without an agent".into()))?;
+        let mut ctx = RoutingContext::from_parsed(&self.meta.request_id, self.clean.clone());
+        ctx.model = self.ctx.model.clone();
+        ctx.path = self.ctx.path.clone();
+        ctx.stream = self.ctx.stream;
+        self.ctx = ctx;
+        self.agent = agent;
+        self.meta.prefill = next.name.clone();
+        self.prefill = next;
+        Ok(())
+    }
+
+    /// Records the decode endpoint that answered.
+    fn switch_decode(&mut self, decode: Arc<Endpoint>) {
+        self.meta.decode = decode.name.clone();
+        self.decode = decode;
+    }
+
     fn prefill_job(&self, request: kvtransfer::PrefillRequest) -> PrefillJob {
         PrefillJob {
             endpoint: self.prefill.clone(),
@@ -194,6 +218,28 @@ impl Pd {
 
 fn body_error(e: kvtransfer::BodyError) -> GatewayError {
     GatewayError::bad_request(format!("invalid request body: {e}"), None)
+}
+
+/// Drops candidates at `max_in_flight_per_endpoint`; all of them there is an overload (429).
+fn under_cap(
+    gw: &Gateway,
+    candidates: Vec<Arc<Endpoint>>,
+) -> Result<Vec<Arc<Endpoint>>, GatewayError> {
+    let cap = gw.config.max_in_flight_per_endpoint;
+    if cap == 0 || candidates.is_empty() {
+        return Ok(candidates);
+    }
+    let open: Vec<Arc<Endpoint>> = candidates
+        .into_iter()
+        .filter(|e| e.load.in_flight() < cap)
+        .collect();
+    if open.is_empty() {
+        gw.metrics.count_rejected("endpoint_cap");
+        return Err(GatewayError::Overloaded {
+            retry_after_secs: crate::admission::RETRY_AFTER_SECS,
+        });
+    }
+    Ok(open)
 }
 
 /// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector.
@@ -212,6 +258,7 @@ pub fn select_pair(
         .filter(|p| p.serves(model) && snap.decode.iter().any(|d| compatible(p, d)))
         .cloned()
         .collect();
+    let prefills = under_cap(gw, prefills)?;
     let Some(i) = gw.prefill_policy.pick(&prefills) else {
         let any_prefill = snap.prefill.iter().any(|p| p.serves(model));
         let any_decode = snap.decode.iter().any(|d| d.serves(model));
@@ -242,6 +289,7 @@ pub fn select_pair(
         .filter(|d| compatible(&prefill, d))
         .cloned()
         .collect();
+    let decodes = under_cap(gw, decodes)?;
     let j = gw
         .decode_policy
         .pick(&decodes)
@@ -298,6 +346,7 @@ impl Gateway {
             debug!(?stripped, "removed client-supplied transfer fields");
         }
         let view = RequestView::read(&clean, route)?;
+        self.retry_budget.deposit();
         let snapshot = self.store.load();
         let (prefill, decode) = select_pair(self, &snapshot, view.model.as_deref())?;
         let agent = prefill
@@ -338,6 +387,7 @@ impl Gateway {
             prefill,
             decode,
             agent,
+            model: view.model,
             meta,
             record,
         };
@@ -348,6 +398,7 @@ impl Gateway {
     }
 
     /// Sends the prefill leg and reads its whole (bounded) answer within the prefill timeout.
+    /// The outcome feeds passive health (a 4xx is the client's fault, not the engine's).
     async fn prefill_leg(&self, job: PrefillJob) -> Result<Collected, GatewayError> {
         let _load = LoadGuard::acquire(&job.endpoint.load);
         let leg = Leg {
@@ -364,7 +415,7 @@ impl Gateway {
             let head = client::send(&self.client, leg).await?;
             client::collect(Source::Prefill, &job.endpoint, head).await
         };
-        timeout(self.config.prefill_timeout, work)
+        let result = timeout(self.config.prefill_timeout, work)
             .await
             .unwrap_or_else(|_| {
                 Err(client::timed_out(
@@ -372,20 +423,83 @@ impl Gateway {
                     &job.endpoint,
                     self.config.prefill_timeout,
                 ))
-            })
+            });
+        let healthy = matches!(&result, Ok(c) if !c.status.is_server_error());
+        self.health.observe(&job.endpoint.name, healthy);
+        result
+    }
+
+    /// Another endpoint for a failed leg of `pd`, if retries, candidates and the retry budget
+    /// allow one. A prefill must keep the connector (the decode was chosen for it).
+    fn retry_target(&self, leg: Source, pd: &Pd, tried: &[String]) -> Option<Arc<Endpoint>> {
+        if tried.len() > self.config.max_retries as usize {
+            return None;
+        }
+        let snap = self.store.load();
+        let cap = self.config.max_in_flight_per_endpoint;
+        let model = pd.model.as_deref();
+        let connector = pd.prefill.connector.as_deref().unwrap_or_default();
+        let open = |e: &Arc<Endpoint>| {
+            !tried.iter().any(|t| t == &e.name)
+                && e.serves(model)
+                && (cap == 0 || e.load.in_flight() < cap)
+        };
+        let (candidates, policy): (Vec<Arc<Endpoint>>, _) = match leg {
+            Source::Prefill => (
+                snap.prefill
+                    .iter()
+                    .filter(|p| {
+                        open(p)
+                            && p.connector.as_deref().unwrap_or_default() == connector
+                            && pd.decode.accepts_connector(connector)
+                    })
+                    .cloned()
+                    .collect(),
+                &self.prefill_policy,
+            ),
+            _ => (
+                snap.decode
+                    .iter()
+                    .filter(|d| open(d) && d.accepts_connector(connector))
+                    .cloned()
+                    .collect(),
+                &self.decode_policy,
+            ),
+        };
+        let i = policy.pick(&candidates)?;
+        if !self.retry_budget.try_withdraw() {
+            warn!(leg = %leg, "retry budget exhausted; not retrying");
+            return None;
+        }
+        self.metrics.count_retry(leg);
+        Some(candidates[i].clone())
     }
 
     async fn sequential(
         self: &Arc<Self>,
         mut pd: Pd,
     ) -> Result<Response<axum::body::Body>, GatewayError> {
-        let prefill_request =
-            pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
-        let collected = self
-            .prefill_leg(pd.prefill_job(prefill_request))
-            .instrument(info_span!("prefill", endpoint = %pd.prefill.name))
-            .await;
+        let mut tried = vec![pd.prefill.name.clone()];
+        let collected = loop {
+            let prefill_request =
+                pd.agent
+                    .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+            let collected = self
+                .prefill_leg(pd.prefill_job(prefill_request))
+                .instrument(info_span!("prefill", endpoint = %pd.prefill.name))
+                .await;
+            let retryable = match &collected {
+                Ok(c) => c.status.is_server_error(),
+                Err(e) => e.retryable(),
+            };
+            if retryable && let Some(next) = self.retry_target(Source::Prefill, &pd, &tried) {
+                warn!(from = %pd.prefill.name, to = %next.name, "prefill failed; retrying on another prefill");
+                tried.push(next.name.clone());
+                pd.switch_prefill(next)?;
+                continue;
+            }
+            break collected;
+        };
         pd.record.prefill_done();
         let merged = match collected {
             Ok(c) if c.status.is_success() => pd
@@ -418,107 +532,174 @@ impl Gateway {
                 }
             },
         };
-        let decode_load = LoadGuard::acquire(&pd.decode.load);
-        let head = self
+        let (head, decode, decode_load) = self
             .decode_head(&pd, decode_body)
             .instrument(info_span!("decode", endpoint = %pd.decode.name))
             .await?;
+        pd.switch_decode(decode);
         Ok(self.relay(head, pd, decode_load, None))
     }
 
-    async fn decode_head(&self, pd: &Pd, body: Bytes) -> Result<Response<Incoming>, GatewayError> {
-        let leg = Leg {
-            leg: Source::Decode,
-            endpoint: &pd.decode,
-            path: pd.route.path(),
-            method: Method::POST,
-            body,
-            request_id: &pd.meta.request_id,
-            headers: &pd.forwarded,
-            extra: &[],
-        };
-        timeout(self.config.decode_timeout, client::send(&self.client, leg))
-            .await
-            .unwrap_or_else(|_| {
-                Err(client::timed_out(
-                    Source::Decode,
-                    &pd.decode,
-                    self.config.decode_timeout,
-                ))
-            })
+    /// Sends the decode leg and waits for its response head within the decode timeout. A
+    /// connection failure (nothing was sent) is retried on another decode endpoint.
+    async fn decode_head(
+        &self,
+        pd: &Pd,
+        body: Bytes,
+    ) -> Result<(Response<Incoming>, Arc<Endpoint>, LoadGuard), GatewayError> {
+        let mut endpoint = pd.decode.clone();
+        let mut tried = vec![endpoint.name.clone()];
+        loop {
+            let load = LoadGuard::acquire(&endpoint.load);
+            let leg = Leg {
+                leg: Source::Decode,
+                endpoint: &endpoint,
+                path: pd.route.path(),
+                method: Method::POST,
+                body: body.clone(),
+                request_id: &pd.meta.request_id,
+                headers: &pd.forwarded,
+                extra: &[],
+            };
+            let result = timeout(self.config.decode_timeout, client::send(&self.client, leg))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(client::timed_out(
+                        Source::Decode,
+                        &endpoint,
+                        self.config.decode_timeout,
+                    ))
+                });
+            match result {
+                Ok(head) => {
+                    self.health
+                        .observe(&endpoint.name, !head.status().is_server_error());
+                    return Ok((head, endpoint, load));
+                }
+                Err(err) => {
+                    self.health.observe(&endpoint.name, false);
+                    if client::is_connect_failure(&err)
+                        && let Some(next) = self.retry_target(Source::Decode, pd, &tried)
+                    {
+                        warn!(from = %endpoint.name, to = %next.name, "decode unreachable; retrying on another decode");
+                        tried.push(next.name.clone());
+                        endpoint = next;
+                        continue;
+                    }
+                    return Err(err);
+                }
+            }
+        }
     }
 
     async fn concurrent(
         self: &Arc<Self>,
         mut pd: Pd,
     ) -> Result<Response<axum::body::Body>, GatewayError> {
-        let prefill_request =
-            pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
-        pd.agent
-            .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
-        let prefill_task: AbortOnDropHandle<PartnerResult> = {
-            let gw = self.clone();
-            let job = pd.prefill_job(prefill_request);
-            let span = info_span!("prefill", endpoint = %pd.prefill.name);
-            AbortOnDropHandle::new(tokio::spawn(
-                async move {
-                    let c = gw.prefill_leg(job).await?;
-                    if c.status.is_success() {
-                        Ok(())
-                    } else {
-                        Err(client::status_error(Source::Prefill, c))
-                    }
-                }
-                .instrument(span),
-            ))
-        };
-        let decode_load = LoadGuard::acquire(&pd.decode.load);
-        let mut partner = Some(prefill_task);
         enum Step {
             Prefill(Result<PartnerResult, tokio::task::JoinError>),
-            Decode(Result<Response<Incoming>, GatewayError>),
+            Decode(Result<(Response<Incoming>, Arc<Endpoint>, LoadGuard), GatewayError>),
         }
-        let head = {
-            let decode = self
-                .decode_head(&pd, pd.ctx.req_body.clone())
-                .instrument(info_span!("decode", endpoint = %pd.decode.name));
-            tokio::pin!(decode);
-            loop {
-                let step = tokio::select! {
-                    biased;
-                    Some(done) = OptionFuture::from(partner.as_mut()) => Step::Prefill(done),
-                    head = &mut decode => Step::Decode(head),
-                };
-                match step {
-                    Step::Decode(head) => break head,
-                    Step::Prefill(done) => {
-                        partner = None;
-                        let outcome = done.unwrap_or_else(|join| {
-                            Err(GatewayError::Internal(format!(
-                                "prefill task ended: {join}"
-                            )))
-                        });
-                        if let Err(err) = outcome {
-                            // Dropping the decode future closes its connection; SGLang also wants an abort.
-                            self.abort_decode(&pd);
-                            return Err(err);
+        let mut tried = vec![pd.prefill.name.clone()];
+        loop {
+            let prefill_request =
+                pd.agent
+                    .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+            pd.agent
+                .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
+            let prefill_task: AbortOnDropHandle<PartnerResult> = {
+                let gw = self.clone();
+                let job = pd.prefill_job(prefill_request);
+                let span = info_span!("prefill", endpoint = %pd.prefill.name);
+                AbortOnDropHandle::new(tokio::spawn(
+                    async move {
+                        let c = gw.prefill_leg(job).await?;
+                        if c.status.is_success() {
+                            Ok(())
+                        } else {
+                            Err(client::status_error(Source::Prefill, c))
                         }
                     }
+                    .instrument(span),
+                ))
+            };
+            let mut partner = Some(prefill_task);
+            let step = {
+                let decode = self
+                    .decode_head(&pd, pd.ctx.req_body.clone())
+                    .instrument(info_span!("decode", endpoint = %pd.decode.name));
+                tokio::pin!(decode);
+                loop {
+                    let step = tokio::select! {
+                        biased;
+                        Some(done) = OptionFuture::from(partner.as_mut()) => Step::Prefill(done),
+                        head = &mut decode => Step::Decode(head),
+                    };
+                    match step {
+                        Step::Prefill(Ok(Ok(()))) => partner = None,
+                        other => break other,
+                    }
                 }
+            };
+            let head = match step {
+                Step::Decode(head) => head,
+                Step::Prefill(done) => {
+                    // The decode future is dropped (its connection closed); SGLang also wants
+                    // an abort, sent before any retry reuses the request id.
+                    let err = done.unwrap_or_else(|join| {
+                        Err(GatewayError::Internal(format!(
+                            "prefill task ended: {join}"
+                        )))
+                    });
+                    let err = match err {
+                        Ok(()) => GatewayError::Internal("prefill outcome lost".into()),
+                        Err(e) => e,
+                    };
+                    if err.retryable()
+                        && let Some(next) = self.retry_target(Source::Prefill, &pd, &tried)
+                    {
+                        warn!(from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the decode answered; retrying both legs");
+                        self.abort_decode_now(&pd).await;
+                        tried.push(next.name.clone());
+                        pd.switch_prefill(next)?;
+                        continue;
+                    }
+                    self.abort_decode(&pd);
+                    return Err(err);
+                }
+            };
+            let (head, decode, decode_load) = match head {
+                Ok(head) => head,
+                Err(err) => {
+                    self.abort_decode(&pd);
+                    return Err(err);
+                }
+            };
+            pd.switch_decode(decode);
+            if partner.is_none() {
+                pd.record.prefill_done();
             }
-        };
-        let head = match head {
-            Ok(head) => head,
-            Err(err) => {
-                self.abort_decode(&pd);
-                return Err(err);
-            }
-        };
-        if partner.is_none() {
-            pd.record.prefill_done();
+            return Ok(self.relay(head, pd, decode_load, partner));
         }
-        Ok(self.relay(head, pd, decode_load, partner))
+    }
+
+    /// [`Gateway::abort_decode`], awaited (bounded).
+    async fn abort_decode_now(&self, pd: &Pd) {
+        if pd.meta.connector != kvtransfer::CONNECTOR_TYPE_SGLANG {
+            return;
+        }
+        let body = Bytes::from(serde_json::json!({ "rid": pd.meta.request_id }).to_string());
+        let leg = Leg {
+            leg: Source::Decode,
+            endpoint: &pd.decode,
+            path: "/abort_request",
+            method: Method::POST,
+            body,
+            request_id: &pd.meta.request_id,
+            headers: &HeaderMap::new(),
+            extra: &[],
+        };
+        let _ = timeout(Duration::from_secs(2), client::send(&self.client, leg)).await;
     }
 
     /// Tells an SGLang decode engine to drop a request whose prefill failed.

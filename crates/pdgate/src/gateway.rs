@@ -4,6 +4,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -16,11 +17,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::admission::{Admission, RetryBudget};
 use crate::client::{self, HttpClient};
 use crate::config::{Config, ConfigError};
 use crate::endpoints::{
-    EndpointStore, MOONCAKE_BOOTSTRAP_PORT_ANNOTATION, Snapshot, SnapshotInputs,
+    EndpointStore, MOONCAKE_BOOTSTRAP_PORT_ANNOTATION, Role, Snapshot, SnapshotInputs,
 };
+use crate::health::{Health, ProbeTarget};
 use crate::metrics::Metrics;
 use crate::policy::{self, Policy};
 
@@ -48,6 +51,14 @@ pub struct Gateway {
     pub metrics: Arc<Metrics>,
     /// Short background work spawned by requests (e.g. SGLang aborts), waited for at shutdown.
     pub tasks: TaskTracker,
+    /// Endpoint health (active checks and passive outlier detection).
+    pub health: Arc<Health>,
+    /// The gateway-wide request limit.
+    pub admission: Admission,
+    /// Bounds retries across requests.
+    pub retry_budget: RetryBudget,
+    /// Set at the start of a graceful shutdown: `/ready` answers 503 from then on.
+    pub draining: AtomicBool,
 }
 
 impl Gateway {
@@ -66,14 +77,19 @@ impl Gateway {
                 message: format!("unknown policy {name:?}"),
             })
         };
+        let metrics = Arc::new(Metrics::new());
         Ok(Arc::new(Gateway {
+            health: Arc::new(Health::new(&config, metrics.clone())),
+            admission: Admission::new(&config, metrics.clone()),
+            retry_budget: RetryBudget::new(&config),
+            draining: AtomicBool::new(false),
             prefill_policy: policy("prefill_policy", &config.prefill_policy)?,
             decode_policy: policy("decode_policy", &config.decode_policy)?,
             client: client::build(config.connect_timeout),
             default_connector,
             registry,
             store: EndpointStore::default(),
-            metrics: Arc::new(Metrics::new()),
+            metrics,
             tasks: TaskTracker::new(),
             config,
         }))
@@ -88,6 +104,37 @@ impl Gateway {
             unhealthy,
         };
         self.store.publish(pods, &inputs)
+    }
+
+    /// Whether a graceful shutdown has begun.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// What active health checks probe for `pods`.
+    pub fn probe_targets(&self, pods: &[Pod]) -> Vec<ProbeTarget> {
+        pods.iter()
+            .filter_map(|pod| {
+                let role = match pod.label(kvtransfer::labels::ROLE_NAME) {
+                    Some("prefill") => Role::Prefill,
+                    Some("decode") => Role::Decode,
+                    _ => return None,
+                };
+                let base = pod.base_url()?;
+                let query_url = if self.is_mooncake_prefill(pod) {
+                    let host = pod.url_host()?;
+                    Some(format!("http://{host}:{}/query", bootstrap_port(pod)))
+                } else {
+                    None
+                };
+                Some(ProbeTarget {
+                    name: pod.name.clone(),
+                    role,
+                    health_url: format!("{base}/health"),
+                    query_url,
+                })
+            })
+            .collect()
     }
 
     fn is_mooncake_prefill(&self, pod: &Pod) -> bool {
@@ -161,9 +208,14 @@ pub async fn reconcile(
 ) {
     let mut cache: HashMap<String, CachedBootstrap> = HashMap::new();
     let mut last = String::new();
-    let unhealthy = BTreeSet::new();
+    let mut last_targets = Vec::new();
     loop {
         let current = pods.borrow_and_update().clone();
+        let targets = gw.probe_targets(&current);
+        if targets != last_targets {
+            gw.health.sync(targets.clone());
+            last_targets = targets;
+        }
         let mut enriched: Vec<Pod> = Vec::with_capacity(current.len());
         let mut missing = false;
         for pod in current.iter() {
@@ -200,9 +252,11 @@ pub async fn reconcile(
             enriched.push(pod);
         }
         cache.retain(|name, _| current.iter().any(|p| &p.name == name));
-        let fingerprint = format!("{enriched:?}");
+        let unhealthy = gw.health.unhealthy();
+        let fingerprint = format!("{enriched:?}{unhealthy:?}");
         if fingerprint != last {
             let snap = gw.publish(&enriched, &unhealthy);
+            gw.metrics.count_discovery_change();
             info!(
                 prefill = snap.prefill.len(),
                 decode = snap.decode.len(),
@@ -222,6 +276,7 @@ pub async fn reconcile(
         tokio::select! {
             _ = cancel.cancelled() => return,
             changed = pods.changed() => if changed.is_err() { return },
+            _ = gw.health.changed() => {}
             _ = tokio::time::sleep(wait) => {}
         }
     }
@@ -253,6 +308,12 @@ impl RunningGateway {
         let initial: Vec<Pod> = rx.borrow().iter().cloned().collect();
         gateway.publish(&initial, &BTreeSet::new());
         tasks.spawn(reconcile(gateway.clone(), rx, cancel.clone()));
+        tasks.spawn(crate::health::run(
+            gateway.health.clone(),
+            gateway.client.clone(),
+            gateway.config.clone(),
+            cancel.clone(),
+        ));
         let app = crate::server::router(gateway.clone());
         let shutdown = cancel.clone();
         tasks.spawn(async move {
@@ -319,8 +380,13 @@ impl RunningGateway {
         self.cancel.clone()
     }
 
-    /// Stops accepting, lets in-flight requests finish up to `deadline`, then ends every task.
+    /// Drains: `/ready` answers 503 at once while requests are still served for
+    /// `config.drain_delay` (load balancers stop sending), then stops accepting, lets in-flight
+    /// requests finish up to `deadline`, then ends every task.
     pub async fn shutdown(mut self, deadline: Duration) {
+        self.gateway.draining.store(true, Ordering::Release);
+        info!(delay = ?self.gateway.config.drain_delay, "draining: /ready now answers 503");
+        tokio::time::sleep(self.gateway.config.drain_delay).await;
         self.cancel.cancel();
         let drain = async {
             while self.tasks.join_next().await.is_some() {}

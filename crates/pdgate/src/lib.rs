@@ -19,6 +19,8 @@
 //! - [`server`]: the HTTP routes. [`client`]: the pooled engine client.
 //! - [`error`]: one error type rendered once as an OpenAI error. [`metrics`]: Prometheus.
 //! - [`demo`]: in-process simulated engines plus a gateway.
+//! - [`health`]: active checks and passive outlier detection feeding the snapshot.
+//! - [`admission`]: the in-flight limit with a bounded queue, and the retry budget.
 //!
 //! # Example
 //! ```no_run
@@ -38,6 +40,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod admission;
 pub mod cli;
 pub mod client;
 pub mod config;
@@ -46,6 +49,7 @@ pub mod endpoints;
 pub mod error;
 pub mod flow;
 pub mod gateway;
+pub mod health;
 pub mod metrics;
 pub mod policy;
 pub mod relay;

@@ -97,9 +97,8 @@ async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
             Duration::from_secs(1),
         ));
     }
-    running
-        .run_until(shutdown_signal(), Duration::from_secs(30))
-        .await;
+    let deadline = gateway.config.shutdown_timeout;
+    running.run_until(shutdown_signal(), deadline).await;
     Ok(())
 }
 

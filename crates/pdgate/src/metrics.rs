@@ -47,6 +47,11 @@ struct RoleLabels {
     role: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -68,6 +73,14 @@ pub struct Metrics {
     retries: Family<LegLabels, Counter>,
     in_flight: Family<EndpointLabels, Gauge>,
     endpoints: Family<RoleLabels, Gauge>,
+    ejections: Family<RoleLabels, Counter>,
+    healthy: Family<EndpointLabels, Gauge>,
+    discovery_changes: Counter,
+    rejected: Family<ReasonLabels, Counter>,
+    /// Requests holding an admission slot.
+    pub admitted: Gauge,
+    /// Requests waiting for an admission slot.
+    pub queued: Gauge,
 }
 
 impl Default for Metrics {
@@ -140,8 +153,50 @@ impl Metrics {
             "Routable endpoints per role",
             endpoints.clone(),
         );
+        let ejections = Family::<RoleLabels, Counter>::default();
+        let healthy = Family::<EndpointLabels, Gauge>::default();
+        let discovery_changes = Counter::default();
+        let rejected = Family::<ReasonLabels, Counter>::default();
+        let admitted = Gauge::default();
+        let queued = Gauge::default();
+        registry.register(
+            "ejections",
+            "Endpoints ejected by passive outlier detection or failed active checks",
+            ejections.clone(),
+        );
+        registry.register(
+            "endpoint_healthy",
+            "1 when the endpoint passes health checking, 0 while it is unhealthy or ejected",
+            healthy.clone(),
+        );
+        registry.register(
+            "discovery_changes",
+            "Routable endpoint set republished",
+            discovery_changes.clone(),
+        );
+        registry.register(
+            "admission_rejected",
+            "Requests refused by admission control (429), by reason",
+            rejected.clone(),
+        );
+        registry.register(
+            "admission_in_flight",
+            "Requests holding an admission slot",
+            admitted.clone(),
+        );
+        registry.register(
+            "admission_queued",
+            "Requests waiting for an admission slot",
+            queued.clone(),
+        );
         Metrics {
             registry,
+            ejections,
+            healthy,
+            discovery_changes,
+            rejected,
+            admitted,
+            queued,
             requests,
             duration,
             ttft,
@@ -187,6 +242,39 @@ impl Metrics {
         self.retries
             .get_or_create(&LegLabels { leg: leg.as_str() })
             .inc();
+    }
+
+    /// Counts an ejection of a `role` endpoint.
+    pub fn count_ejection(&self, role: &'static str) {
+        self.ejections.get_or_create(&RoleLabels { role }).inc();
+    }
+
+    /// Sets an endpoint's health gauge.
+    pub fn set_healthy(&self, role: &'static str, endpoint: &str, healthy: bool) {
+        self.healthy
+            .get_or_create(&EndpointLabels {
+                role,
+                endpoint: endpoint.to_string(),
+            })
+            .set(i64::from(healthy));
+    }
+
+    /// Forgets an endpoint that left the fleet.
+    pub fn forget_endpoint(&self, role: &'static str, endpoint: &str) {
+        self.healthy.remove(&EndpointLabels {
+            role,
+            endpoint: endpoint.to_string(),
+        });
+    }
+
+    /// Counts a republished endpoint set.
+    pub fn count_discovery_change(&self) {
+        self.discovery_changes.inc();
+    }
+
+    /// Counts a request refused by admission control.
+    pub fn count_rejected(&self, reason: &'static str) {
+        self.rejected.get_or_create(&ReasonLabels { reason }).inc();
     }
 
     /// Renders the text exposition, refreshing fleet gauges from `snapshot`.

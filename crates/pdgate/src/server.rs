@@ -12,6 +12,7 @@ use http::StatusCode;
 use http::header::{self, HeaderMap, HeaderValue};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
+use crate::admission;
 use crate::client::{self, Leg};
 use crate::endpoints::LoadGuard;
 use crate::error::{GatewayError, Source};
@@ -58,12 +59,26 @@ pub async fn read_body(
     }
 }
 
+/// An error answered before the flow started, still naming the request.
+fn refused(e: GatewayError, headers: &HeaderMap) -> Response {
+    let mut response = e.into_response();
+    if let Ok(v) = HeaderValue::from_str(&crate::flow::request_id(headers)) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
+}
+
 async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Response {
+    let slot = match gw.admission.admit().await {
+        Ok(slot) => slot,
+        Err(e) => return refused(e, request.headers()),
+    };
     let (parts, body) = request.into_parts();
-    match read_body(&parts.headers, body, gw.config.max_body_bytes).await {
+    let response = match read_body(&parts.headers, body, gw.config.max_body_bytes).await {
         Ok(bytes) => gw.handle_pd(route, &parts.headers, bytes).await,
         Err(e) => e.into_response(),
-    }
+    };
+    admission::hold(response, slot)
 }
 
 async fn completions(State(gw): State<Arc<Gateway>>, request: Request) -> Response {
@@ -94,13 +109,16 @@ async fn health() -> StatusCode {
 
 async fn ready(State(gw): State<Arc<Gateway>>) -> Response {
     let snap = gw.store.load();
+    let draining = gw.is_draining();
+    let ready = snap.has_routable_pair() && !draining;
     let body = serde_json::json!({
-        "ready": snap.has_routable_pair(),
+        "ready": ready,
+        "draining": draining,
         "prefill": snap.prefill.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "decode": snap.decode.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "excluded": snap.excluded.iter().map(|(n, why)| serde_json::json!({"endpoint": n, "reason": why})).collect::<Vec<_>>(),
     });
-    let status = if snap.has_routable_pair() {
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -122,11 +140,20 @@ async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
 
 /// Any other `/v1/*` request goes to a decode endpoint unchanged.
 async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request) -> Response {
-    let (parts, body) = request.into_parts();
-    let path = parts.uri.path().to_string();
-    if !path.starts_with("/v1/") {
+    if !request.uri().path().starts_with("/v1/") {
+        let path = request.uri().path().to_string();
         return GatewayError::NotFound { path }.into_response();
     }
+    let slot = match gw.admission.admit().await {
+        Ok(slot) => slot,
+        Err(e) => return refused(e, request.headers()),
+    };
+    admission::hold(forward(gw, request).await, slot)
+}
+
+async fn forward(gw: Arc<Gateway>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let path = parts.uri.path().to_string();
     let path_and_query = parts
         .uri
         .path_and_query()

@@ -1,0 +1,262 @@
+//! Admission control: at most `max_in_flight` requests are served at once, at most `max_queue`
+//! more wait (each at most `queue_timeout`), and everything beyond is refused at once with
+//! `429 Too Many Requests` and `Retry-After`. A request holds its slot until its response body
+//! ends or is dropped, so memory stays bounded however many clients connect. The slot is taken
+//! before the request body is read.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config::Config;
+use crate::error::GatewayError;
+use crate::metrics::Metrics;
+
+/// Seconds a refused client is told to wait.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
+/// The gateway-wide request limit.
+#[derive(Debug)]
+pub struct Admission {
+    slots: Option<Arc<Semaphore>>,
+    queued: AtomicUsize,
+    max_queue: usize,
+    queue_timeout: Duration,
+    metrics: Arc<Metrics>,
+}
+
+/// One admitted request's slot (nothing when admission is unlimited).
+#[derive(Debug)]
+pub struct Slot {
+    _permit: Option<OwnedSemaphorePermit>,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.metrics.admitted.dec();
+    }
+}
+
+struct Waiting<'a>(&'a Admission);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.queued.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.queued.dec();
+    }
+}
+
+impl Admission {
+    /// Limits from `config`.
+    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Self {
+        Admission {
+            slots: (config.max_in_flight > 0)
+                .then(|| Arc::new(Semaphore::new(config.max_in_flight))),
+            queued: AtomicUsize::new(0),
+            max_queue: config.max_queue,
+            queue_timeout: config.queue_timeout,
+            metrics,
+        }
+    }
+
+    fn slot(&self, permit: Option<OwnedSemaphorePermit>) -> Slot {
+        self.metrics.admitted.inc();
+        Slot {
+            _permit: permit,
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    fn refuse(&self, reason: &'static str) -> GatewayError {
+        self.metrics.count_rejected(reason);
+        GatewayError::Overloaded {
+            retry_after_secs: RETRY_AFTER_SECS,
+        }
+    }
+
+    /// Waits (bounded) for a slot, or refuses with [`GatewayError::Overloaded`].
+    pub async fn admit(&self) -> Result<Slot, GatewayError> {
+        let Some(slots) = &self.slots else {
+            return Ok(self.slot(None));
+        };
+        if let Ok(permit) = slots.clone().try_acquire_owned() {
+            return Ok(self.slot(Some(permit)));
+        }
+        if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queue {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(self.refuse("queue_full"));
+        }
+        self.metrics.queued.inc();
+        let _waiting = Waiting(self);
+        match tokio::time::timeout(self.queue_timeout, slots.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(self.slot(Some(permit))),
+            Ok(Err(_)) => Err(self.refuse("closed")),
+            Err(_) => Err(self.refuse("queue_timeout")),
+        }
+    }
+
+    /// Requests waiting now.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::Acquire)
+    }
+}
+
+/// A token bucket bounding retries: each request adds `retry_budget_ratio` of a token (up to
+/// `retry_budget_min` tokens, the start level), each retry takes one. A fleet failing everywhere
+/// then sees at most that share of extra requests, not a retry storm.
+#[derive(Debug)]
+pub struct RetryBudget {
+    milli_tokens: AtomicI64,
+    per_request: i64,
+    cap: i64,
+}
+
+impl RetryBudget {
+    /// The budget of `config`.
+    pub fn new(config: &Config) -> Self {
+        let cap = i64::from(config.retry_budget_min.max(1)) * 1000;
+        RetryBudget {
+            milli_tokens: AtomicI64::new(cap),
+            per_request: (config.retry_budget_ratio * 1000.0).round() as i64,
+            cap,
+        }
+    }
+
+    /// One request arrived.
+    pub fn deposit(&self) {
+        let (per, cap) = (self.per_request, self.cap);
+        let _ = self
+            .milli_tokens
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                (t < cap).then(|| (t + per).min(cap))
+            });
+    }
+
+    /// Takes one retry token, if any.
+    pub fn try_withdraw(&self) -> bool {
+        self.milli_tokens
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                (t >= 1000).then_some(t - 1000)
+            })
+            .is_ok()
+    }
+}
+
+pin_project! {
+    /// A response body that holds its request's admission slot until it ends or is dropped.
+    pub struct SlotBody {
+        #[pin]
+        inner: Body,
+        slot: Option<Slot>,
+    }
+}
+
+impl http_body::Body for SlotBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if let Poll::Ready(None) | Poll::Ready(Some(Err(_))) = &polled {
+            *this.slot = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Ties `slot` to `response`: released when the body ends.
+pub fn hold(response: Response, slot: Slot) -> Response {
+    response.map(|inner| {
+        Body::new(SlotBody {
+            inner,
+            slot: Some(slot),
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn limits_queues_and_refuses() {
+        let config = Config {
+            max_in_flight: 1,
+            max_queue: 1,
+            queue_timeout: Duration::from_millis(50),
+            ..Config::default()
+        };
+        let metrics = Arc::new(Metrics::new());
+        let a = Arc::new(Admission::new(&config, metrics.clone()));
+        let first = a.admit().await.unwrap();
+        // The queue holds one waiter; the next is refused at once.
+        let waiter = {
+            let a = a.clone();
+            tokio::spawn(async move { a.admit().await.map(|_| ()) })
+        };
+        while a.queued() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let refused = a.admit().await.unwrap_err();
+        assert_eq!(refused.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        // The waiter times out.
+        assert!(waiter.await.unwrap().is_err());
+        assert_eq!(a.queued(), 0);
+        drop(first);
+        let again = a.admit().await.unwrap();
+        drop(again);
+        let text = metrics.render(&crate::endpoints::Snapshot::default());
+        assert!(
+            text.contains(r#"pdgate_admission_rejected_total{reason="queue_full"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"pdgate_admission_rejected_total{reason="queue_timeout"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains("pdgate_admission_in_flight 0"), "{text}");
+    }
+
+    #[test]
+    fn retry_budget_refills_per_request() {
+        let config = Config {
+            retry_budget_ratio: 0.5,
+            retry_budget_min: 2,
+            ..Config::default()
+        };
+        let b = RetryBudget::new(&config);
+        assert!(b.try_withdraw());
+        assert!(b.try_withdraw());
+        assert!(!b.try_withdraw());
+        b.deposit();
+        assert!(!b.try_withdraw());
+        b.deposit();
+        assert!(b.try_withdraw());
+        for _ in 0..100 {
+            b.deposit();
+        }
+        assert!(b.try_withdraw() && b.try_withdraw() && !b.try_withdraw());
+    }
+}

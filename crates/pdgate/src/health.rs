@@ -1,0 +1,424 @@
+//! Endpoint health: active checks and passive outlier detection.
+//!
+//! Every known endpoint has one entry. It is *unhealthy* (left out of the routable snapshot)
+//! while either
+//! - its active checks failed `unhealthy_threshold` times in a row (`GET /health`, plus the
+//!   Mooncake bootstrap `/query` for Mooncake prefills), until `healthy_threshold` checks pass; or
+//! - real traffic failed on it `outlier_consecutive_failures` times in a row: it is *ejected* for
+//!   a back-off period (`outlier_base_ejection`, doubled on each repeat, at most
+//!   `outlier_max_ejection`). When the period ends it comes back *half-open*: its next request
+//!   decides — a failure ejects it again at once, a success clears its record.
+//!
+//! Passive ejection never removes the last endpoint of a role that is still healthy: a fleet
+//! that fails everywhere keeps answering errors (and retries stay bounded by the budget) rather
+//! than 503s for everything. Changes wake the reconciler, which republishes the snapshot.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Method;
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::client::HttpClient;
+use crate::config::Config;
+use crate::endpoints::Role;
+use crate::metrics::Metrics;
+
+/// What an active check requests for one endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeTarget {
+    /// Endpoint name.
+    pub name: String,
+    /// Prefill or decode.
+    pub role: Role,
+    /// `http://host:port/health`.
+    pub health_url: String,
+    /// `http://host:bootstrap_port/query` for a Mooncake prefill.
+    pub query_url: Option<String>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    target: ProbeTarget,
+    check_failures: u32,
+    check_passes: u32,
+    check_down: bool,
+    traffic_failures: u32,
+    ejected_until: Option<Instant>,
+    ejections: u32,
+    half_open: bool,
+}
+
+impl Entry {
+    fn new(target: ProbeTarget) -> Self {
+        Entry {
+            target,
+            check_failures: 0,
+            check_passes: 0,
+            check_down: false,
+            traffic_failures: 0,
+            ejected_until: None,
+            ejections: 0,
+            half_open: false,
+        }
+    }
+
+    fn healthy(&self) -> bool {
+        !self.check_down && self.ejected_until.is_none()
+    }
+}
+
+/// Knobs, copied from [`Config`].
+#[derive(Clone, Debug)]
+struct Knobs {
+    unhealthy_threshold: u32,
+    healthy_threshold: u32,
+    consecutive_failures: u32,
+    base_ejection: Duration,
+    max_ejection: Duration,
+}
+
+/// Health of every known endpoint.
+#[derive(Debug)]
+pub struct Health {
+    entries: Mutex<HashMap<String, Entry>>,
+    changed: Notify,
+    knobs: Knobs,
+    metrics: Arc<Metrics>,
+}
+
+impl Health {
+    /// Empty table with the knobs of `config`.
+    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Self {
+        Health {
+            entries: Mutex::new(HashMap::new()),
+            changed: Notify::new(),
+            knobs: Knobs {
+                unhealthy_threshold: config.unhealthy_threshold.max(1),
+                healthy_threshold: config.healthy_threshold.max(1),
+                consecutive_failures: config.outlier_consecutive_failures,
+                base_ejection: config.outlier_base_ejection,
+                max_ejection: config.outlier_max_ejection,
+            },
+            metrics,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Resolves when health changed since the last call (no lost wake-ups).
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    fn set_gauge(&self, e: &Entry) {
+        self.metrics
+            .set_healthy(e.target.role.as_str(), &e.target.name, e.healthy());
+    }
+
+    /// Makes the table follow the fleet: new endpoints start healthy, gone ones are forgotten.
+    pub fn sync(&self, targets: Vec<ProbeTarget>) {
+        let mut map = self.lock();
+        let names: BTreeSet<&str> = targets.iter().map(|t| t.name.as_str()).collect();
+        map.retain(|name, e| {
+            let keep = names.contains(name.as_str());
+            if !keep {
+                self.metrics.forget_endpoint(e.target.role.as_str(), name);
+            }
+            keep
+        });
+        for t in targets {
+            match map.get_mut(&t.name) {
+                Some(e) => e.target = t,
+                None => {
+                    let e = Entry::new(t);
+                    self.set_gauge(&e);
+                    map.insert(e.target.name.clone(), e);
+                }
+            }
+        }
+    }
+
+    /// Names of endpoints that must not be routed to now.
+    pub fn unhealthy(&self) -> BTreeSet<String> {
+        self.lock()
+            .iter()
+            .filter(|(_, e)| !e.healthy())
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// Whether `name` is known and healthy (unknown endpoints count as healthy).
+    pub fn is_healthy(&self, name: &str) -> bool {
+        self.lock().get(name).is_none_or(Entry::healthy)
+    }
+
+    /// What the active checker should probe.
+    pub fn targets(&self) -> Vec<ProbeTarget> {
+        self.lock().values().map(|e| e.target.clone()).collect()
+    }
+
+    /// Records the outcome of one active check.
+    pub fn check_result(&self, name: &str, ok: bool, why: &str) {
+        let mut map = self.lock();
+        let Some(e) = map.get_mut(name) else { return };
+        let before = e.healthy();
+        if ok {
+            e.check_failures = 0;
+            e.check_passes = e.check_passes.saturating_add(1);
+            if e.check_down && e.check_passes >= self.knobs.healthy_threshold {
+                e.check_down = false;
+                info!(endpoint = %name, "endpoint passes its health checks again");
+            }
+        } else {
+            e.check_passes = 0;
+            e.check_failures = e.check_failures.saturating_add(1);
+            if !e.check_down && e.check_failures >= self.knobs.unhealthy_threshold {
+                e.check_down = true;
+                warn!(endpoint = %name, reason = %why, "endpoint failed its health checks");
+                self.metrics.count_ejection(e.target.role.as_str());
+            }
+        }
+        if before != e.healthy() {
+            self.set_gauge(e);
+            self.changed.notify_one();
+        }
+    }
+
+    /// Records the outcome of real traffic on `name` (`ok`: the engine answered sanely).
+    pub fn observe(&self, name: &str, ok: bool) {
+        if self.knobs.consecutive_failures == 0 {
+            return;
+        }
+        let mut map = self.lock();
+        let Some(e) = map.get(name) else { return };
+        if ok {
+            if e.traffic_failures == 0 && !e.half_open {
+                return;
+            }
+            if let Some(e) = map.get_mut(name) {
+                e.traffic_failures = 0;
+                if e.half_open {
+                    e.half_open = false;
+                    e.ejections = 0;
+                }
+            }
+            return;
+        }
+        if e.ejected_until.is_some() {
+            return;
+        }
+        let role = e.target.role;
+        let trip = e.half_open || e.traffic_failures + 1 >= self.knobs.consecutive_failures;
+        // Never eject the last healthy endpoint of a role.
+        let healthy_peers = map
+            .values()
+            .filter(|p| p.target.role == role && p.healthy() && p.target.name != name)
+            .count();
+        let Some(e) = map.get_mut(name) else { return };
+        e.traffic_failures = e.traffic_failures.saturating_add(1);
+        if !trip || healthy_peers == 0 {
+            return;
+        }
+        let factor = 1u32 << e.ejections.min(16);
+        let period = self
+            .knobs
+            .base_ejection
+            .saturating_mul(factor)
+            .min(self.knobs.max_ejection);
+        e.ejections = e.ejections.saturating_add(1);
+        e.ejected_until = Some(Instant::now() + period);
+        e.half_open = false;
+        e.traffic_failures = 0;
+        warn!(endpoint = %name, ?period, "endpoint ejected after failing on real traffic");
+        self.metrics.count_ejection(role.as_str());
+        self.set_gauge(e);
+        self.changed.notify_one();
+    }
+
+    /// Ends ejection periods that are over (the endpoint comes back half-open).
+    pub fn tick(&self, now: Instant) {
+        let mut map = self.lock();
+        let mut any = false;
+        for e in map.values_mut() {
+            if e.ejected_until.is_some_and(|t| t <= now) {
+                e.ejected_until = None;
+                e.half_open = true;
+                info!(endpoint = %e.target.name, "ejection over; endpoint back on probation");
+                self.set_gauge(e);
+                any = true;
+            }
+        }
+        if any {
+            self.changed.notify_one();
+        }
+    }
+}
+
+async fn get_ok(client: &HttpClient, url: &str, limit: Duration) -> Result<(), String> {
+    let request = http::Request::builder()
+        .method(Method::GET)
+        .uri(url)
+        .body(http_body_util::Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let work = async {
+        let response = client.request(request).await.map_err(|e| e.to_string())?;
+        let status = response.status();
+        // Drain (bounded) so the connection can be reused.
+        let _ = http_body_util::BodyExt::collect(http_body_util::Limited::new(
+            response.into_body(),
+            64 * 1024,
+        ))
+        .await;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(format!("{url} answered {status}"))
+        }
+    };
+    tokio::time::timeout(limit, work)
+        .await
+        .map_err(|_| format!("{url} did not answer within {limit:?}"))?
+}
+
+async fn probe(
+    client: HttpClient,
+    target: ProbeTarget,
+    limit: Duration,
+) -> (String, Result<(), String>) {
+    let mut result = get_ok(&client, &target.health_url, limit).await;
+    if result.is_ok()
+        && let Some(q) = &target.query_url
+    {
+        result = get_ok(&client, q, limit).await;
+    }
+    (target.name, result)
+}
+
+/// Runs active checks every `health_check_interval` (when enabled) and ends ejection periods.
+/// Ends when `cancel` fires.
+pub async fn run(
+    health: Arc<Health>,
+    client: HttpClient,
+    config: Config,
+    cancel: CancellationToken,
+) {
+    let tick = config.health_check_interval.min(Duration::from_millis(250));
+    let mut next_check = Instant::now();
+    let mut probes: JoinSet<(String, Result<(), String>)> = JoinSet::new();
+    loop {
+        let now = Instant::now();
+        health.tick(now);
+        if config.health_checks && now >= next_check && probes.is_empty() {
+            next_check = now + config.health_check_interval;
+            for target in health.targets() {
+                probes.spawn(probe(client.clone(), target, config.health_check_timeout));
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            Some(done) = probes.join_next(), if !probes.is_empty() => {
+                if let Ok((name, result)) = done {
+                    match result {
+                        Ok(()) => health.check_result(&name, true, ""),
+                        Err(why) => health.check_result(&name, false, &why),
+                    }
+                }
+            }
+            _ = tokio::time::sleep(tick) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(name: &str, role: Role) -> ProbeTarget {
+        ProbeTarget {
+            name: name.into(),
+            role,
+            health_url: format!("http://{name}/health"),
+            query_url: None,
+        }
+    }
+
+    fn health(consecutive: u32) -> Health {
+        let config = Config {
+            outlier_consecutive_failures: consecutive,
+            outlier_base_ejection: Duration::from_secs(10),
+            outlier_max_ejection: Duration::from_secs(25),
+            unhealthy_threshold: 2,
+            healthy_threshold: 2,
+            ..Config::default()
+        };
+        let h = Health::new(&config, Arc::new(Metrics::new()));
+        h.sync(vec![
+            target("p1", Role::Prefill),
+            target("p2", Role::Prefill),
+            target("d1", Role::Decode),
+        ]);
+        h
+    }
+
+    #[test]
+    fn consecutive_traffic_failures_eject_and_half_open_decides() {
+        let h = health(3);
+        h.observe("p1", false);
+        h.observe("p1", false);
+        h.observe("p1", true);
+        h.observe("p1", false);
+        h.observe("p1", false);
+        assert!(h.unhealthy().is_empty(), "a success resets the count");
+        h.observe("p1", false);
+        assert_eq!(h.unhealthy(), BTreeSet::from(["p1".to_string()]));
+        // The last healthy prefill is never ejected.
+        for _ in 0..10 {
+            h.observe("p2", false);
+        }
+        assert!(h.is_healthy("p2"));
+        // Back-off over: half-open; one failure ejects again for twice as long.
+        let later = Instant::now() + Duration::from_secs(11);
+        h.tick(later);
+        assert!(h.unhealthy().is_empty());
+        h.observe("p1", false);
+        assert!(!h.is_healthy("p1"));
+        h.tick(Instant::now() + Duration::from_secs(15));
+        assert!(!h.is_healthy("p1"), "second period is 20 s");
+        h.tick(Instant::now() + Duration::from_secs(21));
+        assert!(h.is_healthy("p1"));
+        h.observe("p1", true);
+        h.observe("p1", false);
+        assert!(
+            h.is_healthy("p1"),
+            "a success on probation clears the record"
+        );
+    }
+
+    #[test]
+    fn active_checks_use_thresholds_and_passive_can_be_disabled() {
+        let h = health(0);
+        for _ in 0..10 {
+            h.observe("d1", false);
+        }
+        assert!(h.is_healthy("d1"));
+        h.check_result("d1", false, "503");
+        assert!(h.is_healthy("d1"));
+        h.check_result("d1", false, "503");
+        assert!(!h.is_healthy("d1"));
+        h.check_result("d1", true, "");
+        assert!(!h.is_healthy("d1"));
+        h.check_result("d1", true, "");
+        assert!(h.is_healthy("d1"));
+        h.sync(vec![target("d2", Role::Decode)]);
+        assert_eq!(h.targets().len(), 1);
+        assert!(h.is_healthy("p1"), "unknown endpoints count as healthy");
+    }
+}

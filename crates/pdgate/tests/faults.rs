@@ -1,0 +1,517 @@
+//! Fault suite: pdsim engines with injected faults (kill, hang, slow, 5xx, flapping, overload)
+//! behind pdgate, under bounded concurrent load on loopback.
+//!
+//! For every scenario: no client waits past the configured timeouts, every request gets either
+//! the right answer (its own prompt's tokens, compared with a single engine) or a clear error,
+//! nothing is answered twice, in-flight counters (gateway and engines) and admission gauges return
+//! to zero, and memory stays bounded. Run with `--nocapture` to see, per scenario, the share of
+//! requests that succeeded and the worst latency.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures_util::StreamExt;
+use pdgate::config::Config;
+use pdsim::{Connector, Faults, LatencyModel, Role, SimConfig, SimHandle};
+use serde_json::{Value, json};
+
+const REQUESTS: usize = 64;
+const CONCURRENCY: usize = 8;
+
+/// Short timeouts so faults resolve quickly; every knob the suite relies on is set here.
+fn tight(c: &mut Config) {
+    c.prefill_timeout = Duration::from_millis(800);
+    c.decode_timeout = Duration::from_secs(3);
+    c.stream_idle_timeout = Duration::from_secs(2);
+    c.connect_timeout = Duration::from_millis(500);
+    c.health_check_interval = Duration::from_millis(100);
+    c.health_check_timeout = Duration::from_millis(300);
+    c.unhealthy_threshold = 2;
+    c.healthy_threshold = 1;
+    c.outlier_consecutive_failures = 3;
+    c.outlier_base_ejection = Duration::from_millis(500);
+    c.outlier_max_ejection = Duration::from_secs(2);
+    c.max_retries = 1;
+    c.retry_budget_min = 20;
+    c.drain_delay = Duration::ZERO;
+}
+
+/// The longest any request may take under `tight`: every prefill attempt timing out, the decode
+/// head at its bound, and a stream going idle, plus slack for a loaded 2-core machine.
+fn bound(c: &Config) -> Duration {
+    c.prefill_timeout * (c.max_retries + 1)
+        + c.connect_timeout * (c.max_retries + 1)
+        + c.decode_timeout
+        + c.stream_idle_timeout
+        + c.queue_timeout.min(Duration::from_secs(5))
+        + Duration::from_secs(3)
+}
+
+fn engine(role: Role, connector: Connector) -> SimConfig {
+    let mut c = sim(role, connector);
+    c.latency = LatencyModel {
+        ttft: Duration::from_millis(10),
+        itl: Duration::from_millis(3),
+        ..LatencyModel::default()
+    };
+    c.handoff_timeout = Duration::from_secs(2);
+    c
+}
+
+async fn fleet(connector: Connector, extra: impl FnOnce(&mut Config)) -> Fleet {
+    start(
+        vec![
+            engine(Role::Prefill, connector),
+            engine(Role::Prefill, connector),
+        ],
+        vec![
+            engine(Role::Decode, connector),
+            engine(Role::Decode, connector),
+        ],
+        |c| {
+            tight(c);
+            extra(c);
+        },
+    )
+    .await
+}
+
+/// Request `i`: its own prompt, alternating route and streaming.
+fn request(i: usize) -> (&'static str, Value) {
+    let stream = i % 2 == 0;
+    if i % 4 < 2 {
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": format!("request {i}: the quick brown fox"), "max_tokens": 8, "stream": stream}),
+        )
+    } else {
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": format!("request {i}: tell a story")}], "max_tokens": 8, "stream": stream}),
+        )
+    }
+}
+
+/// What one engine alone answers to every request (the oracle for "correct and not mixed").
+async fn expected() -> Arc<Vec<String>> {
+    let engine = pdsim::spawn(sim(Role::Both, Connector::None))
+        .await
+        .expect("baseline engine");
+    let http = reqwest::Client::new();
+    let mut out = Vec::with_capacity(REQUESTS);
+    for i in 0..REQUESTS {
+        let (path, body) = request(i);
+        let r = http
+            .post(format!("{}{}", engine.base_url(), path))
+            .json(&body)
+            .send()
+            .await
+            .expect("baseline");
+        assert_eq!(r.status(), 200);
+        out.push(text_of(&r.text().await.expect("baseline body")));
+    }
+    engine.shutdown().await;
+    Arc::new(out)
+}
+
+#[derive(Debug)]
+enum Outcome {
+    Ok,
+    /// A clear error: an OpenAI error body or SSE error event, or a 429/503 with Retry-After.
+    Error(u16, String),
+}
+
+/// Judges one finished response; panics on anything that is neither right nor a clear error.
+fn judge(i: usize, status: u16, id: Option<&str>, body: &str, want: &str) -> Outcome {
+    assert_eq!(
+        id,
+        Some(format!("fault-{i}").as_str()),
+        "request {i}: x-request-id"
+    );
+    if status != 200 {
+        let v: Value = serde_json::from_str(body)
+            .unwrap_or_else(|_| panic!("request {i}: {status} without a JSON error: {body:?}"));
+        let message = v["error"]["message"].as_str();
+        assert!(
+            message.is_some(),
+            "request {i}: unclear error {status}: {body}"
+        );
+        return Outcome::Error(status, message.unwrap_or_default().to_string());
+    }
+    if body.starts_with("data:") {
+        let mut text = String::new();
+        let mut dones = 0;
+        for event in body.split("\n\n").filter(|e| !e.is_empty()) {
+            let data = event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("request {i}: bad SSE framing {event:?}"));
+            if data == "[DONE]" {
+                dones += 1;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data)
+                .unwrap_or_else(|_| panic!("request {i}: bad event {data:?}"));
+            if let Some(m) = v["error"]["message"].as_str() {
+                assert_eq!(dones, 0, "request {i}: error after [DONE]");
+                return Outcome::Error(200, format!("stream: {m}"));
+            }
+            for c in v["choices"].as_array().into_iter().flatten() {
+                text.push_str(c["text"].as_str().unwrap_or_default());
+                text.push_str(c["delta"]["content"].as_str().unwrap_or_default());
+            }
+        }
+        assert_eq!(dones, 1, "request {i}: answered {dones} times: {body}");
+        assert_eq!(text, want, "request {i}: wrong or mixed tokens");
+    } else {
+        let v: Value = serde_json::from_str(body)
+            .unwrap_or_else(|_| panic!("request {i}: 200 with a broken JSON body {body:?}"));
+        let c = &v["choices"][0];
+        let text = c["text"]
+            .as_str()
+            .or_else(|| c["message"]["content"].as_str())
+            .unwrap_or_else(|| panic!("request {i}: no text in {body}"));
+        assert_eq!(text, want, "request {i}: wrong or mixed tokens");
+    }
+    Outcome::Ok
+}
+
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(0, |pages| pages * 4096)
+}
+
+fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+/// What one scenario measured.
+struct Report {
+    share: f64,
+    metrics: String,
+}
+
+/// Runs the load, checks every invariant, prints the scenario's numbers.
+async fn run_load(name: &str, fleet: &Fleet, want: &Arc<Vec<String>>) -> Report {
+    let config = fleet.gateway.gateway().config.clone();
+    let limit = bound(&config);
+    let http = reqwest::Client::builder()
+        .timeout(limit)
+        .build()
+        .expect("client");
+    let rss_before = rss_bytes();
+    let started = Instant::now();
+    let results: Vec<(usize, Duration, Result<Outcome, String>)> =
+        futures_util::stream::iter(0..REQUESTS)
+            .map(|i| {
+                let http = http.clone();
+                let url = fleet.url(request(i).0);
+                async move {
+                    let t = Instant::now();
+                    let sent = http
+                        .post(url)
+                        .header("x-request-id", format!("fault-{i}"))
+                        .json(&request(i).1)
+                        .send()
+                        .await;
+                    let outcome = match sent {
+                        Err(e) => Err(format!("request {i}: {e}")),
+                        Ok(r) => {
+                            let status = r.status().as_u16();
+                            let retry_after = r.headers().get("retry-after").is_some();
+                            let id = r
+                                .headers()
+                                .get("x-request-id")
+                                .and_then(|v| v.to_str().ok())
+                                .map(str::to_string);
+                            if status == 429 {
+                                assert!(retry_after, "request {i}: 429 without Retry-After");
+                            }
+                            match r.text().await {
+                                Ok(body) => Ok((status, id, body)),
+                                // A JSON body cut by a decode dying after its head: the client
+                                // sees a broken body, never a wrong one.
+                                Err(e) => Ok((
+                                    599,
+                                    id,
+                                    format!("{{\"error\":{{\"message\":\"broken body: {e}\"}}}}"),
+                                )),
+                            }
+                        }
+                    };
+                    (i, t.elapsed(), outcome)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .map(|(i, took, r)| {
+                let judged =
+                    r.map(|(status, id, body)| judge(i, status, id.as_deref(), &body, &want[i]));
+                (i, took, judged)
+            })
+            .collect()
+            .await;
+    let wall = started.elapsed();
+    let mut ok = 0usize;
+    let mut worst = Duration::ZERO;
+    let mut errors: HashMap<String, usize> = HashMap::new();
+    for (i, took, judged) in &results {
+        worst = worst.max(*took);
+        assert!(
+            *took <= limit,
+            "{name}: request {i} waited {took:?}, past the configured bound {limit:?}"
+        );
+        match judged {
+            Ok(Outcome::Ok) => ok += 1,
+            Ok(Outcome::Error(status, message)) => {
+                let class = message
+                    .split_whitespace()
+                    .take(3)
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                *errors.entry(format!("{status} {class}")).or_default() += 1;
+            }
+            Err(e) => panic!("{name}: {e} (no answer within {limit:?})"),
+        }
+    }
+    assert_eq!(results.len(), REQUESTS);
+    fleet.wait_idle().await;
+    let metrics = fleet
+        .http
+        .get(fleet.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    assert_eq!(
+        metric(&metrics, "pdgate_endpoint_in_flight"),
+        0.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "pdgate_admission_in_flight"),
+        0.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "pdgate_admission_queued"),
+        0.0,
+        "{metrics}"
+    );
+    let finished = metric(&metrics, "pdgate_requests_total");
+    assert!(
+        finished >= REQUESTS as f64 - metric(&metrics, "pdgate_admission_rejected_total"),
+        "{name}: every admitted request is counted once: {metrics}"
+    );
+    let grown = rss_bytes().saturating_sub(rss_before);
+    assert!(grown < 256 << 20, "{name}: memory grew by {grown} bytes");
+    let share = ok as f64 / REQUESTS as f64;
+    println!(
+        "FAULTS {name}: {ok}/{REQUESTS} succeeded ({:.1}%), worst latency {:.0} ms, wall {:.0} ms, retries {}, ejections {}, fallbacks {}, rss +{} KiB, errors {errors:?}",
+        share * 100.0,
+        worst.as_secs_f64() * 1000.0,
+        wall.as_secs_f64() * 1000.0,
+        metric(&metrics, "pdgate_retries_total"),
+        metric(&metrics, "pdgate_ejections_total"),
+        metric(&metrics, "pdgate_fallbacks_total"),
+        grown / 1024,
+    );
+    Report { share, metrics }
+}
+
+fn set(engine: &SimHandle, f: impl FnOnce(&mut Faults)) {
+    let mut faults = Faults::default();
+    f(&mut faults);
+    engine.set_faults(faults);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_prefill_and_decode_under_load() {
+    let want = expected().await;
+    let mut fleet = fleet(Connector::Shfs, |_| {}).await;
+    let prefill = fleet.prefill.remove(0);
+    let decode = fleet.decode.remove(0);
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        prefill.shutdown().await;
+        decode.shutdown().await;
+    };
+    let (Report { share, .. }, ()) = tokio::join!(run_load("kill", &fleet, &want), killer);
+    // Connect failures are retried on the survivors: nothing is lost.
+    assert!(share >= 0.9, "kill: {share}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hanging_prefill_is_retried_then_ejected() {
+    let want = expected().await;
+    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    set(&fleet.prefill[0], |f| f.hang = true);
+    let Report { share, metrics } = run_load("hang", &fleet, &want).await;
+    assert_eq!(share, 1.0, "hang: a timed-out prefill is retried elsewhere");
+    assert!(
+        metric(&metrics, "pdgate_ejections_total{role=\"prefill\"}") >= 1.0,
+        "hang: the hanging prefill was ejected: {metrics}"
+    );
+    assert!(metric(&metrics, "pdgate_retries_total{leg=\"prefill\"}") >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_engines_answer_correctly() {
+    let want = expected().await;
+    let fleet = fleet(Connector::Shfs, |_| {}).await;
+    set(&fleet.prefill[1], |f| f.first_byte_delay_ms = 300);
+    set(&fleet.decode[0], |f| f.first_byte_delay_ms = 400);
+    let Report { share, .. } = run_load("slow", &fleet, &want).await;
+    assert_eq!(share, 1.0, "slow");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_prefill_5xx_and_decode_5xx() {
+    let want = expected().await;
+    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    set(&fleet.prefill[0], |f| {
+        f.error_rate = 1.0;
+        f.error_status = 503;
+    });
+    set(&fleet.decode[1], |f| f.error_rate = 0.25);
+    let Report { share, .. } = run_load("5xx", &fleet, &want).await;
+    // Prefill 5xx are retried; decode 5xx after a successful prefill are relayed as they came.
+    assert!(share >= 0.5, "5xx: {share}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flapping_endpoints() {
+    let want = expected().await;
+    let fleet = fleet(Connector::Shfs, |_| {}).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let flapper = {
+        let p = &fleet.prefill[0];
+        let d = &fleet.decode[1];
+        let stop = stop.clone();
+        async move {
+            let mut on = false;
+            while !stop.is_cancelled() {
+                on = !on;
+                let faults = Faults {
+                    dead: on,
+                    error_rate: if on { 1.0 } else { 0.0 },
+                    ..Faults::default()
+                };
+                p.set_faults(faults.clone());
+                d.set_faults(Faults {
+                    drop_after_chunks: on.then_some(2),
+                    ..Faults::default()
+                });
+                tokio::time::sleep(Duration::from_millis(120)).await;
+            }
+            p.set_faults(Faults::default());
+            d.set_faults(Faults::default());
+        }
+    };
+    let load = async {
+        let r = run_load("flapping", &fleet, &want).await;
+        stop.cancel();
+        r
+    };
+    let (Report { share, .. }, ()) = tokio::join!(load, flapper);
+    assert!(share >= 0.5, "flapping: {share}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_is_refused_with_retry_after() {
+    let want = expected().await;
+    let fleet = fleet(Connector::Shfs, |c| {
+        c.max_in_flight = 2;
+        c.max_queue = 2;
+        c.queue_timeout = Duration::from_millis(200);
+    })
+    .await;
+    for d in &fleet.decode {
+        set(d, |f| f.first_byte_delay_ms = 150);
+    }
+    let Report { share, .. } = run_load("overload", &fleet, &want).await;
+    assert!(share > 0.0 && share < 1.0, "overload: {share}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_connector_prefill_failure_retries_both_legs() {
+    let want = expected().await;
+    let fleet = fleet(Connector::Sglang, |c| c.health_checks = false).await;
+    set(&fleet.prefill[0], |f| f.error_rate = 1.0);
+    let Report { share, .. } = run_load("sglang-5xx", &fleet, &want).await;
+    assert_eq!(share, 1.0, "sglang-5xx");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_turns_ready_false_first_and_finishes_streams() {
+    let mut decode = engine(Role::Decode, Connector::Shfs);
+    decode.latency.itl = Duration::from_millis(60);
+    let fleet = start(
+        vec![engine(Role::Prefill, Connector::Shfs)],
+        vec![decode],
+        |c| {
+            tight(c);
+            c.drain_delay = Duration::from_millis(400);
+        },
+    )
+    .await;
+    let Fleet {
+        prefill,
+        decode,
+        gateway,
+        http,
+    } = fleet;
+    let base = gateway.base_url();
+    let mut stream = http
+        .post(format!("{base}/v1/completions"))
+        .json(&completion(true))
+        .send()
+        .await
+        .expect("stream");
+    assert_eq!(stream.status(), 200);
+    let first = stream.chunk().await.expect("chunk").expect("first chunk");
+    let shutdown = tokio::spawn(gateway.shutdown(Duration::from_secs(5)));
+    // /ready goes false while the listener still serves.
+    let mut saw_draining = false;
+    for _ in 0..100 {
+        match http.get(format!("{base}/ready")).send().await {
+            Ok(r) if r.status() == 503 => {
+                let v: Value = r.json().await.expect("ready json");
+                assert_eq!(v["draining"], true, "{v}");
+                saw_draining = true;
+                break;
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(e) => panic!("listener closed before /ready went false: {e}"),
+        }
+    }
+    assert!(saw_draining);
+    // The in-flight stream completes intact.
+    let mut body = first.to_vec();
+    while let Some(c) = stream.chunk().await.expect("rest of the stream") {
+        body.extend_from_slice(&c);
+    }
+    assert!(!text_of(std::str::from_utf8(&body).expect("utf8")).is_empty());
+    tokio::time::timeout(Duration::from_secs(10), shutdown)
+        .await
+        .expect("shutdown within its deadline")
+        .expect("shutdown task");
+    // Then the listener is closed.
+    assert!(http.get(format!("{base}/ready")).send().await.is_err());
+    for e in prefill.into_iter().chain(decode) {
+        e.shutdown().await;
+    }
+}
