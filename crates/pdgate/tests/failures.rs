@@ -342,13 +342,30 @@ async fn failed_concurrent_prefill_cancels_the_decode_and_fails_fast() {
     )
     .await;
     fleet.prefill[0].set_faults(failing(500));
-    let r = tokio::time::timeout(
-        Duration::from_secs(10),
-        fleet.post("/v1/completions", &completion(true)),
-    )
-    .await
-    .expect("failed fast, not after the decode's 30 s handoff wait");
-    assert_eq!(r.status(), 500);
+    for stream in [false, true] {
+        let answer = async {
+            let r = fleet.post("/v1/completions", &completion(stream)).await;
+            let status = r.status().as_u16();
+            (status, r.text().await.unwrap_or_default())
+        };
+        let (status, body) = tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .expect("failed fast, not after the decode's 30 s handoff wait");
+        if status == 200 {
+            // A streaming decode sends its head before it waits for KV (as vLLM does): the
+            // failure then arrives as the stream's last event, and no [DONE].
+            assert!(stream, "{body}");
+            assert!(!body.contains("[DONE]"), "{body}");
+            let last = body.trim_end().rsplit("\n\n").next().unwrap();
+            let v: Value = serde_json::from_str(last.strip_prefix("data: ").unwrap()).expect(last);
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("prefill"),
+                "{v}"
+            );
+        } else {
+            assert_eq!(status, 500, "{body}");
+        }
+    }
     fleet.wait_idle().await;
     assert_eq!(fleet.decode[0].stats().transfers_pulled, 0);
 }
