@@ -283,6 +283,16 @@ done
 
 for gw in $GATEWAYS; do stop_pid "${GW_PID[$gw]}"; done
 
+# Engine counters: every decode should have pulled its KV (transfers_pulled), none recomputed.
+dump_stats() {
+  curl -fsS --max-time 5 "$2/sim/stats" 2>/dev/null |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); d.pop("recent_requests",None); print(json.dumps(d))' \
+      >"$OUT/engine-$1.json" 2>/dev/null || log "could not read $2/sim/stats"
+  log "engine $1: $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("ok=%s pulled=%s served=%s recomputed=%s failed=%s" % (d.get("responses_ok"), d.get("transfers_pulled"), d.get("transfers_served"), d.get("recomputed"), d.get("transfers_failed")))' "$OUT/engine-$1.json" 2>/dev/null)"
+}
+dump_stats prefill "$PREFILL"
+dump_stats decode "$DECODE"
+
 # ---- phase 2: soak, N concurrent open streams against slow-streaming engines ---------------
 if [ "$SOAK_STREAMS" -gt 0 ]; then
   SP_PORT=$(free_port)
@@ -307,12 +317,14 @@ if [ "$SOAK_STREAMS" -gt 0 ]; then
     fi
     stop_pid "$LAST_PID"
   done
+  dump_stats soak-prefill "$SPREFILL"
+  dump_stats soak-decode "$SDECODE"
 fi
 
 # ---- the table -------------------------------------------------------------------------------
 {
   echo "machine: $(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(uname -sr)"
-  echo "run: $(date -u +%Y-%m-%dT%H:%MZ), load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "run: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown), vllm-router $VLLM_ROUTER_VERSION, load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "pinning: gateway on core $GATEWAY_CPU; pdbench + engines on core $CLIENT_CPU; ${DURATION}s cells; soak ${SOAK_STREAMS} streams x ${SOAK_TOKENS} tokens at ${SOAK_ITL_MS} ms/token, ${SOAK_RAMP}s ramp, ${SOAK_DURATION}s"
   python3 "$ROOT/bench/ratios.py" "$OUT"
 } | tee "$OUT/table.txt"
