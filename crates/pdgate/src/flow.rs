@@ -21,6 +21,7 @@ use crate::error::{GatewayError, Source};
 use crate::gateway::Gateway;
 use crate::metrics::RequestRecord;
 use crate::relay::{PartnerResult, RelayBody};
+use crate::retry::{AbortBody, AbortOnLeave};
 
 /// Response header naming the prefill endpoint (AIBrix spelling).
 pub const PREFILL_TARGET_HEADER: &str = "prefill-target-pod";
@@ -220,28 +221,6 @@ fn body_error(e: kvtransfer::BodyError) -> GatewayError {
     GatewayError::bad_request(format!("invalid request body: {e}"), None)
 }
 
-/// Drops candidates at `max_in_flight_per_endpoint`; all of them there is an overload (429).
-fn under_cap(
-    gw: &Gateway,
-    candidates: Vec<Arc<Endpoint>>,
-) -> Result<Vec<Arc<Endpoint>>, GatewayError> {
-    let cap = gw.config.max_in_flight_per_endpoint;
-    if cap == 0 || candidates.is_empty() {
-        return Ok(candidates);
-    }
-    let open: Vec<Arc<Endpoint>> = candidates
-        .into_iter()
-        .filter(|e| e.load.in_flight() < cap)
-        .collect();
-    if open.is_empty() {
-        gw.metrics.count_rejected("endpoint_cap");
-        return Err(GatewayError::Overloaded {
-            retry_after_secs: crate::admission::RETRY_AFTER_SECS,
-        });
-    }
-    Ok(open)
-}
-
 /// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector.
 pub fn select_pair(
     gw: &Gateway,
@@ -258,7 +237,7 @@ pub fn select_pair(
         .filter(|p| p.serves(model) && snap.decode.iter().any(|d| compatible(p, d)))
         .cloned()
         .collect();
-    let prefills = under_cap(gw, prefills)?;
+    let prefills = crate::retry::under_cap(gw, prefills)?;
     let Some(i) = gw.prefill_policy.pick(&prefills) else {
         let any_prefill = snap.prefill.iter().any(|p| p.serves(model));
         let any_decode = snap.decode.iter().any(|d| d.serves(model));
@@ -289,7 +268,7 @@ pub fn select_pair(
         .filter(|d| compatible(&prefill, d))
         .cloned()
         .collect();
-    let decodes = under_cap(gw, decodes)?;
+    let decodes = crate::retry::under_cap(gw, decodes)?;
     let j = gw
         .decode_policy
         .pick(&decodes)
@@ -429,52 +408,6 @@ impl Gateway {
         result
     }
 
-    /// Another endpoint for a failed leg of `pd`, if retries, candidates and the retry budget
-    /// allow one. A prefill must keep the connector (the decode was chosen for it).
-    fn retry_target(&self, leg: Source, pd: &Pd, tried: &[String]) -> Option<Arc<Endpoint>> {
-        if tried.len() > self.config.max_retries as usize {
-            return None;
-        }
-        let snap = self.store.load();
-        let cap = self.config.max_in_flight_per_endpoint;
-        let model = pd.model.as_deref();
-        let connector = pd.prefill.connector.as_deref().unwrap_or_default();
-        let open = |e: &Arc<Endpoint>| {
-            !tried.iter().any(|t| t == &e.name)
-                && e.serves(model)
-                && (cap == 0 || e.load.in_flight() < cap)
-        };
-        let (candidates, policy): (Vec<Arc<Endpoint>>, _) = match leg {
-            Source::Prefill => (
-                snap.prefill
-                    .iter()
-                    .filter(|p| {
-                        open(p)
-                            && p.connector.as_deref().unwrap_or_default() == connector
-                            && pd.decode.accepts_connector(connector)
-                    })
-                    .cloned()
-                    .collect(),
-                &self.prefill_policy,
-            ),
-            _ => (
-                snap.decode
-                    .iter()
-                    .filter(|d| open(d) && d.accepts_connector(connector))
-                    .cloned()
-                    .collect(),
-                &self.decode_policy,
-            ),
-        };
-        let i = policy.pick(&candidates)?;
-        if !self.retry_budget.try_withdraw() {
-            warn!(leg = %leg, "retry budget exhausted; not retrying");
-            return None;
-        }
-        self.metrics.count_retry(leg);
-        Some(candidates[i].clone())
-    }
-
     async fn sequential(
         self: &Arc<Self>,
         mut pd: Pd,
@@ -492,7 +425,15 @@ impl Gateway {
                 Ok(c) => c.status.is_server_error(),
                 Err(e) => e.retryable(),
             };
-            if retryable && let Some(next) = self.retry_target(Source::Prefill, &pd, &tried) {
+            if retryable
+                && let Some(next) = self.retry_target(
+                    Source::Prefill,
+                    pd.model.as_deref(),
+                    &pd.prefill,
+                    &pd.decode,
+                    &tried,
+                )
+            {
                 warn!(from = %pd.prefill.name, to = %next.name, "prefill failed; retrying on another prefill");
                 tried.push(next.name.clone());
                 pd.switch_prefill(next)?;
@@ -579,7 +520,13 @@ impl Gateway {
                 Err(err) => {
                     self.health.observe(&endpoint.name, false);
                     if client::is_connect_failure(&err)
-                        && let Some(next) = self.retry_target(Source::Decode, pd, &tried)
+                        && let Some(next) = self.retry_target(
+                            Source::Decode,
+                            pd.model.as_deref(),
+                            &pd.prefill,
+                            &endpoint,
+                            &tried,
+                        )
                     {
                         warn!(from = %endpoint.name, to = %next.name, "decode unreachable; retrying on another decode");
                         tried.push(next.name.clone());
@@ -656,10 +603,22 @@ impl Gateway {
                         Err(e) => e,
                     };
                     if err.retryable()
-                        && let Some(next) = self.retry_target(Source::Prefill, &pd, &tried)
+                        && let Some(next) = self.retry_target(
+                            Source::Prefill,
+                            pd.model.as_deref(),
+                            &pd.prefill,
+                            &pd.decode,
+                            &tried,
+                        )
                     {
                         warn!(from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the decode answered; retrying both legs");
-                        self.abort_decode_now(&pd).await;
+                        crate::retry::abort_sglang(
+                            &self.client,
+                            pd.meta.connector,
+                            &pd.decode,
+                            &pd.meta.request_id,
+                        )
+                        .await;
                         tried.push(next.name.clone());
                         pd.switch_prefill(next)?;
                         continue;
@@ -681,25 +640,6 @@ impl Gateway {
             }
             return Ok(self.relay(head, pd, decode_load, partner));
         }
-    }
-
-    /// [`Gateway::abort_decode`], awaited (bounded).
-    async fn abort_decode_now(&self, pd: &Pd) {
-        if pd.meta.connector != kvtransfer::CONNECTOR_TYPE_SGLANG {
-            return;
-        }
-        let body = Bytes::from(serde_json::json!({ "rid": pd.meta.request_id }).to_string());
-        let leg = Leg {
-            leg: Source::Decode,
-            endpoint: &pd.decode,
-            path: "/abort_request",
-            method: Method::POST,
-            body,
-            request_id: &pd.meta.request_id,
-            headers: &HeaderMap::new(),
-            extra: &[],
-        };
-        let _ = timeout(Duration::from_secs(2), client::send(&self.client, leg)).await;
     }
 
     /// Tells an SGLang decode engine to drop a request whose prefill failed.
@@ -748,7 +688,13 @@ impl Gateway {
             pd.decode.name.clone(),
         )
         .with_partner(partner);
-        let mut response = Response::new(axum::body::Body::new(relay));
+        let mut body = axum::body::Body::new(relay);
+        if pd.meta.connector == kvtransfer::CONNECTOR_TYPE_SGLANG {
+            // vLLM aborts when its connection closes; SGLang also wants to be told.
+            let guard = AbortOnLeave::new(self, pd.decode.clone(), pd.meta.request_id.clone());
+            body = axum::body::Body::new(AbortBody::new(body, guard));
+        }
+        let mut response = Response::new(body);
         *response.status_mut() = parts.status;
         let headers = response.headers_mut();
         for (name, value) in parts.headers.iter() {

@@ -21,6 +21,7 @@
 //! - [`demo`]: in-process simulated engines plus a gateway.
 //! - [`health`]: active checks and passive outlier detection feeding the snapshot.
 //! - [`admission`]: the in-flight limit with a bounded queue, and the retry budget.
+//! - [`retry`]: retry targets, per-endpoint caps, SGLang aborts (also when a client leaves).
 //!
 //! # Example
 //! ```no_run
@@ -53,6 +54,7 @@ pub mod health;
 pub mod metrics;
 pub mod policy;
 pub mod relay;
+pub mod retry;
 pub mod server;
 
 pub use config::{Config, ConfigError};
