@@ -8,6 +8,7 @@ use bytes::Bytes;
 use futures_util::future::OptionFuture;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use kvtransfer::{Dispatch, JsonBody, KvTransferAgent, MergeOutcome, RoutingContext};
 use tokio::time::timeout;
@@ -478,7 +479,7 @@ impl Gateway {
             .instrument(info_span!("decode", endpoint = %pd.decode.name))
             .await?;
         pd.switch_decode(decode);
-        Ok(self.relay(head, pd, decode_load, None))
+        Ok(self.relay(head, pd, decode_load, None, None))
     }
 
     /// Sends the decode leg and waits for its response head within the decode timeout. A
@@ -635,10 +636,78 @@ impl Gateway {
                 }
             };
             pd.switch_decode(decode);
+            // Hold the response head until the decode's first byte or the prefill's end: a
+            // prefill failing meanwhile can still be retried (the client has nothing yet).
+            let (parts, mut body) = head.into_parts();
+            let mut prefix = None;
+            if let Some(task) = partner.as_mut() {
+                let first = tokio::select! {
+                    biased;
+                    done = task => Err(done),
+                    frame = timeout(self.config.stream_idle_timeout, body.frame()) => Ok(frame),
+                };
+                match first {
+                    Err(done) => {
+                        partner = None;
+                        let outcome = done.unwrap_or_else(|join| {
+                            Err(GatewayError::Internal(format!(
+                                "prefill task ended: {join}"
+                            )))
+                        });
+                        if let Err(err) = outcome {
+                            drop(body);
+                            drop(decode_load);
+                            if err.retryable()
+                                && let Some(next) = self.retry_target(
+                                    Source::Prefill,
+                                    pd.model.as_deref(),
+                                    &pd.prefill,
+                                    &pd.decode,
+                                    &tried,
+                                )
+                            {
+                                warn!(from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
+                                crate::retry::abort_sglang(
+                                    &self.client,
+                                    pd.meta.connector,
+                                    &pd.decode,
+                                    &pd.meta.request_id,
+                                )
+                                .await;
+                                tried.push(next.name.clone());
+                                pd.switch_prefill(next)?;
+                                continue;
+                            }
+                            self.abort_decode(&pd);
+                            return Err(err);
+                        }
+                    }
+                    Ok(Ok(Some(Ok(frame)))) => prefix = Some(frame),
+                    Ok(Ok(Some(Err(e)))) => {
+                        self.abort_decode(&pd);
+                        return Err(GatewayError::Upstream {
+                            leg: Source::Decode,
+                            endpoint: pd.decode.name.clone(),
+                            reason: format!("broke the response stream: {e}"),
+                            timeout: false,
+                        });
+                    }
+                    Ok(Ok(None)) => {}
+                    Ok(Err(_)) => {
+                        self.abort_decode(&pd);
+                        return Err(client::timed_out(
+                            Source::Decode,
+                            &pd.decode,
+                            self.config.stream_idle_timeout,
+                        ));
+                    }
+                }
+            }
             if partner.is_none() {
                 pd.record.prefill_done();
             }
-            return Ok(self.relay(head, pd, decode_load, partner));
+            let head = Response::from_parts(parts, body);
+            return Ok(self.relay(head, pd, decode_load, partner, prefix));
         }
     }
 
@@ -672,6 +741,7 @@ impl Gateway {
         pd: Pd,
         decode_load: LoadGuard,
         partner: Option<AbortOnDropHandle<PartnerResult>>,
+        prefix: Option<http_body::Frame<Bytes>>,
     ) -> Response<axum::body::Body> {
         let (parts, body) = head.into_parts();
         let sse = parts
@@ -687,7 +757,8 @@ impl Gateway {
             pd.record,
             pd.decode.name.clone(),
         )
-        .with_partner(partner);
+        .with_partner(partner)
+        .with_prefix(prefix);
         let mut body = axum::body::Body::new(relay);
         if pd.meta.connector == kvtransfer::CONNECTOR_TYPE_SGLANG {
             // vLLM aborts when its connection closes; SGLang also wants to be told.

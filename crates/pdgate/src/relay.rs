@@ -34,6 +34,7 @@ pin_project! {
         idle: Sleep,
         idle_timeout: Duration,
         partner: Option<AbortOnDropHandle<PartnerResult>>,
+        prefix: Option<Frame<Bytes>>,
         sse: bool,
         done: bool,
         guards: Vec<LoadGuard>,
@@ -58,12 +59,19 @@ impl RelayBody {
             idle: tokio::time::sleep(idle_timeout),
             idle_timeout,
             partner: None,
+            prefix: None,
             sse,
             done: false,
             guards,
             record,
             endpoint,
         }
+    }
+
+    /// A frame already read from `inner` (while waiting for the first byte), relayed first.
+    pub fn with_prefix(mut self, prefix: Option<Frame<Bytes>>) -> Self {
+        self.prefix = prefix;
+        self
     }
 
     /// Attaches a still-running prefill leg: its failure ends the stream with an error.
@@ -120,7 +128,11 @@ impl Body for RelayBody {
                 return fail(this.done, *this.sse, this.guards, this.record, err);
             }
         }
-        match this.inner.as_mut().poll_frame(cx) {
+        let polled = match this.prefix.take() {
+            Some(frame) => Poll::Ready(Some(Ok(frame))),
+            None => this.inner.as_mut().poll_frame(cx),
+        };
+        match polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if frame.is_data() {
                     this.record.first_byte();
@@ -159,7 +171,7 @@ impl Body for RelayBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done || (self.partner.is_none() && self.inner.is_end_stream())
+        self.done || (self.partner.is_none() && self.prefix.is_none() && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
