@@ -91,7 +91,12 @@ impl Gateway {
                 &self.decode_policy,
             ),
         };
-        let i = policy.pick(&candidates)?;
+        // A lone candidate needs no policy (and takes no round-robin turn from new requests).
+        let i = match candidates.len() {
+            0 => return None,
+            1 => 0,
+            _ => policy.pick(&candidates)?,
+        };
         if !self.retry_budget.try_withdraw() {
             warn!(leg = %leg, "retry budget exhausted; not retrying");
             return None;

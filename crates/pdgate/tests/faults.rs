@@ -549,3 +549,135 @@ async fn a_client_leaving_an_sglang_stream_aborts_the_decode() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(fleet.decode[0].stats().requests.abort_requests, 1);
 }
+
+async fn ready_json(fleet: &Fleet) -> (u16, Value) {
+    let r = fleet
+        .http
+        .get(fleet.url("/ready"))
+        .send()
+        .await
+        .expect("ready");
+    let status = r.status().as_u16();
+    (status, r.json().await.expect("ready json"))
+}
+
+/// Polls `/ready` (bounded) until `check` holds.
+async fn ready_until(fleet: &Fleet, what: &str, check: impl Fn(u16, &Value) -> bool) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..200 {
+        let (status, v) = ready_json(fleet).await;
+        if check(status, &v) {
+            return v;
+        }
+        last = v;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("{what}: /ready stayed {last}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn active_checks_drive_routing_and_readiness() {
+    let fleet = fleet(Connector::Shfs, |_| {}).await;
+    let sick = fleet.decode[0].addr().to_string();
+    set(&fleet.decode[0], |f| f.dead = true);
+    ready_until(&fleet, "decode leaves", |s, v| {
+        s == 200
+            && v["excluded"].to_string().contains(&sick)
+            && v["decode"].as_array().is_some_and(|d| d.len() == 1)
+    })
+    .await;
+    for _ in 0..6 {
+        let r = fleet.post("/v1/completions", &completion(false)).await;
+        assert_eq!(r.status(), 200);
+        assert_ne!(r.headers()["target-pod"], sick.as_str());
+    }
+    let metrics = fleet
+        .http
+        .get(fleet.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    assert!(
+        metrics.contains(&format!(
+            "pdgate_endpoint_healthy{{role=\"decode\",endpoint=\"{sick}\"}} 0"
+        )),
+        "{metrics}"
+    );
+    // Both prefills failing their checks: no routable pair, /ready says so.
+    for p in &fleet.prefill {
+        set(p, |f| f.dead = true);
+    }
+    ready_until(&fleet, "no pair", |s, _| s == 503).await;
+    let r = fleet.post("/v1/completions", &completion(false)).await;
+    assert_eq!(r.status(), 503);
+    // Healed endpoints come back.
+    for e in fleet.prefill.iter().chain(fleet.decode.iter()) {
+        set(e, |_| {});
+    }
+    ready_until(&fleet, "healed", |s, v| {
+        s == 200 && v["decode"].as_array().is_some_and(|d| d.len() == 2)
+    })
+    .await;
+    fleet.wait_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_endpoint_cap_refuses_with_retry_after() {
+    let fleet = start(
+        vec![engine(Role::Prefill, Connector::Shfs)],
+        vec![engine(Role::Decode, Connector::Shfs)],
+        |c| {
+            tight(c);
+            c.max_in_flight_per_endpoint = 1;
+        },
+    )
+    .await;
+    set(&fleet.decode[0], |f| f.first_byte_delay_ms = 400);
+    let body = completion(false);
+    let first = fleet.post("/v1/completions", &body);
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        fleet.post("/v1/completions", &completion(false)).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    assert_eq!(first.status(), 200);
+    assert_eq!(second.status(), 429);
+    assert_eq!(second.headers()["retry-after"], "1");
+    fleet.wait_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_budget_bounds_retries() {
+    let fleet = fleet(Connector::Shfs, |c| {
+        c.health_checks = false;
+        c.outlier_consecutive_failures = 0;
+        c.retry_budget_min = 1;
+        c.retry_budget_ratio = 0.0;
+        c.prefill_policy = "round_robin".into();
+    })
+    .await;
+    set(&fleet.prefill[0], |f| f.error_rate = 1.0);
+    let mut fallbacks = 0;
+    for _ in 0..8 {
+        let r = fleet.post("/v1/completions", &completion(false)).await;
+        assert_eq!(r.status(), 200);
+        fallbacks += usize::from(r.headers().get("x-pdgate-fallback").is_some());
+        assert!(!text_of(&r.text().await.expect("body")).is_empty());
+    }
+    let metrics = fleet
+        .http
+        .get(fleet.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    assert_eq!(metric(&metrics, "pdgate_retries_total"), 1.0, "{metrics}");
+    // Every other request hit the failing prefill; only the first was retried.
+    assert_eq!(fallbacks, 3, "{metrics}");
+    fleet.wait_idle().await;
+}
