@@ -94,6 +94,15 @@ pub struct RunArgs {
     /// Consecutive failures on real traffic that eject an endpoint; 0 disables [default: 5].
     #[arg(long, value_name = "N")]
     pub outlier_consecutive_failures: Option<u32>,
+    /// Share of failed requests within one outlier interval that ejects an endpoint; 0 disables [default: 0.5].
+    #[arg(long, value_name = "RATIO")]
+    pub outlier_error_rate: Option<f64>,
+    /// Requests needed within the interval before the error rate counts [default: 20].
+    #[arg(long, value_name = "N")]
+    pub outlier_min_requests: Option<u32>,
+    /// Window of the error-rate detection [default: 10s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub outlier_interval: Option<Duration>,
     /// First ejection period, doubled on each repeat [default: 10s].
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub outlier_base_ejection: Option<Duration>,
@@ -212,6 +221,15 @@ impl RunArgs {
         }
         if let Some(v) = self.outlier_consecutive_failures {
             c.outlier_consecutive_failures = v;
+        }
+        if let Some(v) = self.outlier_error_rate {
+            c.outlier_error_rate = v;
+        }
+        if let Some(v) = self.outlier_min_requests {
+            c.outlier_min_requests = v;
+        }
+        if let Some(v) = self.outlier_interval {
+            c.outlier_interval = v;
         }
         if let Some(v) = self.outlier_base_ejection {
             c.outlier_base_ejection = v;

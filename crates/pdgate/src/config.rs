@@ -113,6 +113,13 @@ pub struct Config {
     pub healthy_threshold: u32,
     /// Consecutive failures on real traffic that eject an endpoint (0 disables passive ejection).
     pub outlier_consecutive_failures: u32,
+    /// Share of failed requests within one `outlier_interval` that ejects an endpoint (0 disables).
+    pub outlier_error_rate: f64,
+    /// Requests an endpoint must have served within the interval before its error rate counts.
+    pub outlier_min_requests: u32,
+    /// Window of the error-rate detection.
+    #[serde(deserialize_with = "de_duration")]
+    pub outlier_interval: Duration,
     /// First ejection period; doubled on each repeated ejection, up to `outlier_max_ejection`.
     #[serde(deserialize_with = "de_duration")]
     pub outlier_base_ejection: Duration,
@@ -166,6 +173,9 @@ impl Default for Config {
             unhealthy_threshold: 3,
             healthy_threshold: 2,
             outlier_consecutive_failures: 5,
+            outlier_error_rate: 0.5,
+            outlier_min_requests: 20,
+            outlier_interval: Duration::from_secs(10),
             outlier_base_ejection: Duration::from_secs(10),
             outlier_max_ejection: Duration::from_secs(300),
             max_retries: 1,
@@ -296,6 +306,7 @@ impl Config {
             ("health_check_interval", self.health_check_interval),
             ("health_check_timeout", self.health_check_timeout),
             ("outlier_base_ejection", self.outlier_base_ejection),
+            ("outlier_interval", self.outlier_interval),
             ("queue_timeout", self.queue_timeout),
             ("shutdown_timeout", self.shutdown_timeout),
         ] {
@@ -326,6 +337,10 @@ impl Config {
                 "retry_budget_ratio",
                 "must be between 0 and 10",
             ));
+        }
+        if !(self.outlier_error_rate.is_finite() && (0.0..=1.0).contains(&self.outlier_error_rate))
+        {
+            return Err(field_error("outlier_error_rate", "must be between 0 and 1"));
         }
         if self.max_retries > 10 {
             return Err(field_error("max_retries", "must be at most 10"));

@@ -52,6 +52,9 @@ struct Entry {
     ejected_until: Option<Instant>,
     ejections: u32,
     half_open: bool,
+    window_start: Instant,
+    window_total: u32,
+    window_failures: u32,
 }
 
 impl Entry {
@@ -65,6 +68,9 @@ impl Entry {
             ejected_until: None,
             ejections: 0,
             half_open: false,
+            window_start: Instant::now(),
+            window_total: 0,
+            window_failures: 0,
         }
     }
 
@@ -79,6 +85,9 @@ struct Knobs {
     unhealthy_threshold: u32,
     healthy_threshold: u32,
     consecutive_failures: u32,
+    error_rate: f64,
+    min_requests: u32,
+    interval: Duration,
     base_ejection: Duration,
     max_ejection: Duration,
 }
@@ -102,6 +111,9 @@ impl Health {
                 unhealthy_threshold: config.unhealthy_threshold.max(1),
                 healthy_threshold: config.healthy_threshold.max(1),
                 consecutive_failures: config.outlier_consecutive_failures,
+                error_rate: config.outlier_error_rate,
+                min_requests: config.outlier_min_requests.max(1),
+                interval: config.outlier_interval,
                 base_ejection: config.outlier_base_ejection,
                 max_ejection: config.outlier_max_ejection,
             },
@@ -194,29 +206,38 @@ impl Health {
 
     /// Records the outcome of real traffic on `name` (`ok`: the engine answered sanely).
     pub fn observe(&self, name: &str, ok: bool) {
-        if self.knobs.consecutive_failures == 0 {
+        let by_count = self.knobs.consecutive_failures > 0;
+        let by_rate = self.knobs.error_rate > 0.0;
+        if !by_count && !by_rate {
             return;
         }
         let mut map = self.lock();
-        let Some(e) = map.get(name) else { return };
+        let Some(e) = map.get_mut(name) else { return };
+        let now = Instant::now();
+        if now.duration_since(e.window_start) > self.knobs.interval {
+            e.window_start = now;
+            e.window_total = 0;
+            e.window_failures = 0;
+        }
+        e.window_total = e.window_total.saturating_add(1);
         if ok {
-            if e.traffic_failures == 0 && !e.half_open {
-                return;
-            }
-            if let Some(e) = map.get_mut(name) {
-                e.traffic_failures = 0;
-                if e.half_open {
-                    e.half_open = false;
-                    e.ejections = 0;
-                }
+            e.traffic_failures = 0;
+            if e.half_open {
+                e.half_open = false;
+                e.ejections = 0;
             }
             return;
         }
+        e.window_failures = e.window_failures.saturating_add(1);
         if e.ejected_until.is_some() {
             return;
         }
         let role = e.target.role;
-        let trip = e.half_open || e.traffic_failures + 1 >= self.knobs.consecutive_failures;
+        let rate_tripped = by_rate
+            && e.window_total >= self.knobs.min_requests
+            && f64::from(e.window_failures) >= self.knobs.error_rate * f64::from(e.window_total);
+        let count_tripped = by_count && e.traffic_failures + 1 >= self.knobs.consecutive_failures;
+        let trip = e.half_open || rate_tripped || count_tripped;
         // Never eject the last healthy endpoint of a role.
         let healthy_peers = map
             .values()
@@ -237,6 +258,8 @@ impl Health {
         e.ejected_until = Some(Instant::now() + period);
         e.half_open = false;
         e.traffic_failures = 0;
+        e.window_total = 0;
+        e.window_failures = 0;
         warn!(endpoint = %name, ?period, "endpoint ejected after failing on real traffic");
         self.metrics.count_ejection(role.as_str());
         self.set_gauge(e);
@@ -353,6 +376,7 @@ mod tests {
     fn health(consecutive: u32) -> Health {
         let config = Config {
             outlier_consecutive_failures: consecutive,
+            outlier_error_rate: 0.0,
             outlier_base_ejection: Duration::from_secs(10),
             outlier_max_ejection: Duration::from_secs(25),
             unhealthy_threshold: 2,
@@ -400,6 +424,32 @@ mod tests {
             h.is_healthy("p1"),
             "a success on probation clears the record"
         );
+    }
+
+    #[test]
+    fn an_error_rate_ejects_without_consecutive_failures() {
+        let config = Config {
+            outlier_consecutive_failures: 0,
+            outlier_error_rate: 0.3,
+            outlier_min_requests: 10,
+            ..Config::default()
+        };
+        let h = Health::new(&config, Arc::new(Metrics::new()));
+        h.sync(vec![
+            target("p1", Role::Prefill),
+            target("p2", Role::Prefill),
+        ]);
+        // Every third request fails: never two in a row, but a third of the traffic.
+        for i in 0..9 {
+            h.observe("p1", i % 3 != 0);
+        }
+        assert!(h.is_healthy("p1"), "not enough requests yet");
+        h.observe("p1", false);
+        assert!(!h.is_healthy("p1"), "4 of 10 failed");
+        for i in 0..30 {
+            h.observe("p2", i % 5 != 0);
+        }
+        assert!(h.is_healthy("p2"), "20% stays under the 30% threshold");
     }
 
     #[test]
