@@ -359,4 +359,63 @@ mod tests {
         assert_eq!(c.kv_connector, "nixl");
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    #[test]
+    fn operation_flags_reach_the_config() {
+        let cli = Cli::parse_from([
+            "pdgate",
+            "--health-checks",
+            "false",
+            "--health-check-interval",
+            "250ms",
+            "--outlier-consecutive-failures",
+            "0",
+            "--outlier-error-rate",
+            "0.25",
+            "--max-retries",
+            "2",
+            "--retry-budget-ratio",
+            "0.1",
+            "--max-in-flight",
+            "8",
+            "--max-queue",
+            "0",
+            "--queue-timeout",
+            "1s",
+            "--max-in-flight-per-endpoint",
+            "3",
+            "--drain-delay",
+            "0",
+            "--shutdown-timeout",
+            "9s",
+        ]);
+        let c = cli.run.load().unwrap();
+        assert!(!c.health_checks);
+        assert_eq!(c.health_check_interval, Duration::from_millis(250));
+        assert_eq!(c.outlier_consecutive_failures, 0);
+        assert_eq!(c.outlier_error_rate, 0.25);
+        assert_eq!(c.max_retries, 2);
+        assert_eq!(c.retry_budget_ratio, 0.1);
+        assert_eq!((c.max_in_flight, c.max_queue), (8, 0));
+        assert_eq!(c.queue_timeout, Duration::from_secs(1));
+        assert_eq!(c.max_in_flight_per_endpoint, 3);
+        assert_eq!(c.drain_delay, Duration::ZERO);
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(9));
+        c.validate(&Registry::with_builtins()).unwrap();
+        for (toml, field) in [
+            ("health_check_interval = 0", "health_check_interval"),
+            ("unhealthy_threshold = 0", "unhealthy_threshold"),
+            ("outlier_error_rate = 1.5", "outlier_error_rate"),
+            ("retry_budget_ratio = -1", "retry_budget_ratio"),
+            ("outlier_max_ejection = \"1s\"", "outlier_max_ejection"),
+            ("queue_timeout = 0", "queue_timeout"),
+        ] {
+            let err = Config::from_toml(toml)
+                .unwrap()
+                .validate(&Registry::with_builtins())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{toml}: {err}");
+        }
+    }
 }
