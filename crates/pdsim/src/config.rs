@@ -202,6 +202,10 @@ pub struct Faults {
     pub dead: bool,
     /// Refuse KV handoffs: side channel and bootstrap pulls fail, incoming remote KV fails.
     pub refuse_kv: bool,
+    /// Model vLLM 0.32's engine crash: a shfs decode given `do_remote_prefill: true` without
+    /// the remote fields answers 500 "EngineCore encountered an issue..." and the engine dies
+    /// for good (`/health` 503, every later generation request 500). Off: that request alone fails.
+    pub crash_on_bad_kv_params: bool,
 }
 
 impl Default for Faults {
@@ -214,6 +218,7 @@ impl Default for Faults {
             drop_after_chunks: None,
             dead: false,
             refuse_kv: false,
+            crash_on_bad_kv_params: false,
         }
     }
 }

@@ -44,6 +44,9 @@ pub(crate) struct Engine {
     /// JSON-escaped model name, with quotes.
     pub model_json: String,
     aborts: Mutex<HashMap<String, CancellationToken>>,
+    /// Cancelled when the engine core dies (fault `crash_on_bad_kv_params`); never reset.
+    dead: CancellationToken,
+    last_kv_error: Mutex<Option<String>>,
     prefix_cache: Mutex<HashSet<u64>>,
     next_block: AtomicU64,
 }
@@ -69,6 +72,8 @@ impl Engine {
             bootstrap_port,
             model_json: crate::respond::json_str(&cfg.model),
             aborts: Mutex::new(HashMap::new()),
+            dead: CancellationToken::new(),
+            last_kv_error: Mutex::new(None),
             prefix_cache: Mutex::new(HashSet::new()),
             next_block: AtomicU64::new(1),
             cfg,
@@ -79,6 +84,43 @@ impl Engine {
     pub fn abort(&self, rid: &str) -> bool {
         let token = self.aborts.lock().ok().and_then(|m| m.get(rid).cloned());
         token.map(|t| t.cancel()).is_some()
+    }
+
+    /// Whether the engine core died; `/health` answers 503 and generation requests fail.
+    pub fn is_dead(&self) -> bool {
+        self.dead.is_cancelled()
+    }
+
+    /// Why the last KV load failed, if one did.
+    pub fn last_kv_error(&self) -> Option<String> {
+        self.last_kv_error.lock().ok().and_then(|e| e.clone())
+    }
+
+    /// Counts a failed KV load and keeps its reason. vLLM connectors answer a bare
+    /// 500 "Internal server error"; SGLang keeps its own message and status.
+    fn kv_load_failed(&self, request_id: &str, e: ApiError) -> ApiError {
+        self.counters.transfers_failed.fetch_add(1, Relaxed);
+        let reason = e.to_string();
+        tracing::warn!(%request_id, error = %reason, "KV load failed");
+        let public = match (&e, self.cfg.connector) {
+            (_, Connector::Sglang) | (ApiError::Aborted(_) | ApiError::EngineDead, _) => e,
+            _ => ApiError::KvLoad(reason.clone()),
+        };
+        if let Ok(mut last) = self.last_kv_error.lock() {
+            *last = Some(reason);
+        }
+        public
+    }
+
+    /// The engine core dies: this request and every later one fail, `/health` turns 503.
+    fn die(&self, request_id: &str, e: &ApiError) -> ApiError {
+        self.counters.transfers_failed.fetch_add(1, Relaxed);
+        tracing::error!(%request_id, error = %e, "engine core died on invalid KV transfer params (injected crash_on_bad_kv_params)");
+        if let Ok(mut last) = self.last_kv_error.lock() {
+            *last = Some(e.to_string());
+        }
+        self.dead.cancel();
+        ApiError::EngineDead
     }
 
     /// Prefix-cache hit for a prompt computed here: whole blocks, never the last token.
@@ -111,7 +153,8 @@ struct KvParams<'a> {
     dcp_size: u32,
     pp_size: u32,
     remote_num_tokens: u32,
-    remote_blocks_expiry_time: f64,
+    /// vLLM 0.32 answers `null` here; the lease is enforced by the store, not advertised.
+    remote_blocks_expiry_time: Option<f64>,
     remote_registration_generation: u64,
     transfer_mode: &'static str,
     remote_prefill_cached_tokens: u32,
@@ -248,6 +291,7 @@ impl Job {
         tokio::select! {
             biased;
             () = self.engine.shutdown.cancelled() => Err(ApiError::Aborted("engine is shutting down".into())),
+            () = self.engine.dead.cancelled() => Err(ApiError::EngineDead),
             () = aborted => {
                 self.engine.counters.aborted.fetch_add(1, Relaxed);
                 Err(ApiError::Aborted(format!("Request {} was aborted.", self.id)))
@@ -303,16 +347,13 @@ impl Job {
                 self.cached = engine.cached_tokens(prompt.digest, prompt.count);
                 prompt.count - self.cached
             }
-            Consume::Fail(e) => {
-                engine.counters.transfers_failed.fetch_add(1, Relaxed);
-                tracing::warn!(request_id = %self.id, error = %e, "unusable KV transfer params");
-                return Err(e);
-            }
+            Consume::Fail(e) => return Err(engine.kv_load_failed(&self.id, e)),
+            Consume::Crash(e) => return Err(engine.die(&self.id, &e)),
             remote => {
-                let wire = self.pull(remote).await.inspect_err(|e| {
-                    engine.counters.transfers_failed.fetch_add(1, Relaxed);
-                    tracing::warn!(request_id = %self.id, error = %e, "KV load failed");
-                })?;
+                let wire = self
+                    .pull(remote)
+                    .await
+                    .map_err(|e| engine.kv_load_failed(&self.id, e))?;
                 engine.counters.transfers_pulled.fetch_add(1, Relaxed);
                 self.cached = wire.cached_tokens;
                 0
@@ -355,7 +396,7 @@ impl Job {
                     .await?
                     .map_err(|e| fail(e.to_string()))?
             }
-            Consume::Local | Consume::Recompute | Consume::Fail(_) => {
+            Consume::Local | Consume::Recompute | Consume::Fail(_) | Consume::Crash(_) => {
                 return Err(fail("internal: nothing to pull".into()));
             }
         };
@@ -416,16 +457,19 @@ impl Job {
         let entry = || engine.kv.entry(prompt.digest, prompt.count, self.cached);
         match std::mem::replace(&mut self.plan.produce, Produce::Nothing) {
             Produce::Params => {
-                let request_id = format!("{}-{:08x}", self.id, rand::random::<u32>());
+                // vLLM's internal id: `cmpl-<X-Request-Id>-<prompt index>` (chat has no
+                // index), plus the engine's 8-hex random suffix.
+                let request_id = match self.endpoint {
+                    Endpoint::Completions => {
+                        format!("{}-0-{:08x}", self.id, rand::random::<u32>())
+                    }
+                    Endpoint::Chat => format!("{}-{:08x}", self.id, rand::random::<u32>()),
+                };
                 let blocks = prompt.count.div_ceil(BLOCK_SIZE);
                 let first = engine
                     .next_block
                     .fetch_add(u64::from(blocks), Ordering::Relaxed);
                 let block_ids: Vec<u64> = (first..first + u64::from(blocks)).collect();
-                let expiry = SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64())
-                    + engine.cfg.kv_lease.as_secs_f64();
                 let params = KvParams {
                     do_remote_prefill: true,
                     do_remote_decode: false,
@@ -438,7 +482,7 @@ impl Job {
                     dcp_size: 1,
                     pp_size: 1,
                     remote_num_tokens: prompt.count,
-                    remote_blocks_expiry_time: expiry,
+                    remote_blocks_expiry_time: None,
                     remote_registration_generation: 0,
                     transfer_mode: "pull",
                     remote_prefill_cached_tokens: self.cached,

@@ -16,8 +16,20 @@ pub enum ApiError {
         param: Option<&'static str>,
     },
     /// The model is not served here (404 `NotFoundError`).
-    #[error("The model `{0}` does not exist.")]
-    ModelNotFound(String),
+    #[error("The model `{requested}` does not exist. Valid aliases: {served}.")]
+    ModelNotFound {
+        /// The `model` the request named.
+        requested: String,
+        /// The served model name (vLLM lists every alias).
+        served: String,
+    },
+    /// Loading remote KV failed. vLLM answers a bare 500 "Internal server error";
+    /// the reason (this variant's `Display`) goes to the log and `SimStats::last_kv_error`.
+    #[error("{0}")]
+    KvLoad(String),
+    /// The engine core died (fault `crash_on_bad_kv_params`): 500 now, and for every later request.
+    #[error("EngineCore encountered an issue. See stack trace (above) for the root cause.")]
+    EngineDead,
     /// A KV handoff failed (500 for vLLM connectors, 400 for SGLang, as the engines do).
     #[error("{message}")]
     Handoff {
@@ -69,7 +81,8 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::KvLoad(_) | ApiError::EngineDead => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Handoff { status, .. } => *status,
             ApiError::Aborted(_) => StatusCode::BAD_REQUEST,
             ApiError::Injected(s) => *s,
@@ -91,24 +104,51 @@ impl ApiError {
         }
     }
 
-    /// The JSON body bytes (`{"error":{...}}`).
-    pub fn to_json(&self) -> Vec<u8> {
+    fn info<'a>(&self, message: &'a str) -> Info<'a> {
         let status = self.status();
-        let message = self.to_string();
         let param = match self {
             ApiError::BadRequest { param, .. } => *param,
-            ApiError::ModelNotFound(_) => Some("model"),
+            ApiError::ModelNotFound { .. } => Some("model"),
             _ => None,
         };
+        Info {
+            message,
+            kind: Self::kind(status),
+            param,
+            code: status.as_u16(),
+        }
+    }
+
+    /// The message clients see (a KV-load failure hides its reason, as vLLM does).
+    fn public_message(&self) -> String {
+        match self {
+            ApiError::KvLoad(_) => "Internal server error".to_owned(),
+            e => e.to_string(),
+        }
+    }
+
+    /// The JSON body bytes (`{"error":{...}}`).
+    pub fn to_json(&self) -> Vec<u8> {
+        let message = self.public_message();
         let body = Body {
-            error: Info {
-                message: &message,
-                kind: Self::kind(status),
-                param,
-                code: status.as_u16(),
-            },
+            error: self.info(&message),
         };
         serde_json::to_vec(&body).unwrap_or_else(|_| b"{\"error\":{}}".to_vec())
+    }
+
+    /// The payload of a mid-stream error event, spaced like Python's `json.dumps`
+    /// (`{"error": {"message": ..., ...}}`), as vLLM writes it.
+    pub(crate) fn to_event_json(&self) -> String {
+        let message = self.public_message();
+        let i = self.info(&message);
+        let text = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned());
+        let param = i.param.map_or_else(|| "null".to_owned(), text);
+        format!(
+            "{{\"error\": {{\"message\": {}, \"type\": {}, \"param\": {param}, \"code\": {}}}}}",
+            text(i.message),
+            text(i.kind),
+            i.code
+        )
     }
 }
 
@@ -129,11 +169,30 @@ mod tests {
 
     #[test]
     fn shape_matches_vllm() {
-        let v: serde_json::Value =
-            serde_json::from_slice(&ApiError::ModelNotFound("x".into()).to_json()).unwrap();
+        let nf = ApiError::ModelNotFound {
+            requested: "nope".into(),
+            served: "tiny".into(),
+        };
+        let v: serde_json::Value = serde_json::from_slice(&nf.to_json()).unwrap();
         assert_eq!(v["error"]["code"], 404);
         assert_eq!(v["error"]["type"], "NotFoundError");
-        assert_eq!(v["error"]["message"], "The model `x` does not exist.");
+        assert_eq!(v["error"]["param"], "model");
+        assert_eq!(
+            v["error"]["message"],
+            "The model `nope` does not exist. Valid aliases: tiny."
+        );
+        let kv = ApiError::KvLoad("remote prefill gone".into());
+        assert_eq!(kv.to_string(), "remote prefill gone");
+        let want = serde_json::json!({"error":{"message":"Internal server error",
+            "type":"InternalServerError","param":null,"code":500}});
+        let v: serde_json::Value = serde_json::from_slice(&kv.to_json()).unwrap();
+        assert_eq!(v, want);
+        assert_eq!(
+            kv.to_event_json(),
+            r#"{"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}}"#
+        );
+        let v: serde_json::Value = serde_json::from_str(&nf.to_event_json()).unwrap();
+        assert_eq!(v["error"]["param"], "model");
         let v: serde_json::Value =
             serde_json::from_slice(&ApiError::Injected(StatusCode::BAD_GATEWAY).to_json()).unwrap();
         assert_eq!(v["error"]["code"], 502);

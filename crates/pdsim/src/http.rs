@@ -52,8 +52,9 @@ async fn chat_completions(
     generate(e, Endpoint::Chat, headers, body).await
 }
 
+/// vLLM 0.32's id when no `X-Request-Id` is sent: 16 hex digits.
 fn random_id() -> String {
-    format!("{:032x}", rand::random::<u128>())
+    format!("{:016x}", rand::random::<u64>())
 }
 
 fn count(c: &AtomicU64) {
@@ -71,6 +72,10 @@ async fn generate(
         Endpoint::Completions => &c.completions,
         Endpoint::Chat => &c.chat_completions,
     });
+    if engine.is_dead() {
+        count(&c.responses_error);
+        return ApiError::EngineDead.into_response();
+    }
     let rid_header = headers.get("x-request-id");
     let dp_rank = headers
         .get("x-data-parallel-rank")
@@ -91,7 +96,7 @@ async fn generate(
         let f = engine.faults.load();
         f.affects_requests().then(|| Arc::clone(&f))
     };
-    let mut resp = if let Some(faults) = active {
+    let resp = if let Some(faults) = active {
         match inject(&engine, &faults).await {
             Some(r) => {
                 guard.finish();
@@ -127,12 +132,7 @@ async fn generate(
     } else {
         &c.responses_error
     });
-    let echo = rid_header
-        .cloned()
-        .or_else(|| HeaderValue::from_str(&base_id).ok());
-    if let Some(v) = echo {
-        resp.headers_mut().insert("x-request-id", v);
-    }
+    // vLLM sends no `x-request-id` response header; the id is only in the body.
     resp
 }
 
@@ -178,10 +178,10 @@ async fn run(
         if total > u64::from(MAX_MODEL_LEN) {
             return Err(ApiError::BadRequest {
                 message: format!(
-                    "This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {} output tokens and your prompt contains {} input tokens, for a total of {total} tokens. Please reduce the length of the input prompt or the number of requested output tokens.",
-                    req.max_tokens, req.prompt.count
+                    "This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {} output tokens and your prompt contains {} input tokens, for a total of {total} tokens. Please reduce the length of the input prompt or the number of requested output tokens. (parameter=input_tokens, value={})",
+                    req.max_tokens, req.prompt.count, req.prompt.count
                 ),
-                param: Some("max_tokens"),
+                param: Some("input_tokens"),
             });
         }
         let p = plan(&engine, &req, dp_rank)?;
@@ -290,8 +290,16 @@ struct SseState {
 impl SseState {
     fn fail(&mut self, e: &ApiError) -> Bytes {
         count(&self.job.engine.counters.responses_error);
-        let mut out = String::with_capacity(256);
-        respond::error_event(&mut out, &e.to_json());
+        let mut out = String::with_capacity(512);
+        // vLLM's chat stream sends the role chunk with the engine's first output,
+        // which for a failed KV load or a dead engine core is the error itself.
+        if self.job.endpoint == Endpoint::Chat
+            && self.step == 0
+            && matches!(e, ApiError::KvLoad(_) | ApiError::EngineDead)
+        {
+            respond::role_event(&mut out, &head(&self.job), 0);
+        }
+        respond::error_event(&mut out, &e.to_event_json());
         out.push_str(respond::DONE);
         self.phase = Phase::End;
         self.job.guard.finish();
@@ -421,7 +429,7 @@ async fn models(State(engine): State<Arc<Engine>>) -> Response {
 
 async fn health(State(engine): State<Arc<Engine>>) -> StatusCode {
     count(&engine.counters.health);
-    if engine.faults.load().dead {
+    if engine.faults.load().dead || engine.is_dead() {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK

@@ -66,12 +66,15 @@ pub struct SimHandle {
 }
 
 fn snapshot(engine: &Engine) -> SimStats {
-    engine.counters.snapshot(
+    let mut s = engine.counters.snapshot(
         engine.cfg.role.as_str(),
         engine.cfg.connector.as_str(),
         &engine.engine_id,
         &engine.recent,
-    )
+    );
+    s.last_kv_error = engine.last_kv_error();
+    s.engine_dead = engine.is_dead();
+    s
 }
 
 fn serve(tasks: &mut JoinSet<()>, listener: TcpListener, router: Router, engine: &Engine) {
@@ -120,7 +123,7 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     let engine_id = config
         .engine_id
         .clone()
-        .unwrap_or_else(|| format!("pdsim-{}", uuid::Uuid::new_v4().simple()));
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     let engine = Arc::new(Engine::new(config, engine_id, side_port, boot_port));
     let mut tasks = JoinSet::new();
     serve(&mut tasks, listener, http::router(engine.clone()), &engine);

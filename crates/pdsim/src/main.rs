@@ -85,6 +85,10 @@ struct Args {
     /// Fault: refuse KV handoffs (side channel/bootstrap pulls and incoming remote KV fail).
     #[arg(long, env = "PDSIM_FAULT_REFUSE_KV")]
     fault_refuse_kv: bool,
+    /// Fault: a shfs decode given do_remote_prefill=true without the remote fields kills the
+    /// engine (500 "EngineCore encountered an issue...", then /health 503 and every request 500), like vLLM 0.32.
+    #[arg(long, env = "PDSIM_FAULT_CRASH_ON_BAD_KV_PARAMS")]
+    fault_crash_on_bad_kv_params: bool,
     /// Tokio worker threads (default: one per available core).
     #[arg(long, env = "PDSIM_WORKER_THREADS")]
     worker_threads: Option<usize>,
@@ -106,7 +110,7 @@ Handoffs (a wrong one fails like the real engine: 500 JSON error, or 200 then a 
 
 Faults JSON (POST /sim/faults; missing fields take these defaults, unknown fields are rejected):
   {\"error_rate\":0.0,\"error_status\":500,\"hang\":false,\"first_byte_delay_ms\":0,
-   \"drop_after_chunks\":null,\"dead\":false,\"refuse_kv\":false}
+   \"drop_after_chunks\":null,\"dead\":false,\"refuse_kv\":false,\"crash_on_bad_kv_params\":false}
 
 Every flag can also be set through the environment variable shown next to it.
 ";
@@ -153,6 +157,7 @@ fn config(a: &Args) -> anyhow::Result<SimConfig> {
         drop_after_chunks: a.fault_drop_after_chunks,
         dead: a.fault_dead,
         refuse_kv: a.fault_refuse_kv,
+        crash_on_bad_kv_params: a.fault_crash_on_bad_kv_params,
     };
     Ok(c)
 }

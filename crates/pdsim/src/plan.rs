@@ -28,6 +28,8 @@ pub(crate) enum Consume {
     Sglang(String),
     /// The params are unusable; the request fails like a KV load failure.
     Fail(ApiError),
+    /// The params are unusable and the `crash_on_bad_kv_params` fault is on: the engine dies.
+    Crash(ApiError),
 }
 
 /// What a prefill does with its prompt's KV when it finishes.
@@ -155,6 +157,7 @@ pub(crate) fn plan(
             Connector::Shfs => match kvp {
                 Some(p) if remote_prefill => match nixl_pull_url(p) {
                     Ok(url) => Consume::Pull(url),
+                    Err(e) if engine.faults.load().crash_on_bad_kv_params => Consume::Crash(e),
                     Err(e) => Consume::Fail(e),
                 },
                 _ => Consume::Recompute,

@@ -111,12 +111,17 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<GenR
     if let Some(m) = &w.model
         && m.as_ref() != model
     {
-        return Err(ApiError::ModelNotFound(m.clone().into_owned()));
+        return Err(ApiError::ModelNotFound {
+            requested: m.clone().into_owned(),
+            served: model.to_owned(),
+        });
     }
     let stream = w.stream.unwrap_or(false);
     if w.stream_options.is_some() && !stream {
         return Err(ApiError::BadRequest {
-            message: "Stream options can only be defined when stream=True.".into(),
+            message:
+                "Stream options can only be defined when `stream=True`. (parameter=stream_options)"
+                    .into(),
             param: Some("stream_options"),
         });
     }
@@ -322,7 +327,7 @@ mod tests {
         );
         assert_eq!(
             e.to_string(),
-            "Stream options can only be defined when stream=True."
+            "Stream options can only be defined when `stream=True`. (parameter=stream_options)"
         );
         let e = err(
             Endpoint::Completions,

@@ -182,10 +182,10 @@ pub(crate) fn usage_event(out: &mut String, head: &Head<'_>, usage: Usage) {
     out.push_str("}\n\n");
 }
 
-/// `data: {"error":...}` for a failure after the 200 head.
-pub(crate) fn error_event(out: &mut String, error_json: &[u8]) {
+/// `data: {"error": ...}` for a failure after the 200 head.
+pub(crate) fn error_event(out: &mut String, error_json: &str) {
     out.push_str("data: ");
-    out.push_str(&String::from_utf8_lossy(error_json));
+    out.push_str(error_json);
     out.push_str("\n\n");
 }
 

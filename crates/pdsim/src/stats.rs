@@ -157,6 +157,12 @@ pub struct SimStats {
     pub generation_tokens: u64,
     /// The last few generation request bodies, oldest first.
     pub recent_requests: Vec<RecentRequest>,
+    /// Why the last KV load failed (clients only see vLLM's "Internal server error").
+    #[serde(default)]
+    pub last_kv_error: Option<String>,
+    /// The engine core died (fault `crash_on_bad_kv_params`): `/health` is 503, requests fail.
+    #[serde(default)]
+    pub engine_dead: bool,
 }
 
 impl Counters {
@@ -195,6 +201,8 @@ impl Counters {
             prompt_tokens: self.prompt_tokens.load(Relaxed),
             generation_tokens: self.generation_tokens.load(Relaxed),
             recent_requests: recent.snapshot(),
+            last_kv_error: None,
+            engine_dead: false,
         }
     }
 

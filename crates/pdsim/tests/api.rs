@@ -19,7 +19,8 @@ async fn completion_shape_usage_and_request_id() {
     )
     .await;
     assert_eq!(s, 200);
-    assert_eq!(rid.as_deref(), Some("req-42"));
+    // vLLM does not echo X-Request-Id: the id is only in the body.
+    assert_eq!(rid, None);
     assert_eq!(v["id"], "cmpl-req-42");
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["model"], "pdsim");
@@ -38,10 +39,14 @@ async fn completion_shape_usage_and_request_id() {
     )
     .await;
     assert_eq!(v2["choices"][0]["text"], text);
-    // Without a header an id is generated and echoed.
+    // Without a header vLLM 0.32 generates `cmpl-<16 hex>`.
     let (_, rid, v3) = post(completions(&e), &json!({"prompt":"x"})).await;
-    let rid = rid.unwrap();
-    assert_eq!(v3["id"], format!("cmpl-{rid}"));
+    assert_eq!(rid, None);
+    let id = v3["id"].as_str().unwrap().strip_prefix("cmpl-").unwrap();
+    assert_eq!(id.len(), 16, "{id}");
+    assert!(id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+    assert!(v3["service_tier"].is_null() && v3.get("service_tier").is_some());
+    assert!(v3.get("system_fingerprint").is_some());
     e.shutdown().await;
     other.shutdown().await;
 }
@@ -101,10 +106,10 @@ async fn vllm_validation_errors() {
     .await;
     assert_eq!(s, 400);
     assert_eq!(
-        error_of(&v, 400)["message"],
-        "Stream options can only be defined when stream=True."
+        v,
+        json!({"error":{"message":"Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+            "type":"BadRequestError","param":"stream_options","code":400}})
     );
-    assert_eq!(v["error"]["type"], "BadRequestError");
     let (s, _, v) = post(
         &url,
         &json!({"prompt":"x","stream_options":{"include_usage":true}}),
@@ -113,21 +118,34 @@ async fn vllm_validation_errors() {
     assert_eq!(s, 400, "{v}");
     let (s, _, v) = post(&url, &json!({"prompt":"x","max_tokens":1,"min_tokens":5})).await;
     assert_eq!(s, 400);
+    assert_eq!(
+        error_of(&v, 400)["message"],
+        "min_tokens must be less than or equal to max_tokens=1, got 5."
+    );
+    let (s, _, v) = post(&url, &json!({"model":"nope","prompt":"x"})).await;
+    assert_eq!(s, 404);
+    assert_eq!(
+        v,
+        json!({"error":{"message":"The model `nope` does not exist. Valid aliases: pdsim.",
+            "type":"NotFoundError","param":"model","code":404}})
+    );
+    // Prompt plus max_tokens above the context window.
+    let (s, _, v) = post(&url, &json!({"prompt":"x y","max_tokens":32767})).await;
+    assert_eq!(s, 400);
+    assert_eq!(error_of(&v, 400)["param"], "input_tokens");
     assert!(
-        error_of(&v, 400)["message"]
+        v["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("min_tokens")
+            .ends_with("(parameter=input_tokens, value=3)"),
+        "{v}"
     );
-    let (s, _, v) = post(&url, &json!({"model":"gpt-x","prompt":"x"})).await;
-    assert_eq!(s, 404);
-    assert_eq!(error_of(&v, 404)["type"], "NotFoundError");
     let (s, _, v) = post(chat(&e), &json!({"model":"pdsim"})).await;
     assert_eq!(s, 400);
     error_of(&v, 400);
     let r = client().post(&url).body("{not json").send().await.unwrap();
     assert_eq!(r.status(), 400);
-    assert_eq!(e.stats().responses_error, 6);
+    assert_eq!(e.stats().responses_error, 7);
     e.shutdown().await;
 }
 

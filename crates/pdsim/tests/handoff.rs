@@ -84,13 +84,7 @@ async fn shfs_happy_path_returns_full_params_and_pulls_once() {
     // A transfer is consumed once.
     let (s, _, v) = post(completions(&d), &merged(&kv, PROMPT, false)).await;
     assert_eq!(s, 500);
-    assert!(
-        error_of(&v, 500)["message"]
-            .as_str()
-            .unwrap()
-            .contains("no KV"),
-        "{v}"
-    );
+    assert!(kv_error(&v, &d).contains("no KV"), "{v}");
     assert_eq!(d.stats().transfers_failed, 1);
     p.shutdown().await;
     d.shutdown().await;
@@ -139,10 +133,7 @@ async fn shfs_wrong_handoffs_fail_like_vllm() {
             .remove(key);
         let (s, _, v) = post(&url, &body).await;
         assert_eq!(s, 500, "without {key}: {v}");
-        assert!(
-            error_of(&v, 500)["message"].as_str().unwrap().contains(key),
-            "{v}"
-        );
+        assert!(kv_error(&v, &d).contains(key), "{v}");
     }
     // Wrong engine id.
     let kv = shfs_prefill(&p, PROMPT).await;
@@ -150,24 +141,12 @@ async fn shfs_wrong_handoffs_fail_like_vllm() {
     body["kv_transfer_params"]["remote_engine_id"] = json!("someone-else");
     let (s, _, v) = post(&url, &body).await;
     assert_eq!(s, 500);
-    assert!(
-        error_of(&v, 500)["message"]
-            .as_str()
-            .unwrap()
-            .contains("engine id mismatch"),
-        "{v}"
-    );
+    assert!(kv_error(&v, &d).contains("engine id mismatch"), "{v}");
     // A different prompt: the digest does not match.
     let kv = shfs_prefill(&p, PROMPT).await;
     let (s, _, v) = post(&url, &merged(&kv, "some other prompt entirely", false)).await;
     assert_eq!(s, 500);
-    assert!(
-        error_of(&v, 500)["message"]
-            .as_str()
-            .unwrap()
-            .contains("does not match"),
-        "{v}"
-    );
+    assert!(kv_error(&v, &d).contains("does not match"), "{v}");
     // Unreachable host: a port nothing listens on.
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
@@ -177,13 +156,7 @@ async fn shfs_wrong_handoffs_fail_like_vllm() {
     body["kv_transfer_params"]["remote_port"] = json!(port);
     let (s, _, v) = post(&url, &body).await;
     assert_eq!(s, 500);
-    assert!(
-        error_of(&v, 500)["message"]
-            .as_str()
-            .unwrap()
-            .contains("cannot reach"),
-        "{v}"
-    );
+    assert!(kv_error(&v, &d).contains("cannot reach"), "{v}");
     // The decode leg sent to the prefill engine's params unchanged (do_remote_decode) recomputes.
     let (s, _, _) = post(
         &url,
@@ -215,13 +188,7 @@ async fn shfs_expired_lease_and_refused_handoff() {
     tokio::time::sleep(Duration::from_millis(150)).await;
     let (s, _, v) = post(completions(&d), &merged(&kv, PROMPT, false)).await;
     assert_eq!(s, 500);
-    assert!(
-        error_of(&v, 500)["message"]
-            .as_str()
-            .unwrap()
-            .contains("expired"),
-        "{v}"
-    );
+    assert!(kv_error(&v, &d).contains("expired"), "{v}");
 
     let p2 = engine(Role::Prefill, Connector::Shfs).await;
     let kv = shfs_prefill(&p2, PROMPT).await;
@@ -299,13 +266,7 @@ async fn nixl_happy_path_and_wrong_shapes() {
     )
     .await;
     assert_eq!(s, 500);
-    assert!(
-        error_of(&v, 500)["message"]
-            .as_str()
-            .unwrap()
-            .contains("disagg_prefill_resp"),
-        "{v}"
-    );
+    assert!(kv_error(&v, &d).contains("disagg_prefill_resp"), "{v}");
     // disagg_prefill_resp without params, or not an object.
     for bad in [json!({"id":"x"}), json!("text")] {
         let (s, _, v) = post(
@@ -413,7 +374,7 @@ async fn mooncake_wrong_handoffs() {
             .remove(key);
         let (s, _, v) = post(completions(&d), &body).await;
         assert_eq!(s, 500, "{key}: {v}");
-        assert!(error_of(&v, 500)["message"].as_str().unwrap().contains(key));
+        assert!(kv_error(&v, &d).contains(key));
     }
     // Bootstrap address without http://.
     let mut body = mooncake_decode_body(&p, "xfer-2");
@@ -421,12 +382,7 @@ async fn mooncake_wrong_handoffs() {
         json!(format!("127.0.0.1:{}", p.bootstrap_port().unwrap()));
     let (s, _, v) = post(completions(&d), &body).await;
     assert_eq!(s, 500);
-    assert!(
-        error_of(&v, 500)["message"]
-            .as_str()
-            .unwrap()
-            .contains("http://")
-    );
+    assert!(kv_error(&v, &d).contains("http://"));
     // Wrong engine id.
     let mut body = mooncake_decode_body(&p, "xfer-2");
     body["kv_transfer_params"]["remote_engine_id"] = json!("engine-x");
@@ -446,13 +402,7 @@ async fn mooncake_wrong_handoffs() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     let (s, _, v) = post(completions(&d), &mooncake_decode_body(&p, "xfer-3")).await;
     assert_eq!(s, 500);
-    assert!(
-        error_of(&v, 500)["message"]
-            .as_str()
-            .unwrap()
-            .contains("timed out"),
-        "{v}"
-    );
+    assert!(kv_error(&v, &d).contains("timed out"), "{v}");
     // Mismatched transfer ids.
     let (s, _, _) = post(completions(&p), &mooncake_prefill_body(Some("xfer-4"))).await;
     assert_eq!(s, 200);

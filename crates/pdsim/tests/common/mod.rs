@@ -119,6 +119,15 @@ pub fn shfs_augment() -> Value {
 }
 
 /// The error object of a vLLM error body, checking its shape and code.
+/// A failed KV load: the body is vLLM's bare 500; returns the reason pdsim kept in its stats.
+pub fn kv_error(v: &Value, h: &SimHandle) -> String {
+    assert_eq!(
+        v,
+        &serde_json::json!({"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}),
+    );
+    h.stats().last_kv_error.expect("a KV load failure reason")
+}
+
 pub fn error_of(v: &Value, code: u16) -> &Value {
     let e = &v["error"];
     assert_eq!(e["code"], code, "{v}");
