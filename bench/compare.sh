@@ -182,13 +182,17 @@ start_engine() {
   wait_http "http://127.0.0.1:$port/health" 30
 }
 
-# start_gateway NAME PORT PREFILL_URL DECODE_URL; sets LAST_PID.
+# start_gateway NAME PORT PREFILL_URL DECODE_URL [soak]; sets LAST_PID.
+# Soak only: lift pdgate's admission limit (default 1024 in flight + 1024 queued, then 429)
+# so it holds all the streams; vllm-router's default limit (32768) already does.
 start_gateway() {
-  local name="$1" port="$2" p="$3" d="$4"
+  local name="$1" port="$2" p="$3" d="$4" soak="${5:-}"
+  local extra=()
   case "$name" in
     pdgate)
+      [ -n "$soak" ] && extra=(--max-in-flight 0)
       RUST_LOG=warn taskset -c "$GATEWAY_CPU" "$BIN/pdgate" --prefill "$p" --decode "$d" \
-        --kv-connector shfs --listen "127.0.0.1:$port" >"$LOGS/pdgate-$port.log" 2>&1 &
+        --kv-connector shfs --listen "127.0.0.1:$port" "${extra[@]}" >"$LOGS/pdgate-$port.log" 2>&1 &
       ;;
     vllm-router)
       taskset -c "$GATEWAY_CPU" "$VR_VENV/bin/vllm-router" --vllm-pd-disaggregation \
@@ -309,7 +313,7 @@ if [ "$SOAK_STREAMS" -gt 0 ]; then
   run_target soak direct "$SPREFILL" "$SDECODE" "${soak_args[@]}"
   for gw in $GATEWAYS; do
     GW_PORT[$gw]=$(free_port)
-    if start_gateway "$gw" "${GW_PORT[$gw]}" "$SPREFILL" "$SDECODE"; then
+    if start_gateway "$gw" "${GW_PORT[$gw]}" "$SPREFILL" "$SDECODE" soak; then
       GW_PID[$gw]=$LAST_PID
       run_target soak "$gw" "$SPREFILL" "$SDECODE" "${soak_args[@]}"
     else
@@ -324,7 +328,7 @@ fi
 # ---- the table -------------------------------------------------------------------------------
 {
   echo "machine: $(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(uname -sr)"
-  echo "run: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown), vllm-router $VLLM_ROUTER_VERSION, load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "run: $(date -u +%Y-%m-%dT%H:%MZ), HEAD $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$([ "${BENCH_SKIP_BUILD:-0}" = 1 ] && echo ' (prebuilt binaries)'), vllm-router $VLLM_ROUTER_VERSION, load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "pinning: gateway on core $GATEWAY_CPU; pdbench + engines on core $CLIENT_CPU; ${DURATION}s cells; soak ${SOAK_STREAMS} streams x ${SOAK_TOKENS} tokens at ${SOAK_ITL_MS} ms/token, ${SOAK_RAMP}s ramp, ${SOAK_DURATION}s"
   python3 "$ROOT/bench/ratios.py" "$OUT"
 } | tee "$OUT/table.txt"
