@@ -89,7 +89,8 @@ pub struct Config {
 }
 
 impl Config {
-    /// A closed-loop, non-streaming completions run of `requests` requests against `url`.
+    /// Defaults: one closed-loop client, non-streaming completions, 1000 requests, prompts of
+    /// 128 words, 16 output tokens, 60 s timeout, no warm-up, no ramp.
     pub fn new(target: Target) -> Self {
         Config {
             target,
