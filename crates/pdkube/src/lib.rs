@@ -44,7 +44,7 @@ pub mod pods;
 pub mod watch;
 
 pub use config::{KubeDiscoveryConfig, LabelKeys};
-pub use pods::{SkipReason, classify_pod, pair_rolesets, routable_pods};
+pub use pods::{SkipReason, classify_pod, pair_rolesets, routable_from, routable_pods};
 pub use watch::{client_from_env, client_from_kubeconfig, install_crypto_provider, run};
 
 /// The endpoint type discovery publishes: `kvtransfer::Pod`, with `ready == true`, `ip` set,

@@ -169,8 +169,16 @@ fn parse_port(v: &str) -> Option<u16> {
 /// "model.aibrix.ai/engine", "model.aibrix.ai/kv-connector-type", annotation
 /// "model.aibrix.ai/sglang-bootstrap-port").
 pub fn routable_pods(pods: &[KubePod], keys: &LabelKeys) -> Vec<EndpointPod> {
+    routable_from(pods, keys)
+}
+
+/// [`routable_pods`] over any pod iterator (the watch loop maps its store without copying it).
+pub fn routable_from<'a>(
+    pods: impl IntoIterator<Item = &'a KubePod>,
+    keys: &LabelKeys,
+) -> Vec<EndpointPod> {
     let mut out: Vec<EndpointPod> = pods
-        .iter()
+        .into_iter()
         .filter_map(|p| classify_pod(p, keys).ok())
         .collect();
     out.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -182,6 +190,9 @@ pub fn routable_pods(pods: &[KubePod], keys: &LabelKeys) -> Vec<EndpointPod> {
 /// decode pods only when their (namespace, roleset) holds at least one prefill and one decode
 /// among `pods`. Input order is kept.
 pub fn pair_rolesets(pods: Vec<EndpointPod>) -> Vec<EndpointPod> {
+    fn role(p: &EndpointPod) -> Option<&str> {
+        p.labels.get(ROLE_LABEL).map(String::as_str)
+    }
     let mut has_prefill = BTreeSet::new();
     let mut has_decode = BTreeSet::new();
     for p in &pods {
@@ -189,29 +200,33 @@ pub fn pair_rolesets(pods: Vec<EndpointPod>) -> Vec<EndpointPod> {
             continue;
         };
         let key = (p.namespace.as_str(), roleset.as_str());
-        match p.labels.get(ROLE_LABEL).map(String::as_str) {
+        match role(p) {
             Some(ROLE_PREFILL) => has_prefill.insert(key),
             Some(ROLE_DECODE) => has_decode.insert(key),
             _ => false,
         };
     }
-    let complete: BTreeSet<(String, String)> = has_prefill
-        .intersection(&has_decode)
-        .map(|(ns, rs)| ((*ns).to_owned(), (*rs).to_owned()))
-        .collect();
-    pods.into_iter()
-        .filter(|p| match p.labels.get(ROLE_LABEL).map(String::as_str) {
-            Some(ROLE_PREFILL | ROLE_DECODE) => p
-                .labels
-                .get(ROLESET_LABEL)
-                .is_some_and(|rs| complete.contains(&(p.namespace.clone(), rs.clone()))),
+    let keep: Vec<bool> = pods
+        .iter()
+        .map(|p| match role(p) {
+            Some(ROLE_PREFILL | ROLE_DECODE) => p.labels.get(ROLESET_LABEL).is_some_and(|rs| {
+                let key = (p.namespace.as_str(), rs.as_str());
+                has_prefill.contains(&key) && has_decode.contains(&key)
+            }),
             _ => true,
         })
+        .collect();
+    pods.into_iter()
+        .zip(keep)
+        .filter_map(|(p, keep)| keep.then_some(p))
         .collect()
 }
 
 /// Counts of non-routable pods by reason (for a log line when the set changes).
-pub fn skip_summary(pods: &[KubePod], keys: &LabelKeys) -> BTreeMap<&'static str, usize> {
+pub fn skip_summary<'a>(
+    pods: impl IntoIterator<Item = &'a KubePod>,
+    keys: &LabelKeys,
+) -> BTreeMap<&'static str, usize> {
     let mut out = BTreeMap::new();
     for p in pods {
         if let Err(reason) = classify_pod(p, keys) {

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::config::{ALL_NAMESPACES, KubeDiscoveryConfig};
-use crate::pods::{pair_rolesets, routable_pods, skip_summary};
+use crate::pods::{pair_rolesets, routable_from, skip_summary};
 use crate::{EndpointPod, KubeDiscoveryError};
 
 /// Builds a client from the environment: in-cluster service account when running in a pod,
@@ -119,10 +119,6 @@ impl Store {
             }
         }
     }
-
-    fn pods(&self) -> Vec<KubePod> {
-        self.live.values().cloned().collect()
-    }
 }
 
 async fn wait_until(deadline: Option<Instant>) {
@@ -134,8 +130,7 @@ async fn wait_until(deadline: Option<Instant>) {
 
 /// Computes the endpoint set from the whole store.
 fn endpoints(store: &Store, config: &KubeDiscoveryConfig) -> Vec<EndpointPod> {
-    let pods = store.pods();
-    let routable = routable_pods(&pods, &config.keys);
+    let routable = routable_from(store.live.values(), &config.keys);
     if config.roleset_pairing {
         pair_rolesets(routable)
     } else {
@@ -174,7 +169,7 @@ pub async fn run(
     );
     let mut events = watch_pods(api, watcher_config).default_backoff().boxed();
     let mut store = Store::default();
-    let mut last: Option<Vec<EndpointPod>> = None;
+    let mut last: Option<Arc<Vec<EndpointPod>>> = None;
     let mut deadline: Option<Instant> = None;
     let mut failing = false;
     loop {
@@ -187,14 +182,15 @@ pub async fn run(
             () = wait_until(deadline) => {
                 deadline = None;
                 let next = endpoints(&store, &config);
-                if last.as_ref() != Some(&next) {
+                if last.as_deref() != Some(&next) {
                     info!(
                         pods = store.live.len(),
                         routable = next.len(),
-                        skipped = ?skip_summary(&store.pods(), &config.keys),
+                        skipped = ?skip_summary(store.live.values(), &config.keys),
                         "kubernetes discovery: endpoint set changed"
                     );
-                    tx.send_replace(Arc::new(next.clone()));
+                    let next = Arc::new(next);
+                    tx.send_replace(next.clone());
                     last = Some(next);
                 }
             }
@@ -212,8 +208,7 @@ pub async fn run(
                     failing = true;
                     warn!(%error, "kubernetes watch error; keeping the last good endpoint set");
                 }
-                // `watcher` streams never end; if one does, treat it like cancellation rather
-                // than spinning.
+                // `watcher` streams never end; if one does, say so rather than spin or hang.
                 None => return Err(KubeDiscoveryError::WatchEnded),
             }
         }
