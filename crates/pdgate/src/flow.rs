@@ -169,7 +169,6 @@ struct Pd {
     agent: Arc<dyn KvTransferAgent>,
     model: Option<String>,
     meta: Meta,
-    record: RequestRecord,
 }
 
 /// The prefill leg, owned, so it can run on its own task beside the decode leg.
@@ -348,10 +347,12 @@ impl Gateway {
         ctx.model = view.model.clone().unwrap_or_default();
         ctx.path = route.path().to_string();
         ctx.stream = view.stream;
-        let mut record = record
-            .take()
-            .ok_or_else(|| GatewayError::Internal("request measured twice".into()))?;
-        record.set_connector(connector);
+        // The record stays with the caller until the relay takes it: an error on the way is
+        // then counted by its class, not as a cancellation.
+        record
+            .as_mut()
+            .ok_or_else(|| GatewayError::Internal("request measured twice".into()))?
+            .set_connector(connector);
         let meta = Meta {
             request_id: request_id.to_string(),
             prefill: prefill.name.clone(),
@@ -369,11 +370,10 @@ impl Gateway {
             agent,
             model: view.model,
             meta,
-            record,
         };
         match pd.agent.dispatch() {
-            Dispatch::Sequential => self.sequential(pd).await,
-            Dispatch::Concurrent => self.concurrent(pd).await,
+            Dispatch::Sequential => self.sequential(pd, record).await,
+            Dispatch::Concurrent => self.concurrent(pd, record).await,
         }
     }
 
@@ -412,6 +412,7 @@ impl Gateway {
     async fn sequential(
         self: &Arc<Self>,
         mut pd: Pd,
+        record: &mut Option<RequestRecord>,
     ) -> Result<Response<axum::body::Body>, GatewayError> {
         let mut tried = vec![pd.prefill.name.clone()];
         let collected = loop {
@@ -442,7 +443,9 @@ impl Gateway {
             }
             break collected;
         };
-        pd.record.prefill_done();
+        if let Some(r) = record.as_mut() {
+            r.prefill_done();
+        }
         let merged = match collected {
             Ok(c) if c.status.is_success() => pd
                 .agent
@@ -479,7 +482,8 @@ impl Gateway {
             .instrument(info_span!("decode", endpoint = %pd.decode.name))
             .await?;
         pd.switch_decode(decode);
-        Ok(self.relay(head, pd, decode_load, None, None))
+        let record = take_record(record)?;
+        Ok(self.relay(head, pd, decode_load, None, None, record))
     }
 
     /// Sends the decode leg and waits for its response head within the decode timeout. A
@@ -543,6 +547,7 @@ impl Gateway {
     async fn concurrent(
         self: &Arc<Self>,
         mut pd: Pd,
+        record: &mut Option<RequestRecord>,
     ) -> Result<Response<axum::body::Body>, GatewayError> {
         enum Step {
             Prefill(Result<PartnerResult, tokio::task::JoinError>),
@@ -703,11 +708,14 @@ impl Gateway {
                     }
                 }
             }
-            if partner.is_none() {
-                pd.record.prefill_done();
+            if partner.is_none()
+                && let Some(r) = record.as_mut()
+            {
+                r.prefill_done();
             }
             let head = Response::from_parts(parts, body);
-            return Ok(self.relay(head, pd, decode_load, partner, prefix));
+            let record = take_record(record)?;
+            return Ok(self.relay(head, pd, decode_load, partner, prefix, record));
         }
     }
 
@@ -742,6 +750,7 @@ impl Gateway {
         decode_load: LoadGuard,
         partner: Option<AbortOnDropHandle<PartnerResult>>,
         prefix: Option<http_body::Frame<Bytes>>,
+        record: RequestRecord,
     ) -> Response<axum::body::Body> {
         let (parts, body) = head.into_parts();
         let sse = parts
@@ -754,7 +763,7 @@ impl Gateway {
             self.config.stream_idle_timeout,
             sse,
             vec![decode_load],
-            pd.record,
+            record,
             pd.decode.name.clone(),
         )
         .with_partner(partner)
@@ -776,6 +785,13 @@ impl Gateway {
         pd.meta.apply(headers);
         response
     }
+}
+
+/// Hands the request's record to the relay (which records the outcome from then on).
+fn take_record(record: &mut Option<RequestRecord>) -> Result<RequestRecord, GatewayError> {
+    record
+        .take()
+        .ok_or_else(|| GatewayError::Internal("request measured twice".into()))
 }
 
 /// Headers that describe one connection, not the message.

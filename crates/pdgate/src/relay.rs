@@ -139,6 +139,12 @@ impl Body for RelayBody {
                 }
                 let deadline = Instant::now() + *this.idle_timeout;
                 this.idle.as_mut().reset(deadline);
+                // A sized body can end with its last frame (hyper then polls no more): finish here.
+                if this.partner.is_none() && this.inner.is_end_stream() {
+                    *this.done = true;
+                    this.guards.clear();
+                    this.record.finish_ok();
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
@@ -176,9 +182,20 @@ impl Body for RelayBody {
 
     fn size_hint(&self) -> SizeHint {
         if self.sse {
-            SizeHint::default()
-        } else {
-            self.inner.size_hint()
+            return SizeHint::default();
         }
+        let inner = self.inner.size_hint();
+        // A frame already read from the engine still counts towards the length.
+        let extra = self
+            .prefix
+            .as_ref()
+            .and_then(Frame::data_ref)
+            .map_or(0, |d| d.len() as u64);
+        let mut hint = SizeHint::new();
+        hint.set_lower(inner.lower() + extra);
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper + extra);
+        }
+        hint
     }
 }

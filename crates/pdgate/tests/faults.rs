@@ -316,6 +316,34 @@ async fn run_load(name: &str, fleet: &Fleet, want: &Arc<Vec<String>>) -> Report 
         finished >= REQUESTS as f64 - metric(&metrics, "pdgate_admission_rejected_total"),
         "{name}: every admitted request is counted once: {metrics}"
     );
+    // Outcomes are counted by class: every answer the client read to its end is a success.
+    assert!(
+        metric(
+            &metrics,
+            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"success\"}"
+        ) + metric(
+            &metrics,
+            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"success\"}"
+        ) + metric(
+            &metrics,
+            "pdgate_requests_total{route=\"completions\",connector=\"sglang\",outcome=\"success\"}"
+        ) + metric(
+            &metrics,
+            "pdgate_requests_total{route=\"chat\",connector=\"sglang\",outcome=\"success\"}"
+        ) >= ok as f64,
+        "{name}: {ok} successes: {metrics}"
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"cancelled\"}"
+        ) + metric(
+            &metrics,
+            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"cancelled\"}"
+        ),
+        0.0,
+        "{name}: no client left: {metrics}"
+    );
     let grown = rss_bytes().saturating_sub(rss_before);
     assert!(grown < 256 << 20, "{name}: memory grew by {grown} bytes");
     let share = ok as f64 / REQUESTS as f64;
@@ -680,4 +708,26 @@ async fn the_retry_budget_bounds_retries() {
     // Every other request hit the failing prefill; only the first was retried.
     assert_eq!(fallbacks, 3, "{metrics}");
     fleet.wait_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hanging_decode_is_bounded_then_ejected() {
+    let want = expected().await;
+    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    set(&fleet.decode[0], |f| f.hang = true);
+    let Report { share, metrics } = run_load("decode-hang", &fleet, &want).await;
+    // A decode that accepted the request and then hangs is not retried (it may be working);
+    // its requests end with 504 at decode_timeout, and least_request plus ejection keep the
+    // rest away from it.
+    assert!(share >= 0.8, "decode-hang: {share}");
+    assert!(
+        metric(
+            &metrics,
+            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"decode_error\"}"
+        ) + metric(
+            &metrics,
+            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"decode_error\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
 }
