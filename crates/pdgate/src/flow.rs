@@ -8,7 +8,6 @@ use bytes::Bytes;
 use futures_util::future::OptionFuture;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use kvtransfer::{Dispatch, JsonBody, KvTransferAgent, MergeOutcome, RoutingContext};
 use tokio::time::timeout;
@@ -22,7 +21,7 @@ use crate::error::{GatewayError, Source};
 use crate::gateway::Gateway;
 use crate::metrics::RequestRecord;
 use crate::relay::{PartnerResult, RelayBody};
-use crate::retry::{AbortBody, AbortOnLeave};
+use crate::retry::{AbortBody, AbortOnLeave, FirstByte, abort_sglang, first_byte};
 
 /// Response header naming the prefill endpoint (AIBrix spelling).
 pub const PREFILL_TARGET_HEADER: &str = "prefill-target-pod";
@@ -597,40 +596,14 @@ impl Gateway {
             let head = match step {
                 Step::Decode(head) => head,
                 Step::Prefill(done) => {
-                    // The decode future is dropped (its connection closed); SGLang also wants
-                    // an abort, sent before any retry reuses the request id.
-                    let err = done.unwrap_or_else(|join| {
-                        Err(GatewayError::Internal(format!(
-                            "prefill task ended: {join}"
-                        )))
-                    });
-                    let err = match err {
-                        Ok(()) => GatewayError::Internal("prefill outcome lost".into()),
-                        Err(e) => e,
+                    // The decode future is dropped (its connection closed).
+                    let err = match done {
+                        Ok(Err(e)) => e,
+                        Ok(Ok(())) => GatewayError::Internal("prefill outcome lost".into()),
+                        Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
                     };
-                    if err.retryable()
-                        && let Some(next) = self.retry_target(
-                            Source::Prefill,
-                            pd.model.as_deref(),
-                            &pd.prefill,
-                            &pd.decode,
-                            &tried,
-                        )
-                    {
-                        warn!(from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the decode answered; retrying both legs");
-                        crate::retry::abort_sglang(
-                            &self.client,
-                            pd.meta.connector,
-                            &pd.decode,
-                            &pd.meta.request_id,
-                        )
-                        .await;
-                        tried.push(next.name.clone());
-                        pd.switch_prefill(next)?;
-                        continue;
-                    }
-                    self.abort_decode(&pd);
-                    return Err(err);
+                    self.retry_both_legs(&mut pd, &mut tried, err).await?;
+                    continue;
                 }
             };
             let (head, decode, decode_load) = match head {
@@ -646,65 +619,18 @@ impl Gateway {
             let (parts, mut body) = head.into_parts();
             let mut prefix = None;
             if let Some(task) = partner.as_mut() {
-                let first = tokio::select! {
-                    biased;
-                    done = task => Err(done),
-                    frame = timeout(self.config.stream_idle_timeout, body.frame()) => Ok(frame),
-                };
-                match first {
-                    Err(done) => {
-                        partner = None;
-                        let outcome = done.unwrap_or_else(|join| {
-                            Err(GatewayError::Internal(format!(
-                                "prefill task ended: {join}"
-                            )))
-                        });
-                        if let Err(err) = outcome {
-                            drop(body);
-                            drop(decode_load);
-                            if err.retryable()
-                                && let Some(next) = self.retry_target(
-                                    Source::Prefill,
-                                    pd.model.as_deref(),
-                                    &pd.prefill,
-                                    &pd.decode,
-                                    &tried,
-                                )
-                            {
-                                warn!(from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
-                                crate::retry::abort_sglang(
-                                    &self.client,
-                                    pd.meta.connector,
-                                    &pd.decode,
-                                    &pd.meta.request_id,
-                                )
-                                .await;
-                                tried.push(next.name.clone());
-                                pd.switch_prefill(next)?;
-                                continue;
-                            }
-                            self.abort_decode(&pd);
-                            return Err(err);
-                        }
+                let idle = self.config.stream_idle_timeout;
+                match first_byte(&mut body, task, idle, &pd.decode).await {
+                    FirstByte::Frame(frame) => prefix = frame,
+                    FirstByte::PrefillDone => partner = None,
+                    FirstByte::PrefillFailed(err) => {
+                        drop((body, decode_load));
+                        self.retry_both_legs(&mut pd, &mut tried, err).await?;
+                        continue;
                     }
-                    Ok(Ok(Some(Ok(frame)))) => prefix = Some(frame),
-                    Ok(Ok(Some(Err(e)))) => {
+                    FirstByte::DecodeFailed(err) => {
                         self.abort_decode(&pd);
-                        return Err(GatewayError::Upstream {
-                            leg: Source::Decode,
-                            endpoint: pd.decode.name.clone(),
-                            reason: format!("broke the response stream: {e}"),
-                            timeout: false,
-                        });
-                    }
-                    Ok(Ok(None)) => {}
-                    Ok(Err(_)) => {
-                        self.abort_decode(&pd);
-                        return Err(client::timed_out(
-                            Source::Decode,
-                            &pd.decode,
-                            self.config.stream_idle_timeout,
-                        ));
+                        return Err(err);
                     }
                 }
             }
@@ -717,6 +643,42 @@ impl Gateway {
             let record = take_record(record)?;
             return Ok(self.relay(head, pd, decode_load, partner, prefix, record));
         }
+    }
+
+    /// A concurrent prefill failed before any decode byte reached the client: moves `pd` to
+    /// another prefill (the caller restarts both legs), or gives the error back.
+    async fn retry_both_legs(
+        &self,
+        pd: &mut Pd,
+        tried: &mut Vec<String>,
+        err: GatewayError,
+    ) -> Result<(), GatewayError> {
+        let next = if err.retryable() {
+            self.retry_target(
+                Source::Prefill,
+                pd.model.as_deref(),
+                &pd.prefill,
+                &pd.decode,
+                tried,
+            )
+        } else {
+            None
+        };
+        let Some(next) = next else {
+            self.abort_decode(pd);
+            return Err(err);
+        };
+        warn!(from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
+        // SGLang wants an abort, sent before the retry reuses the request id.
+        abort_sglang(
+            &self.client,
+            pd.meta.connector,
+            &pd.decode,
+            &pd.meta.request_id,
+        )
+        .await;
+        tried.push(next.name.clone());
+        pd.switch_prefill(next)
     }
 
     /// Tells an SGLang decode engine to drop a request whose prefill failed.

@@ -11,15 +11,18 @@ use bytes::Bytes;
 use http::Method;
 use http::header::HeaderMap;
 use http_body::{Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::timeout;
-use tokio_util::task::TaskTracker;
+use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 use tracing::{debug, warn};
 
 use crate::client::{self, HttpClient, Leg};
 use crate::endpoints::Endpoint;
 use crate::error::{GatewayError, Source};
 use crate::gateway::Gateway;
+use crate::relay::PartnerResult;
 
 /// Bound on one abort call.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -103,6 +106,48 @@ impl Gateway {
         }
         self.metrics.count_retry(leg);
         Some(candidates[i].clone())
+    }
+}
+
+/// What came first while a concurrent prefill was still running: the decode's first frame, or
+/// the prefill's end.
+#[derive(Debug)]
+pub enum FirstByte {
+    /// The decode's first frame (`None`: its body was empty); the prefill still runs.
+    Frame(Option<Frame<Bytes>>),
+    /// The prefill succeeded first.
+    PrefillDone,
+    /// The prefill failed first: nothing reached the client, a retry is safe.
+    PrefillFailed(GatewayError),
+    /// The decode broke or stayed silent past `idle`.
+    DecodeFailed(GatewayError),
+}
+
+/// Waits for the decode's first frame or the prefill's end, whichever comes first.
+pub async fn first_byte(
+    body: &mut Incoming,
+    prefill: &mut AbortOnDropHandle<PartnerResult>,
+    idle: Duration,
+    decode: &Endpoint,
+) -> FirstByte {
+    tokio::select! {
+        biased;
+        done = prefill => match done {
+            Ok(Ok(())) => FirstByte::PrefillDone,
+            Ok(Err(e)) => FirstByte::PrefillFailed(e),
+            Err(join) => FirstByte::PrefillFailed(GatewayError::Internal(format!("prefill task ended: {join}"))),
+        },
+        frame = timeout(idle, body.frame()) => match frame {
+            Ok(None) => FirstByte::Frame(None),
+            Ok(Some(Ok(frame))) => FirstByte::Frame(Some(frame)),
+            Ok(Some(Err(e))) => FirstByte::DecodeFailed(GatewayError::Upstream {
+                leg: Source::Decode,
+                endpoint: decode.name.clone(),
+                reason: format!("broke the response stream: {e}"),
+                timeout: false,
+            }),
+            Err(_) => FirstByte::DecodeFailed(client::timed_out(Source::Decode, decode, idle)),
+        },
     }
 }
 
