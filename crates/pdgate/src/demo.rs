@@ -7,7 +7,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use pdsim::{Connector, LatencyModel, Role, SimConfig, SimHandle};
-use tokio::net::TcpListener;
 
 use crate::config::{Config, EndpointConfig};
 use crate::{Error, Gateway, RunningGateway};
@@ -81,9 +80,7 @@ pub async fn start(listen: SocketAddr, latency: LatencyModel) -> Result<Demo, Er
         engines.push(engine);
     }
     let gateway = Gateway::new(config, kvtransfer::Registry::with_builtins())?;
-    let listener = TcpListener::bind(listen)
-        .await
-        .map_err(|e| Error::Bind(listen, e))?;
+    let listener = crate::gateway::listen(listen).map_err(|e| Error::Bind(listen, e))?;
     let pods = gateway.config.pods()?;
     let gateway = RunningGateway::start(gateway, listener, pods).await?;
     Ok(Demo { engines, gateway })

@@ -183,15 +183,30 @@ impl GatewayError {
             GatewayError::BadRequest { param, .. } => *param,
             _ => None,
         };
-        let body = serde_json::json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.error_type(),
-                "param": param,
-                "code": self.status().as_u16(),
-            }
-        });
-        Bytes::from(body.to_string())
+        // Field order as vLLM and OpenAI write it: message, type, param, code.
+        #[derive(serde::Serialize)]
+        struct Inner<'a> {
+            message: String,
+            #[serde(rename = "type")]
+            kind: &'a str,
+            param: Option<&'a str>,
+            code: u16,
+        }
+        #[derive(serde::Serialize)]
+        struct Outer<'a> {
+            error: Inner<'a>,
+        }
+        let body = Outer {
+            error: Inner {
+                message: self.to_string(),
+                kind: self.error_type(),
+                param,
+                code: self.status().as_u16(),
+            },
+        };
+        serde_json::to_vec(&body)
+            .map(Bytes::from)
+            .unwrap_or_else(|_| Bytes::from_static(br#"{"error":{"message":"internal error","type":"internal_error","param":null,"code":500}}"#))
     }
 
     /// One SSE event carrying this error, for failures after a stream has started.
@@ -225,6 +240,12 @@ impl IntoResponse for GatewayError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let GatewayError::PayloadTooLarge { .. } = self {
+            // The unread body is still on the wire: the connection cannot carry another request.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let GatewayError::Overloaded { retry_after_secs } = self {
             response
                 .headers_mut()
@@ -246,6 +267,19 @@ mod tests {
         assert_eq!(v["error"]["param"], "n");
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn fields_come_in_openai_order() {
+        let text =
+            String::from_utf8(GatewayError::Internal("x".into()).to_json().to_vec()).unwrap();
+        let at = |k: &str| text.find(k).unwrap();
+        assert!(
+            at("\"message\"") < at("\"type\"")
+                && at("\"type\"") < at("\"param\"")
+                && at("\"param\"") < at("\"code\""),
+            "{text}"
+        );
     }
 
     #[test]

@@ -282,6 +282,22 @@ pub async fn reconcile(
     }
 }
 
+/// Pending-connection backlog of the listening socket: bursts of thousands of new client
+/// connections (stream soaks, reconnect storms) must not overflow the kernel's accept queue.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds `addr` with [`LISTEN_BACKLOG`] and `SO_REUSEADDR`.
+pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// A gateway serving on a socket, with the tasks it owns.
 #[derive(Debug)]
 pub struct RunningGateway {
@@ -341,8 +357,7 @@ impl RunningGateway {
     /// Binds `config.listen` and starts with the configured static endpoints.
     pub async fn bind(gateway: Arc<Gateway>) -> Result<RunningGateway, crate::Error> {
         let pods = gateway.config.pods()?;
-        let listener = TcpListener::bind(gateway.config.listen)
-            .await
+        let listener = listen(gateway.config.listen)
             .map_err(|e| crate::Error::Bind(gateway.config.listen, e))?;
         Ok(RunningGateway::start(gateway, listener, pods).await?)
     }

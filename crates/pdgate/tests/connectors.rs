@@ -1,6 +1,8 @@
 //! Every connector end to end through real HTTP on loopback, asserting on the engines' counters
 //! that KV was really handed off (not recomputed) and that outputs match a single engine.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
 mod common;
 
 use common::*;

@@ -1,6 +1,8 @@
 //! The failure table of the PD flow, disconnects, slow clients and hostile bodies, through real
 //! HTTP on loopback against pdsim engines told to fail.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
 mod common;
 
 use std::time::Duration;

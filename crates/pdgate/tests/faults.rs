@@ -7,6 +7,8 @@
 //! to zero, and memory stays bounded. Run with `--nocapture` to see, per scenario, the share of
 //! requests that succeeded and the worst latency.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
 mod common;
 
 use std::collections::HashMap;

@@ -1,5 +1,7 @@
 //! Config-file hot reload without dropping in-flight requests, and the demo fleet.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
 mod common;
 
 use std::time::Duration;
@@ -12,7 +14,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 fn toml_for(prefill: &[&pdsim::SimHandle], decode: &[&pdsim::SimHandle]) -> String {
-    let mut s = String::from("kv_connector = \"shfs\"\nmodels = [\"m\"]\n");
+    let mut s = String::from("kv_connector = \"shfs\"\nmodels = [\"m\"]\ndrain_delay = 0\n");
     for p in prefill {
         s.push_str(&format!("[[prefill]]\nurl = \"{}\"\n", p.base_url()));
     }
