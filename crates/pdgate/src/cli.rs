@@ -76,6 +76,12 @@ pub struct RunArgs {
     /// Endpoint discovery [default: static].
     #[arg(long, value_enum, value_name = "KIND")]
     pub discovery: Option<DiscoveryKind>,
+    /// Kubernetes discovery: namespace to watch ('*' for all) [default: the gateway's own].
+    #[arg(long, value_name = "NS")]
+    pub namespace: Option<String>,
+    /// Kubernetes discovery: label selector, e.g. `model.aibrix.ai/name=llama,app=engine`.
+    #[arg(long, value_name = "SELECTOR")]
+    pub selector: Option<String>,
     /// Active health checks of every endpoint: true or false [default: true].
     #[arg(long, value_name = "VALUE")]
     pub health_checks: Option<bool>,
@@ -203,6 +209,12 @@ impl RunArgs {
         }
         if let Some(v) = self.discovery {
             c.discovery = v;
+        }
+        if let Some(v) = &self.namespace {
+            c.kubernetes.namespace = Some(v.clone());
+        }
+        if let Some(v) = &self.selector {
+            c.kubernetes.selector = Some(v.clone());
         }
         if let Some(v) = self.health_checks {
             c.health_checks = v;

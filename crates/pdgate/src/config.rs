@@ -147,6 +147,8 @@ pub struct Config {
     /// After the listener closes, bound on waiting for in-flight requests to finish.
     #[serde(deserialize_with = "de_duration")]
     pub shutdown_timeout: Duration,
+    /// Kubernetes discovery (`discovery = "kubernetes"`): namespace, selector, label keys.
+    pub kubernetes: pdkube::KubeDiscoveryConfig,
 }
 
 impl Default for Config {
@@ -187,6 +189,7 @@ impl Default for Config {
             max_in_flight_per_endpoint: 0,
             drain_delay: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(30),
+            kubernetes: pdkube::KubeDiscoveryConfig::default(),
         }
     }
 }
@@ -344,6 +347,14 @@ impl Config {
         }
         if self.max_retries > 10 {
             return Err(field_error("max_retries", "must be at most 10"));
+        }
+        if self.discovery == DiscoveryKind::Kubernetes {
+            self.kubernetes.validate().map_err(|e| match e {
+                pdkube::KubeDiscoveryError::InvalidConfig { field, reason } => {
+                    field_error(format!("kubernetes.{field}"), reason)
+                }
+                other => field_error("kubernetes", other.to_string()),
+            })?;
         }
         self.pods()?;
         Ok(())

@@ -119,15 +119,26 @@ pub struct Snapshot {
     pub models: Vec<String>,
     /// Pods left out, with the reason (for logs and `/ready` diagnostics).
     pub excluded: Vec<(String, String)>,
+    /// Pair a prefill only with a decode of the same `roleset-name`.
+    pub roleset_pairing: bool,
 }
 
 impl Snapshot {
+    /// Whether decode `d` may take KV from prefill `p`: the connectors agree and, with roleset
+    /// pairing, both belong to the same roleset.
+    pub fn pairs(&self, p: &Endpoint, d: &Endpoint) -> bool {
+        d.accepts_connector(p.connector.as_deref().unwrap_or_default())
+            && (!self.roleset_pairing
+                || (p.pod.label(kvtransfer::labels::ROLESET_NAME).is_some()
+                    && p.pod.label(kvtransfer::labels::ROLESET_NAME)
+                        == d.pod.label(kvtransfer::labels::ROLESET_NAME)))
+    }
+
     /// Whether at least one prefill/decode pair can serve some request.
     pub fn has_routable_pair(&self) -> bool {
         self.prefill.iter().any(|p| {
-            let connector = p.connector.as_deref().unwrap_or_default();
             self.decode.iter().any(|d| {
-                d.accepts_connector(connector)
+                self.pairs(p, d)
                     && (p.models.is_empty()
                         || d.models.is_empty()
                         || p.models.iter().any(|m| d.models.contains(m)))
@@ -164,6 +175,8 @@ pub struct SnapshotInputs<'a> {
     pub default_models: &'a [String],
     /// Endpoint names currently ejected by health checking.
     pub unhealthy: &'a BTreeSet<String>,
+    /// Pair prefill and decode only within a roleset.
+    pub roleset_pairing: bool,
 }
 
 fn models_of(pod: &Pod, default_models: &[String]) -> Vec<String> {
@@ -179,7 +192,10 @@ fn models_of(pod: &Pod, default_models: &[String]) -> Vec<String> {
 
 /// Pure: pods in, routable snapshot out.
 pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTable) -> Snapshot {
-    let mut snap = Snapshot::default();
+    let mut snap = Snapshot {
+        roleset_pairing: inputs.roleset_pairing,
+        ..Snapshot::default()
+    };
     let mut models = BTreeSet::new();
     let mut names = BTreeSet::new();
     for pod in pods {
@@ -310,6 +326,7 @@ mod tests {
             default_connector: "shfs",
             default_models: &["m".to_string()],
             unhealthy: &unhealthy,
+            roleset_pairing: false,
         };
         build_snapshot(pods, &inputs, loads)
     }
@@ -375,5 +392,32 @@ mod tests {
         assert!(gone.decode.is_empty());
         drop(guard);
         assert_eq!(again.decode[0].load.in_flight(), 0);
+    }
+
+    #[test]
+    fn roleset_pairing_pairs_within_a_roleset_only() {
+        let reg = Registry::with_builtins();
+        let unhealthy = BTreeSet::new();
+        let inputs = SnapshotInputs {
+            registry: &reg,
+            default_connector: "shfs",
+            default_models: &[],
+            unhealthy: &unhealthy,
+            roleset_pairing: true,
+        };
+        let pods = [
+            pod("p-a", "prefill").with_label("roleset-name", "a"),
+            pod("d-b", "decode").with_label("roleset-name", "b"),
+            pod("p-none", "prefill"),
+        ];
+        let loads = LoadTable::default();
+        let snap = build_snapshot(&pods, &inputs, &loads);
+        assert!(!snap.has_routable_pair());
+        let pods = [
+            pod("p-a", "prefill").with_label("roleset-name", "a"),
+            pod("d-a", "decode").with_label("roleset-name", "a"),
+        ];
+        let snap = build_snapshot(&pods, &inputs, &loads);
+        assert!(snap.pairs(&snap.prefill[0], &snap.decode[0]));
     }
 }

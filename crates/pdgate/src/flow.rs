@@ -227,9 +227,7 @@ pub fn select_pair(
     model: Option<&str>,
 ) -> Result<(Arc<Endpoint>, Arc<Endpoint>), GatewayError> {
     let model_name = || model.unwrap_or_default().to_string();
-    let compatible = |p: &Endpoint, d: &Endpoint| {
-        d.serves(model) && d.accepts_connector(p.connector.as_deref().unwrap_or_default())
-    };
+    let compatible = |p: &Endpoint, d: &Endpoint| d.serves(model) && snap.pairs(p, d);
     let prefills: Vec<Arc<Endpoint>> = snap
         .prefill
         .iter()

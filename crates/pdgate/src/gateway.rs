@@ -102,6 +102,7 @@ impl Gateway {
             default_connector: &self.default_connector,
             default_models: &self.config.models,
             unhealthy,
+            roleset_pairing: self.config.kubernetes.roleset_pairing,
         };
         self.store.publish(pods, &inputs)
     }

@@ -70,13 +70,17 @@ async fn shutdown_signal() {
 async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
     let registry = kvtransfer::Registry::with_builtins();
     let config = args.load()?;
-    if config.discovery == DiscoveryKind::Kubernetes {
-        return Err(pdgate::ConfigError::Field {
-            field: "discovery".into(),
-            message: "kubernetes discovery is not built into this binary yet".into(),
-        }
-        .into());
-    }
+    let kube_client = if config.discovery == DiscoveryKind::Kubernetes {
+        let client = pdkube::client_from_env()
+            .await
+            .map_err(|e| pdgate::ConfigError::Field {
+                field: "discovery".into(),
+                message: e.to_string(),
+            })?;
+        Some(client)
+    } else {
+        None
+    };
     let gateway = Gateway::new(config, registry.clone())?;
     let mut running = RunningGateway::bind(gateway.clone()).await?;
     info!(
@@ -86,7 +90,19 @@ async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
         connector = %gateway.default_connector,
         "pdgate serving"
     );
-    if args.config.is_some() {
+    if let Some(client) = kube_client {
+        let discovery = pdkube::run(
+            client,
+            gateway.config.kubernetes.clone(),
+            running.pods().clone(),
+            running.cancel_token(),
+        );
+        running.spawn_owned(async move {
+            if let Err(e) = discovery.await {
+                error!(error = %e, "kubernetes discovery stopped");
+            }
+        });
+    } else if args.config.is_some() {
         let tx = running.pods().clone();
         let cancel = running.cancel_token();
         running.spawn_owned(pdgate::cli::watch_config_file(

@@ -79,7 +79,7 @@ impl Gateway {
                     .filter(|p| {
                         open(p)
                             && p.connector.as_deref().unwrap_or_default() == connector
-                            && decode.accepts_connector(connector)
+                            && snap.pairs(p, decode)
                     })
                     .cloned()
                     .collect(),
@@ -88,7 +88,7 @@ impl Gateway {
             _ => (
                 snap.decode
                     .iter()
-                    .filter(|d| open(d) && d.accepts_connector(connector))
+                    .filter(|d| open(d) && snap.pairs(prefill, d))
                     .cloned()
                     .collect(),
                 &self.decode_policy,
