@@ -279,6 +279,9 @@ impl RunArgs {
     }
 }
 
+/// How long the config file must stay unchanged before it is read.
+const SETTLE: Duration = Duration::from_millis(100);
+
 fn stamp(path: &PathBuf) -> Option<(SystemTime, u64)> {
     let meta = std::fs::metadata(path).ok()?;
     Some((meta.modified().ok()?, meta.len()))
@@ -304,6 +307,15 @@ pub async fn watch_config_file(
         }
         let now = stamp(&path);
         if now == last {
+            continue;
+        }
+        // Editors and `echo >` write in several steps: read the file only once it has held
+        // still for a moment, so a half-written file is never taken for the new endpoint set.
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(SETTLE) => {}
+        }
+        if stamp(&path) != now {
             continue;
         }
         last = now;

@@ -191,3 +191,31 @@ pub fn timed_out(leg: Source, endpoint: &Endpoint, after: Duration) -> GatewayEr
         true,
     )
 }
+
+/// A bounded GET for control-plane probes (`/health`, Mooncake `/query`): the whole exchange
+/// within `limit`, at most `max_body` bytes read (the rest is dropped with the connection).
+pub async fn get(
+    client: &HttpClient,
+    url: &str,
+    limit: Duration,
+    max_body: usize,
+) -> Result<(StatusCode, Bytes), String> {
+    let request = Request::builder()
+        .method(Method::GET)
+        .uri(url)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let work = async {
+        let response = client.request(request).await.map_err(|e| e.to_string())?;
+        let status = response.status();
+        let body = Limited::new(response.into_body(), max_body)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok((status, body))
+    };
+    tokio::time::timeout(limit, work)
+        .await
+        .map_err(|_| format!("{url} did not answer within {limit:?}"))?
+}

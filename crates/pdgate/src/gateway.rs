@@ -7,8 +7,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::Method;
 use kvtransfer::{MooncakeBootstrap, Pod, Registry};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -167,30 +165,8 @@ struct CachedBootstrap {
 async fn lookup_bootstrap(gw: &Gateway, pod: &Pod) -> Result<MooncakeBootstrap, String> {
     let host = pod.url_host().ok_or("pod has no IP")?;
     let port = bootstrap_port(pod);
-    let get = |url: String| {
-        let client = gw.client.clone();
-        async move {
-            let request = http::Request::builder()
-                .method(Method::GET)
-                .uri(url)
-                .body(http_body_util::Full::new(Bytes::new()))
-                .map_err(|e| e.to_string())?;
-            let work = async {
-                let response = client.request(request).await.map_err(|e| e.to_string())?;
-                let status = response.status();
-                let body = http_body_util::BodyExt::collect(http_body_util::Limited::new(
-                    response.into_body(),
-                    1024 * 1024,
-                ))
-                .await
-                .map_err(|e| e.to_string())?
-                .to_bytes();
-                Ok::<_, String>((status, body))
-            };
-            tokio::time::timeout(Duration::from_secs(3), work)
-                .await
-                .map_err(|_| "timed out".to_string())?
-        }
+    let get = |url: String| async move {
+        client::get(&gw.client, &url, Duration::from_secs(3), 1024 * 1024).await
     };
     let (status, _) = get(format!("http://{host}:{}/health", pod.http_port)).await?;
     if !status.is_success() {

@@ -17,8 +17,6 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::Method;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -286,29 +284,13 @@ impl Health {
 }
 
 async fn get_ok(client: &HttpClient, url: &str, limit: Duration) -> Result<(), String> {
-    let request = http::Request::builder()
-        .method(Method::GET)
-        .uri(url)
-        .body(http_body_util::Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let work = async {
-        let response = client.request(request).await.map_err(|e| e.to_string())?;
-        let status = response.status();
-        // Drain (bounded) so the connection can be reused.
-        let _ = http_body_util::BodyExt::collect(http_body_util::Limited::new(
-            response.into_body(),
-            64 * 1024,
-        ))
-        .await;
-        if status.is_success() {
-            Ok(())
-        } else {
-            Err(format!("{url} answered {status}"))
-        }
-    };
-    tokio::time::timeout(limit, work)
-        .await
-        .map_err(|_| format!("{url} did not answer within {limit:?}"))?
+    // The body is drained (bounded) so the connection can be reused.
+    let (status, _) = crate::client::get(client, url, limit, 64 * 1024).await?;
+    if status.is_success() {
+        Ok(())
+    } else {
+        Err(format!("{url} answered {status}"))
+    }
 }
 
 async fn probe(

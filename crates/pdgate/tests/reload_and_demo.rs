@@ -93,8 +93,10 @@ async fn editing_the_config_file_swaps_endpoints_without_dropping_requests() {
             .send()
             .await
             .unwrap();
-        assert_eq!(r.status(), 200);
-        if r.headers()["target-pod"] == d2.addr().to_string().as_str() {
+        let status = r.status();
+        let target = r.headers().get("target-pod").cloned();
+        assert_eq!(status, 200, "{:?}", r.text().await);
+        if target.is_some_and(|t| t == d2.addr().to_string().as_str()) {
             moved = true;
             break;
         }
