@@ -346,10 +346,15 @@ impl Gateway {
         ctx.stream = view.stream;
         // The record stays with the caller until the relay takes it: an error on the way is
         // then counted by its class, not as a cancellation.
-        record
+        let measured = record
             .as_mut()
-            .ok_or_else(|| GatewayError::Internal("request measured twice".into()))?
-            .set_connector(connector);
+            .ok_or_else(|| GatewayError::Internal("request measured twice".into()))?;
+        measured.set_connector(connector);
+        if let Some(m) = view.model.as_deref()
+            && snapshot.models.iter().any(|known| known == m)
+        {
+            measured.set_model(m);
+        }
         let meta = Meta {
             request_id: request_id.to_string(),
             prefill: prefill.name.clone(),

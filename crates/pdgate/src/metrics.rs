@@ -19,6 +19,8 @@ struct RequestLabels {
     route: &'static str,
     connector: String,
     outcome: &'static str,
+    /// A model the fleet is configured to serve, or empty: never a client's free text.
+    model: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -319,6 +321,7 @@ pub struct RequestRecord {
     metrics: Arc<Metrics>,
     route: &'static str,
     connector: String,
+    model: String,
     start: Instant,
     prefill_done: Option<Instant>,
     first_byte_seen: bool,
@@ -332,6 +335,7 @@ impl RequestRecord {
             metrics,
             route,
             connector: String::new(),
+            model: String::new(),
             start: Instant::now(),
             prefill_done: None,
             first_byte_seen: false,
@@ -342,6 +346,11 @@ impl RequestRecord {
     /// Names the connector once routing chose it.
     pub fn set_connector(&mut self, connector: &str) {
         self.connector = connector.to_string();
+    }
+
+    /// Names the model once routing accepted it (only models of the fleet's configuration).
+    pub fn set_model(&mut self, model: &str) {
+        self.model = model.to_string();
     }
 
     /// Marks the end of the prefill leg.
@@ -384,6 +393,7 @@ impl RequestRecord {
                 route: self.route,
                 connector: self.connector.clone(),
                 outcome,
+                model: self.model.clone(),
             })
             .inc();
         self.metrics
@@ -424,13 +434,13 @@ mod tests {
         let text = m.render(&Snapshot::default());
         assert!(
             text.contains(
-                r#"pdgate_requests_total{route="completions",connector="shfs",outcome="success"} 1"#
+                r#"pdgate_requests_total{route="completions",connector="shfs",outcome="success",model=""} 1"#
             ),
             "{text}"
         );
         assert!(
             text.contains(
-                r#"pdgate_requests_total{route="chat",connector="",outcome="cancelled"} 1"#
+                r#"pdgate_requests_total{route="chat",connector="",outcome="cancelled",model=""} 1"#
             ),
             "{text}"
         );

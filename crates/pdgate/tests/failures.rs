@@ -253,7 +253,10 @@ async fn client_disconnect_mid_stream_closes_both_legs() {
         .text()
         .await
         .unwrap();
-    assert!(metrics.contains(r#"outcome="cancelled"} 1"#), "{metrics}");
+    assert!(
+        metrics.contains(r#"outcome="cancelled",model="m"} 1"#),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

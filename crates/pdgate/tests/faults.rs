@@ -322,26 +322,26 @@ async fn run_load(name: &str, fleet: &Fleet, want: &Arc<Vec<String>>) -> Report 
     assert!(
         metric(
             &metrics,
-            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"success\"}"
+            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"success\",model=\"m\"}"
         ) + metric(
             &metrics,
-            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"success\"}"
+            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"success\",model=\"m\"}"
         ) + metric(
             &metrics,
-            "pdgate_requests_total{route=\"completions\",connector=\"sglang\",outcome=\"success\"}"
+            "pdgate_requests_total{route=\"completions\",connector=\"sglang\",outcome=\"success\",model=\"m\"}"
         ) + metric(
             &metrics,
-            "pdgate_requests_total{route=\"chat\",connector=\"sglang\",outcome=\"success\"}"
+            "pdgate_requests_total{route=\"chat\",connector=\"sglang\",outcome=\"success\",model=\"m\"}"
         ) >= ok as f64,
         "{name}: {ok} successes: {metrics}"
     );
     assert_eq!(
         metric(
             &metrics,
-            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"cancelled\"}"
+            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"cancelled\",model=\"m\"}"
         ) + metric(
             &metrics,
-            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"cancelled\"}"
+            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"cancelled\",model=\"m\"}"
         ),
         0.0,
         "{name}: no client left: {metrics}"
@@ -725,10 +725,10 @@ async fn hanging_decode_is_bounded_then_ejected() {
     assert!(
         metric(
             &metrics,
-            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"decode_error\"}"
+            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"decode_error\",model=\"m\"}"
         ) + metric(
             &metrics,
-            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"decode_error\"}"
+            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"decode_error\",model=\"m\"}"
         ) >= 1.0,
         "{metrics}"
     );
