@@ -111,12 +111,9 @@ async fn hanging_prefill_is_bounded_by_the_prefill_timeout() {
         hang: true,
         ..Faults::default()
     });
-    let r = tokio::time::timeout(
-        Duration::from_secs(10),
-        fleet.post("/v1/completions", &completion(false)),
-    )
-    .await
-    .expect("the gateway answered within its timeouts");
+    let r = fleet
+        .post_bounded("/v1/completions", &completion(false))
+        .await;
     let (status, v) = error_of(r).await;
     assert_eq!(status, 504, "{v}");
     // The hung prefill saw its connection closed.
@@ -188,12 +185,9 @@ async fn hanging_decode_is_bounded_by_the_decode_timeout() {
         hang: true,
         ..Faults::default()
     });
-    let r = tokio::time::timeout(
-        Duration::from_secs(10),
-        fleet.post("/v1/completions", &completion(false)),
-    )
-    .await
-    .expect("bounded");
+    let r = fleet
+        .post_bounded("/v1/completions", &completion(false))
+        .await;
     assert_eq!(error_of(r).await.0, 504);
     fleet.wait_idle().await;
 }

@@ -135,6 +135,14 @@ impl Fleet {
             .expect("request")
     }
 
+    /// Like [`Fleet::post`], failing the test if the gateway has not answered within 10 s
+    /// (every timeout the tests configure is far below that).
+    pub async fn post_bounded(&self, path: &str, body: &Value) -> reqwest::Response {
+        tokio::time::timeout(Duration::from_secs(10), self.post(path, body))
+            .await
+            .expect("the gateway answered within its timeouts")
+    }
+
     pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> reqwest::Response {
         self.http
             .post(self.url(path))
