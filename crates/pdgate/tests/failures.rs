@@ -72,15 +72,7 @@ async fn prefill_5xx_falls_back_to_decode_alone_by_default() {
     }
     let d = fleet.decode[0].stats();
     assert_eq!(d.recomputed, 2, "{d:?}");
-    let metrics = fleet
-        .http
-        .get(fleet.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = fleet.metrics().await;
     assert!(
         metrics.contains(r#"pdgate_fallbacks_total{connector="shfs"} 2"#),
         "{metrics}"
@@ -238,15 +230,7 @@ async fn client_disconnect_mid_stream_closes_both_legs() {
         d.generation_tokens < 500,
         "decode stopped generating: {d:?}"
     );
-    let metrics = fleet
-        .http
-        .get(fleet.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = fleet.metrics().await;
     assert!(
         metrics.contains(r#"outcome="cancelled",model="m"} 1"#),
         "{metrics}"

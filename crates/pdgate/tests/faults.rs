@@ -289,15 +289,7 @@ async fn run_load(name: &str, fleet: &Fleet, want: &Arc<Vec<String>>) -> Report 
     }
     assert_eq!(results.len(), REQUESTS);
     fleet.wait_idle().await;
-    let metrics = fleet
-        .http
-        .get(fleet.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics body");
+    let metrics = fleet.metrics().await;
     assert_eq!(
         metric(&metrics, "pdgate_endpoint_in_flight"),
         0.0,
@@ -621,15 +613,7 @@ async fn active_checks_drive_routing_and_readiness() {
         assert_eq!(r.status(), 200);
         assert_ne!(r.headers()["target-pod"], sick.as_str());
     }
-    let metrics = fleet
-        .http
-        .get(fleet.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics body");
+    let metrics = fleet.metrics().await;
     assert!(
         metrics.contains(&format!(
             "pdgate_endpoint_healthy{{role=\"decode\",endpoint=\"{sick}\"}} 0"
@@ -697,15 +681,7 @@ async fn the_retry_budget_bounds_retries() {
         fallbacks += usize::from(r.headers().get("x-pdgate-fallback").is_some());
         assert!(!text_of(&r.text().await.expect("body")).is_empty());
     }
-    let metrics = fleet
-        .http
-        .get(fleet.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics body");
+    let metrics = fleet.metrics().await;
     assert_eq!(metric(&metrics, "pdgate_retries_total"), 1.0, "{metrics}");
     // Every other request hit the failing prefill; only the first was retried.
     assert_eq!(fallbacks, 3, "{metrics}");

@@ -135,6 +135,17 @@ impl Fleet {
             .expect("request")
     }
 
+    /// The gateway's Prometheus text.
+    pub async fn metrics(&self) -> String {
+        let r = self
+            .http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics");
+        r.text().await.expect("metrics body")
+    }
+
     /// Like [`Fleet::post`], failing the test if the gateway has not answered within 10 s
     /// (every timeout the tests configure is far below that).
     pub async fn post_bounded(&self, path: &str, body: &Value) -> reqwest::Response {
