@@ -2,7 +2,9 @@
 # Validates the Kubernetes manifests under deploy/ offline, against the schemas shipped in the
 # PyPI package kubernetes-validate (strict: unknown fields fail), for the oldest and newest
 # Kubernetes versions it ships schemas for. Also checks that every kustomization lists files
-# that exist and that every manifest belongs to a kustomization or to examples/.
+# that exist, that every manifest belongs to a kustomization or to examples/, and that the
+# Dockerfile's Rust image is the toolchain rust-toolchain.toml pins (the image build does not
+# read rust-toolchain.toml).
 #
 # Installs the validator once into a cached venv (PDGATE_VALIDATE_VENV, default
 # ~/.cache/pdgate/validate-venv); needs python3 and, the first time, PyPI.
@@ -87,6 +89,16 @@ PY
   failed=1
 else
   echo "validate.sh: kustomizations consistent"
+fi
+
+# The build stage's rust image tag must be the pinned toolchain.
+channel="$(sed -n 's/^channel *= *"\(.*\)"$/\1/p' "$here/../rust-toolchain.toml")"
+from_tag="$(sed -n 's/^FROM rust:\([^ -]*\)-.* AS build$/\1/p' "$here/docker/Dockerfile")"
+if [ -n "$channel" ] && [ "$channel" = "$from_tag" ]; then
+  echo "validate.sh: Dockerfile builds with rust $from_tag, as rust-toolchain.toml pins"
+else
+  echo "validate.sh: Dockerfile rust image '${from_tag}' is not rust-toolchain.toml's '${channel}'" >&2
+  failed=1
 fi
 
 if [ "$failed" -ne 0 ]; then

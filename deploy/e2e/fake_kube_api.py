@@ -6,8 +6,13 @@ pod objects that the test may rewrite at any time: open watches emit ADDED / MOD
 DELETED events for what changed. Honours labelSelector terms of the form k=v.
 
 Usage: fake_kube_api.py PORT PODS_JSON
+Optional environment: FAKE_KUBE_API_CERT and FAKE_KUBE_API_KEY (PEM files) serve HTTPS instead
+of HTTP, as an in-cluster API server does; FAKE_KUBE_API_TOKEN answers 401 to requests without
+`Authorization: Bearer <token>` (the service-account token check).
 """
 import json
+import os
+import ssl
 import sys
 import threading
 import time
@@ -62,6 +67,10 @@ class Handler(BaseHTTPRequestHandler):
         sys.stderr.write("fake_kube_api: %s\n" % self.path)
 
     def do_GET(self):
+        token = os.environ.get("FAKE_KUBE_API_TOKEN")
+        if token and self.headers.get("Authorization") != f"Bearer {token}":
+            self.send_error(401)
+            return
         url = urlparse(self.path)
         q = parse_qs(url.query)
         selector = q.get("labelSelector", [""])[0]
@@ -112,4 +121,9 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
 
-ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
+server = ThreadingHTTPServer(("127.0.0.1", PORT), Handler)
+if os.environ.get("FAKE_KUBE_API_CERT"):
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(os.environ["FAKE_KUBE_API_CERT"], os.environ["FAKE_KUBE_API_KEY"])
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+server.serve_forever()
