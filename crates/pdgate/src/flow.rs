@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use kvtransfer::{Dispatch, JsonBody, KvTransferAgent, MergeOutcome, RoutingContext};
 use tokio::time::timeout;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, debug, debug_span, warn};
 
 use crate::client::{self, Collected, Leg};
 use crate::config::PrefillFailurePolicy;
@@ -286,7 +286,7 @@ impl Gateway {
         body: Bytes,
     ) -> Response<axum::body::Body> {
         let request_id = request_id(headers);
-        let span = info_span!("request", id = %request_id, route = route.label());
+        let span = debug_span!("request", id = %request_id, route = route.label());
         let mut record = Some(RequestRecord::start(self.metrics.clone(), route.label()));
         let result = self
             .pd(route, headers, body, &request_id, &mut record)
@@ -423,7 +423,7 @@ impl Gateway {
                     .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
             let collected = self
                 .prefill_leg(pd.prefill_job(prefill_request))
-                .instrument(info_span!("prefill", endpoint = %pd.prefill.name))
+                .instrument(debug_span!("prefill", endpoint = %pd.prefill.name))
                 .await;
             let retryable = match &collected {
                 Ok(c) => c.status.is_server_error(),
@@ -438,7 +438,7 @@ impl Gateway {
                     &tried,
                 )
             {
-                warn!(from = %pd.prefill.name, to = %next.name, "prefill failed; retrying on another prefill");
+                warn!(id = %pd.meta.request_id, from = %pd.prefill.name, to = %next.name, "prefill failed; retrying on another prefill");
                 tried.push(next.name.clone());
                 pd.switch_prefill(next)?;
                 continue;
@@ -463,6 +463,7 @@ impl Gateway {
             Ok(MergeOutcome::KvAttached) => pd.ctx.req_body.clone(),
             Ok(MergeOutcome::Recompute) => {
                 warn!(
+                    id = %pd.meta.request_id,
                     prefill = %pd.prefill.name,
                     "prefill answered without KV-transfer parameters; the decode recomputes the prompt"
                 );
@@ -472,7 +473,7 @@ impl Gateway {
             Err(err) => match self.config.on_prefill_failure {
                 PrefillFailurePolicy::Fail => return Err(err),
                 PrefillFailurePolicy::Fallback => {
-                    warn!(prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
+                    warn!(id = %pd.meta.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
                     self.metrics.count_fallback(pd.meta.connector);
                     pd.meta.fallback = true;
                     pd.clean.to_bytes()
@@ -481,7 +482,7 @@ impl Gateway {
         };
         let (head, decode, decode_load) = self
             .decode_head(&pd, decode_body)
-            .instrument(info_span!("decode", endpoint = %pd.decode.name))
+            .instrument(debug_span!("decode", endpoint = %pd.decode.name))
             .await?;
         pd.switch_decode(decode);
         let record = take_record(record)?;
@@ -535,7 +536,7 @@ impl Gateway {
                             &tried,
                         )
                     {
-                        warn!(from = %endpoint.name, to = %next.name, "decode unreachable; retrying on another decode");
+                        warn!(id = %pd.meta.request_id, from = %endpoint.name, to = %next.name, "decode unreachable; retrying on another decode");
                         tried.push(next.name.clone());
                         endpoint = next;
                         continue;
@@ -565,7 +566,7 @@ impl Gateway {
             let prefill_task: AbortOnDropHandle<PartnerResult> = {
                 let gw = self.clone();
                 let job = pd.prefill_job(prefill_request);
-                let span = info_span!("prefill", endpoint = %pd.prefill.name);
+                let span = debug_span!("prefill", endpoint = %pd.prefill.name);
                 AbortOnDropHandle::new(tokio::spawn(
                     async move {
                         let c = gw.prefill_leg(job).await?;
@@ -582,7 +583,7 @@ impl Gateway {
             let step = {
                 let decode = self
                     .decode_head(&pd, pd.ctx.req_body.clone())
-                    .instrument(info_span!("decode", endpoint = %pd.decode.name));
+                    .instrument(debug_span!("decode", endpoint = %pd.decode.name));
                 tokio::pin!(decode);
                 loop {
                     let step = tokio::select! {
@@ -671,7 +672,7 @@ impl Gateway {
             self.abort_decode(pd);
             return Err(err);
         };
-        warn!(from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
+        warn!(id = %pd.meta.request_id, from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
         // SGLang wants an abort, sent before the retry reuses the request id.
         abort_sglang(
             &self.client,
