@@ -10,6 +10,10 @@
 #
 # Pinning (2 cores): every gateway runs alone on core $GATEWAY_CPU; pdbench and both engines
 # share core $CLIENT_CPU. The direct baseline therefore runs with the gateway core idle.
+# Cell "shared-c1" then moves each gateway onto core $CLIENT_CPU too and repeats one client:
+# on this VM every wake-up across cores costs tens of microseconds, and a gateway on its own core
+# takes six of them per PD request (client -> gateway -> prefill -> gateway -> decode -> gateway
+# -> client) where direct takes none; on one core the added latency is the gateway's own work.
 #
 # Every step is bounded in time; every process started here is killed by pid on exit.
 #
@@ -24,6 +28,7 @@
 #   BENCH_GATEWAYS      gateways to compare                        ["pdgate vllm-router"]
 #   BENCH_SOAK_STREAMS  concurrent streams in the soak (0 = skip)  [5000]
 #   BENCH_SOAK_DURATION seconds of soak per target                 [40]
+#   BENCH_SHARED        1 = add the one-core, one-client cell shared-c1 [1]
 #   BENCH_SKIP_BUILD=1  use existing release binaries
 #   VLLM_ROUTER_VERSION PyPI version of vllm-router                [0.1.17]
 set -euo pipefail
@@ -285,6 +290,20 @@ for mode in $MODES; do
   done
 done
 
+# ---- phase 1b: everything on one core, one client --------------------------------------------
+if [ "${BENCH_SHARED:-1}" = 1 ]; then
+  for gw in $GATEWAYS; do
+    for pid in $(tree_pids "${GW_PID[$gw]}"); do
+      taskset -a -p -c "$CLIENT_CPU" "$pid" >/dev/null 2>&1 || log "could not move $gw pid $pid"
+    done
+  done
+  args=(--concurrency 1 --duration "$DURATION" --warmup "$WARMUP" --timeout 30
+    --prompt-len "$PROMPT_LEN" --output-len "$PLAIN_TOKENS")
+  for target in direct $GATEWAYS; do
+    run_target shared-c1 "$target" "$PREFILL" "$DECODE" "${args[@]}"
+  done
+fi
+
 for gw in $GATEWAYS; do stop_pid "${GW_PID[$gw]}"; done
 
 # Engine counters: every decode should have pulled its KV (transfers_pulled), none recomputed.
@@ -329,7 +348,7 @@ fi
 {
   echo "machine: $(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(uname -sr)"
   echo "run: $(date -u +%Y-%m-%dT%H:%MZ), HEAD $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$([ "${BENCH_SKIP_BUILD:-0}" = 1 ] && echo ' (prebuilt binaries)'), vllm-router $VLLM_ROUTER_VERSION, load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "pinning: gateway on core $GATEWAY_CPU; pdbench + engines on core $CLIENT_CPU; ${DURATION}s cells; soak ${SOAK_STREAMS} streams x ${SOAK_TOKENS} tokens at ${SOAK_ITL_MS} ms/token, ${SOAK_RAMP}s ramp, ${SOAK_DURATION}s"
+  echo "pinning: gateway on core $GATEWAY_CPU; pdbench + engines on core $CLIENT_CPU (shared-c1: all on core $CLIENT_CPU); ${DURATION}s cells; soak ${SOAK_STREAMS} streams x ${SOAK_TOKENS} tokens at ${SOAK_ITL_MS} ms/token, ${SOAK_RAMP}s ramp, ${SOAK_DURATION}s"
   python3 "$ROOT/bench/ratios.py" "$OUT"
 } | tee "$OUT/table.txt"
 python3 "$ROOT/bench/ratios.py" "$OUT" --markdown >"$OUT/table.md"

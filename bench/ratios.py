@@ -3,7 +3,7 @@
 
 Usage: ratios.py OUT_DIR [--markdown]
 
-For every cell (plain-cN, stream-cN, soak) and target (direct, pdgate, vllm-router):
+For every cell (plain-cN, stream-cN, shared-c1, soak) and target (direct, pdgate, vllm-router):
 throughput and its ratio to direct, p50/p99 end-to-end latency added over direct,
 TTFT p50 added over direct (streams), the gateway's CPU seconds per 1000 successful
 requests, its peak RSS, and errors.
@@ -15,14 +15,14 @@ import os
 import re
 import sys
 
-CELL_RE = re.compile(r"^((?:plain|stream)-c\d+|soak)-(.+)\.json$")
+CELL_RE = re.compile(r"^((?:plain|stream|shared)-c\d+|soak)-(.+)\.json$")
 
 
 def cell_key(cell):
     if cell == "soak":
-        return (2, 0)
+        return (3, 0)
     mode, c = cell.split("-c")
-    return (0 if mode == "plain" else 1, int(c))
+    return ({"plain": 0, "stream": 1}.get(mode, 2), int(c))
 
 
 def target_key(t):
