@@ -11,7 +11,8 @@
 #      routes to the engines it lists;
 #   4. `docker stop` (SIGTERM) ends the gateway cleanly within the pod's grace period.
 # It neither builds nor pulls: it skips (exit 0) when docker, its daemon or the image is missing.
-# Needs python3, curl and openssl on the host. Takes well under a minute.
+# Needs a Linux Docker host (step 3 uses host networking and reaches the containers' bridge
+# addresses; Docker Desktop's VM does not allow either), python3, curl and openssl. ~15 s.
 # Usage: deploy/e2e/container_smoke.sh     (PDGATE_IMAGE, default pdgate:0.1.0)
 set -euo pipefail
 
