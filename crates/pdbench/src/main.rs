@@ -7,6 +7,11 @@ use tokio_util::sync::CancellationToken;
 
 use pdbench::cli::Cli;
 
+/// jemalloc, as in pdgate: a benchmark engine (or load generator) that spends less CPU per request
+/// leaves more of a shared core to what is being measured.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Lowest open-file limit that makes sense for `connections` sockets (plus stdio and slack).
 fn warn_on_fd_limit(connections: usize) {
     let Ok(limits) = std::fs::read_to_string("/proc/self/limits") else {

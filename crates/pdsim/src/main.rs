@@ -6,6 +6,11 @@ use std::time::Duration;
 use clap::Parser;
 use pdsim::{Connector, Faults, LatencyModel, Role, SimConfig};
 
+/// jemalloc, as in pdgate: a benchmark engine (or load generator) that spends less CPU per request
+/// leaves more of a shared core to what is being measured.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// A vLLM 0.33-like engine simulator that verifies prefill/decode KV handoffs.
 ///
 /// Serves POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
