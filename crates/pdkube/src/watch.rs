@@ -196,7 +196,9 @@ pub async fn run(
             }
             event = events.next() => match event {
                 Some(Ok(event)) => {
-                    if failing {
+                    // `Init` opens a re-list before any request is made; only what follows
+                    // an answer from the API server means it is back.
+                    if failing && !matches!(event, Event::Init) {
                         info!("kubernetes watch recovered");
                         failing = false;
                     }
