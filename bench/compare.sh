@@ -292,15 +292,20 @@ done
 
 # ---- phase 1b: everything on one core, one client --------------------------------------------
 if [ "${BENCH_SHARED:-1}" = 1 ]; then
-  for gw in $GATEWAYS; do
-    for pid in $(tree_pids "${GW_PID[$gw]}"); do
-      taskset -a -p -c "$CLIENT_CPU" "$pid" >/dev/null 2>&1 || log "could not move $gw pid $pid"
+  # pin_tree PID CPU: every thread of a process tree onto one core.
+  pin_tree() {
+    local pid
+    for pid in $(tree_pids "$1"); do
+      taskset -a -p -c "$2" "$pid" >/dev/null 2>&1 || log "could not pin pid $pid to core $2"
     done
-  done
+  }
   args=(--concurrency 1 --duration "$DURATION" --warmup "$WARMUP" --timeout 30
     --prompt-len "$PROMPT_LEN" --output-len "$PLAIN_TOKENS")
+  # Only the measured gateway joins core $CLIENT_CPU; the others stay idle on their own core.
   for target in direct $GATEWAYS; do
+    if [ "$target" != direct ]; then pin_tree "${GW_PID[$target]}" "$CLIENT_CPU"; fi
     run_target shared-c1 "$target" "$PREFILL" "$DECODE" "${args[@]}"
+    if [ "$target" != direct ]; then pin_tree "${GW_PID[$target]}" "$GATEWAY_CPU"; fi
   done
 fi
 

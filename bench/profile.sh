@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# bench/profile.sh: where pdgate's CPU and memory go, in numbers that a busy machine does not blur.
+#
+#   bench/profile.sh callgrind [REQUESTS]   user-space instructions for REQUESTS PD requests
+#                                           (default 2000) at 4 clients, after 200 warm-up requests
+#   bench/profile.sh massif [STREAMS]       heap at the peak of STREAMS (default 500) concurrent
+#                                           16-token streams, grouped by allocation site
+#
+# Both run pdgate under valgrind in front of two pdsim engines (shfs, the same wire format as
+# vLLM's NixlConnector) and drive it with pdbench, all on loopback ports chosen here. Instruction
+# counts are stable to well under 1% between runs even on a loaded machine, so two builds can be
+# compared without an idle host (wall-clock numbers come from bench/compare.sh). Needs valgrind
+# (`apt-get install valgrind`); builds release binaries unless BENCH_SKIP_BUILD=1.
+#
+# Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_OUT
+# (output directory, default bench/out/profile-<utc time>).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MODE="${1:-}"
+case "$MODE" in
+  callgrind) COUNT="${2:-2000}" ;;
+  massif) COUNT="${2:-500}" ;;
+  *)
+    sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac
+command -v valgrind >/dev/null || {
+  echo "profile.sh: valgrind not found (apt-get install valgrind)" >&2
+  exit 2
+}
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
+if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
+  cargo build --release --locked -p pdgate -p pdsim -p pdbench --manifest-path "$ROOT/Cargo.toml" >&2
+fi
+GATEWAY="${PDGATE_BIN:-$BIN/pdgate}"
+OUT="${PROFILE_OUT:-$ROOT/bench/out/profile-$(date -u +%Y%m%dT%H%M%SZ)}"
+mkdir -p "$OUT"
+
+PIDS=()
+cleanup() {
+  local pid
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+wait_http() {
+  local url="$1" limit="$2" i
+  for ((i = 0; i < limit * 5; i++)); do
+    curl -fsS --max-time 1 "$url" >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  echo "profile.sh: $url did not answer within ${limit}s" >&2
+  return 1
+}
+
+engine_flags=(--zero-delay --slots 0)
+if [ "$MODE" = massif ]; then
+  # Streams that stay open: one token per second, 16 tokens.
+  engine_flags=(--slots 0 --ttft-ms 0 --prefill-ms-per-token 0 --itl-ms 1000)
+fi
+P_PORT=$(free_port)
+D_PORT=$(free_port)
+G_PORT=$(free_port)
+for role in prefill decode; do
+  port=$P_PORT
+  [ "$role" = decode ] && port=$D_PORT
+  "$BIN/pdsim" --role "$role" --connector shfs --listen "127.0.0.1:$port" \
+    --side-channel-listen "127.0.0.1:$(free_port)" --model m "${engine_flags[@]}" \
+    >"$OUT/pdsim-$role.log" 2>&1 &
+  PIDS+=($!)
+  wait_http "http://127.0.0.1:$port/health" 30
+done
+
+gateway=("$GATEWAY" --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT"
+  --kv-connector shfs --listen "127.0.0.1:$G_PORT" --max-in-flight 0)
+URL="http://127.0.0.1:$G_PORT"
+if [ "$MODE" = callgrind ]; then
+  RUST_LOG=warn valgrind --tool=callgrind --instr-atstart=no \
+    --callgrind-out-file="$OUT/callgrind.out" "${gateway[@]}" >"$OUT/pdgate.log" 2>&1 &
+  GW=$!
+  PIDS+=("$GW")
+  wait_http "$URL/ready" 120
+  "$BIN/pdbench" --url "$URL" --model m --concurrency 4 --requests 200 --timeout 60 >/dev/null
+  callgrind_control -i on "$GW" >/dev/null
+  "$BIN/pdbench" --url "$URL" --model m --concurrency 4 --requests "$COUNT" --timeout 60 |
+    grep -E '^result' >&2
+  callgrind_control -i off "$GW" >/dev/null
+  callgrind_control -d "$GW" >/dev/null
+  sleep 1
+  total=$(callgrind_annotate "$OUT"/callgrind.out.* 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }')
+  echo "pdgate user-space instructions: $total for $COUNT PD requests ($((total / COUNT)) per request)"
+  echo "profile: callgrind_annotate --inclusive=yes $OUT/callgrind.out.1 | less"
+else
+  RUST_LOG=warn valgrind --tool=massif --depth=40 --massif-out-file="$OUT/massif.out" \
+    "${gateway[@]}" >"$OUT/pdgate.log" 2>&1 &
+  GW=$!
+  PIDS+=("$GW")
+  wait_http "$URL/ready" 120
+  "$BIN/pdbench" --url "$URL" --model m --concurrency "$COUNT" --duration 20 --warmup 0 \
+    --timeout 60 --ramp 5 --stream --prompt-len 128 --output-len 16 | grep -E '^result' >&2
+  kill "$GW"
+  wait "$GW" 2>/dev/null || true
+  python3 "$ROOT/bench/massif_sites.py" "$OUT/massif.out"
+fi
+echo "output: $OUT"
