@@ -10,7 +10,8 @@
 # vLLM's NixlConnector) and drive it with pdbench, all on loopback ports chosen here. Instruction
 # counts are stable to well under 1% between runs even on a loaded machine, so two builds can be
 # compared without an idle host (wall-clock numbers come from bench/compare.sh). Needs valgrind
-# (`apt-get install valgrind`); builds release binaries unless BENCH_SKIP_BUILD=1.
+# (`apt-get install valgrind`); builds release binaries unless BENCH_SKIP_BUILD=1, and for massif
+# a pdgate with the system allocator (feature `system-allocator`; massif cannot see jemalloc).
 #
 # Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_OUT
 # (output directory, default bench/out/profile-<utc time>).
@@ -35,6 +36,13 @@ if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
   cargo build --release --locked -p pdgate -p pdsim -p pdbench --manifest-path "$ROOT/Cargo.toml" >&2
 fi
 GATEWAY="${PDGATE_BIN:-$BIN/pdgate}"
+if [ "$MODE" = massif ] && [ -z "${PDGATE_BIN:-}" ]; then
+  # massif sees only the system allocator's heap: a pdgate without jemalloc, in its own target
+  # dir so the regular release binary stays as it is (a cold build there takes minutes).
+  cargo build --release --locked -p pdgate --features system-allocator \
+    --manifest-path "$ROOT/Cargo.toml" --target-dir "${CARGO_TARGET_DIR:-$ROOT/target}/system-allocator" >&2
+  GATEWAY="${CARGO_TARGET_DIR:-$ROOT/target}/system-allocator/release/pdgate"
+fi
 OUT="${PROFILE_OUT:-$ROOT/bench/out/profile-$(date -u +%Y%m%dT%H%M%SZ)}"
 mkdir -p "$OUT"
 

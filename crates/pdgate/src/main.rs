@@ -13,6 +13,8 @@ use tracing::{error, info};
 /// jemalloc: glibc malloc/free took about a fifth of the gateway's user-space instructions per
 /// request; with jemalloc callgrind counts 16% fewer instructions per PD request. mimalloc saved as
 /// much but held 355 MiB instead of ~220 MiB with 5,000 open streams (docs/benchmarks.md).
+/// Feature `system-allocator` keeps glibc's, which heap profilers (valgrind massif) can see into.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
