@@ -84,7 +84,7 @@ fn serve(tasks: &mut JoinSet<()>, listener: TcpListener, router: Router, engine:
         let _ = tcp.set_nodelay(true);
     });
     tasks.spawn(async move {
-        let r = axum::serve(listener, router)
+        let r = axum::serve(listener, router.into_make_service())
             .with_graceful_shutdown(token.cancelled_owned())
             .await;
         if let Err(e) = r {
