@@ -496,6 +496,25 @@ mod tests {
     }
 
     #[test]
+    fn escaped_and_plain_keys_are_found_by_their_unescaped_names() {
+        let body = parse(r#"{"mo\u0064el":"m", "stream" :true,"\u00e9t\u00e9":1}"#).unwrap();
+        let clone = body.clone();
+        for b in [&body, &clone] {
+            assert_eq!(b.get_raw("model"), Some("\"m\""));
+            assert_eq!(b.get_raw("stream"), Some("true"));
+            assert_eq!(b.get_raw("été"), Some("1"));
+            assert_eq!(b.keys().collect::<Vec<_>>(), ["model", "stream", "été"]);
+        }
+        let mut edited = clone;
+        assert_eq!(edited.remove_where(|k| k == "stream"), ["stream"]);
+        edited.set_raw("model", "\"n\"");
+        assert_eq!(
+            &edited.to_bytes()[..],
+            r#"{"mo\u0064el":"n","\u00e9t\u00e9":1}"#.as_bytes()
+        );
+    }
+
+    #[test]
     fn duplicate_keys_compare_unescaped() {
         match parse(r#"{"a":1,"\u0061":2}"#) {
             Err(BodyError::DuplicateKey(k)) => assert_eq!(k, "a"),
