@@ -4,21 +4,16 @@
 //! ends or is dropped, so memory stays bounded however many clients connect. The slot is taken
 //! before the request body is read.
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::response::Response;
-use bytes::Bytes;
-use http_body::{Frame, SizeHint};
-use pin_project_lite::pin_project;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::Config;
 use crate::error::GatewayError;
+use crate::guarded::{GuardedBody, OnEnd};
 use crate::metrics::Metrics;
 
 /// Seconds a refused client is told to wait.
@@ -152,48 +147,16 @@ impl RetryBudget {
     }
 }
 
-pin_project! {
-    /// A response body that holds its request's admission slot until it ends or is dropped.
-    pub struct SlotBody {
-        #[pin]
-        inner: Body,
-        slot: Option<Slot>,
-    }
-}
-
-impl http_body::Body for SlotBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let this = self.project();
-        let polled = this.inner.poll_frame(cx);
-        if let Poll::Ready(None) | Poll::Ready(Some(Err(_))) = &polled {
-            *this.slot = None;
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+/// The slot goes back when the body ends, cleanly or not (or when it is dropped).
+impl OnEnd for Option<Slot> {
+    fn ended(&mut self, _clean: bool) {
+        *self = None;
     }
 }
 
 /// Ties `slot` to `response`: released when the body ends.
 pub fn hold(response: Response, slot: Slot) -> Response {
-    response.map(|inner| {
-        Body::new(SlotBody {
-            inner,
-            slot: Some(slot),
-        })
-    })
+    response.map(|inner| GuardedBody::wrap(inner, Some(slot)))
 }
 
 #[cfg(test)]

@@ -19,9 +19,10 @@ use crate::config::PrefillFailurePolicy;
 use crate::endpoints::{Endpoint, LoadGuard, Snapshot};
 use crate::error::{GatewayError, Source};
 use crate::gateway::Gateway;
+use crate::guarded::GuardedBody;
 use crate::metrics::RequestRecord;
 use crate::relay::{PartnerResult, RelayBody};
-use crate::retry::{AbortBody, AbortOnLeave, FirstByte, abort_sglang, first_byte};
+use crate::retry::{AbortOnLeave, FirstByte, abort_sglang, first_byte};
 
 /// Response header naming the prefill endpoint (AIBrix spelling).
 pub const PREFILL_TARGET_HEADER: &str = "prefill-target-pod";
@@ -738,7 +739,7 @@ impl Gateway {
         if pd.meta.connector == kvtransfer::CONNECTOR_TYPE_SGLANG {
             // vLLM aborts when its connection closes; SGLang also wants to be told.
             let guard = AbortOnLeave::new(self, pd.decode.clone(), pd.meta.request_id.clone());
-            body = axum::body::Body::new(AbortBody::new(body, guard));
+            body = GuardedBody::wrap(body, guard);
         }
         let mut response = Response::new(body);
         *response.status_mut() = parts.status;

@@ -50,6 +50,7 @@ pub mod endpoints;
 pub mod error;
 pub mod flow;
 pub mod gateway;
+pub mod guarded;
 pub mod health;
 pub mod metrics;
 pub mod policy;

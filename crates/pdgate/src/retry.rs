@@ -1,19 +1,15 @@
 //! Retry targets, per-endpoint caps, and engine aborts (SGLang `POST /abort_request`), including
 //! the abort sent when a client leaves an SGLang stream before its end.
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::Body;
 use bytes::Bytes;
 use http::Method;
 use http::header::HeaderMap;
-use http_body::{Frame, SizeHint};
+use http_body::Frame;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use pin_project_lite::pin_project;
 use tokio::time::timeout;
 use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 use tracing::{debug, warn};
@@ -22,6 +18,7 @@ use crate::client::{self, HttpClient, Leg};
 use crate::endpoints::Endpoint;
 use crate::error::{GatewayError, Source};
 use crate::gateway::Gateway;
+use crate::guarded::OnEnd;
 use crate::relay::PartnerResult;
 
 /// Bound on one abort call.
@@ -230,45 +227,11 @@ impl Drop for AbortOnLeave {
     }
 }
 
-pin_project! {
-    /// A relayed body that aborts its SGLang request when dropped before its end.
-    pub struct AbortBody {
-        #[pin]
-        inner: Body,
-        guard: AbortOnLeave,
-    }
-}
-
-impl AbortBody {
-    /// Wraps `inner`.
-    pub fn new(inner: Body, guard: AbortOnLeave) -> Self {
-        AbortBody { inner, guard }
-    }
-}
-
-impl http_body::Body for AbortBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let mut this = self.project();
-        let polled = this.inner.as_mut().poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => this.guard.armed = false,
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.guard.armed = false,
-            _ => {}
+/// A clean end disarms the abort; an error or a drop before the end keeps it.
+impl OnEnd for AbortOnLeave {
+    fn ended(&mut self, clean: bool) {
+        if clean {
+            self.armed = false;
         }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }

@@ -1,0 +1,62 @@
+//! A response body that tells a guard how it ended: the one wrapper behind the admission slot
+//! (released at the end) and the SGLang abort (disarmed at a clean end).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+/// What a [`GuardedBody`] holds until its body ends.
+pub trait OnEnd: Send + 'static {
+    /// The body ended: `clean` after its last frame, not after an error. May be called more than
+    /// once (a sized body's last frame, then the end); dropping the guard is the other way out.
+    fn ended(&mut self, clean: bool);
+}
+
+pin_project! {
+    /// `inner`, with `guard` told when it ends.
+    pub struct GuardedBody<G> {
+        #[pin]
+        inner: Body,
+        guard: G,
+    }
+}
+
+impl<G: OnEnd> GuardedBody<G> {
+    /// Wraps `inner` into a body again.
+    pub fn wrap(inner: Body, guard: G) -> Body {
+        Body::new(GuardedBody { inner, guard })
+    }
+}
+
+impl<G: OnEnd> http_body::Body for GuardedBody<G> {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.guard.ended(true),
+            // A sized body can end with its last frame (hyper then polls no more).
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.guard.ended(true),
+            Poll::Ready(Some(Err(_))) => this.guard.ended(false),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
