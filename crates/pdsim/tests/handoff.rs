@@ -36,23 +36,7 @@ async fn shfs_happy_path_returns_full_params_and_pulls_once() {
     let p = engine(Role::Prefill, Connector::Shfs).await;
     let d = engine(Role::Decode, Connector::Shfs).await;
     let kv = shfs_prefill(&p, PROMPT).await;
-    for key in [
-        "do_remote_prefill",
-        "do_remote_decode",
-        "remote_block_ids",
-        "remote_engine_id",
-        "remote_request_id",
-        "remote_host",
-        "remote_port",
-        "tp_size",
-        "dcp_size",
-        "pp_size",
-        "remote_num_tokens",
-        "remote_blocks_expiry_time",
-        "remote_registration_generation",
-        "transfer_mode",
-        "remote_prefill_cached_tokens",
-    ] {
+    for key in common::NIXL_PARAM_KEYS {
         assert!(kv.get(key).is_some(), "missing {key} in {kv}");
     }
     assert_eq!(kv["do_remote_prefill"], true);

@@ -76,24 +76,7 @@ async fn prefill_params_match_vllm_in_order_and_values() {
     .await;
     let v: Value = serde_json::from_str(&text).unwrap();
     let kv = &v["kv_transfer_params"];
-    // Key order as vLLM writes it (0.32's set plus 0.33's remote_registration_generation).
-    let order = [
-        "do_remote_prefill",
-        "do_remote_decode",
-        "remote_block_ids",
-        "remote_engine_id",
-        "remote_request_id",
-        "remote_host",
-        "remote_port",
-        "tp_size",
-        "dcp_size",
-        "pp_size",
-        "remote_num_tokens",
-        "remote_blocks_expiry_time",
-        "remote_registration_generation",
-        "transfer_mode",
-        "remote_prefill_cached_tokens",
-    ];
+    let order = common::NIXL_PARAM_KEYS;
     let params = &text[text.find("\"kv_transfer_params\"").unwrap()..];
     let at: Vec<usize> = order
         .iter()

@@ -6,6 +6,26 @@ use std::time::Duration;
 use pdsim::{Connector, Role, SimConfig, SimHandle, SimStats};
 use serde_json::Value;
 
+/// The `kv_transfer_params` keys a vLLM NixlConnector prefill answers with, in the order vLLM
+/// writes them (0.32's set plus 0.33's `remote_registration_generation`).
+pub const NIXL_PARAM_KEYS: [&str; 15] = [
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "remote_registration_generation",
+    "transfer_mode",
+    "remote_prefill_cached_tokens",
+];
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(20))
