@@ -86,20 +86,8 @@ stop_pid() {
   wait "$pid" 2>/dev/null || true
 }
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
-}
-
-# Waits (bounded) until URL answers 200.
-wait_http() {
-  local url="$1" secs="${2:-60}" i
-  for i in $(seq 1 $((secs * 10))); do
-    if curl -fsS -o /dev/null --max-time 1 "$url" 2>/dev/null; then return 0; fi
-    sleep 0.1
-  done
-  log "timed out waiting for $url"
-  return 1
-}
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
 
 # A pid and all its descendants.
 tree_pids() {

@@ -54,19 +54,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-wait_http() {
-  local url="$1" limit="$2" i
-  for ((i = 0; i < limit * 5; i++)); do
-    curl -fsS --max-time 1 "$url" >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  echo "profile.sh: $url did not answer within ${limit}s" >&2
-  return 1
-}
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
 
 engine_flags=(--zero-delay --slots 0)
 if [ "$MODE" = massif ]; then
