@@ -307,24 +307,8 @@ impl RunningGateway {
             gateway.config.clone(),
             cancel.clone(),
         ));
-        // `into_make_service`: each connection shares the router. Serving the `Router` itself
-        // would rebuild its route table for every connection (~3.4 KiB held per open connection,
-        // 17 MB with 5,000 open streams; docs/benchmarks.md).
-        let app = crate::server::router(gateway.clone()).into_make_service();
-        let shutdown = cancel.clone();
-        tasks.spawn(async move {
-            let served = axum::serve(
-                axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                    let _ = tcp.set_nodelay(true);
-                }),
-                app,
-            )
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
-            if let Err(e) = served {
-                warn!(error = %e, "server stopped");
-            }
-        });
+        let app = crate::server::router(gateway.clone());
+        tasks.spawn(crate::listener::serve(listener, app, cancel.clone()));
         Ok(RunningGateway {
             addr,
             gateway,

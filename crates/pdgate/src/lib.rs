@@ -52,6 +52,7 @@ pub mod flow;
 pub mod gateway;
 pub mod guarded;
 pub mod health;
+pub mod listener;
 pub mod metrics;
 pub mod policy;
 pub mod relay;

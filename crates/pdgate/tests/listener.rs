@@ -1,0 +1,199 @@
+//! The front's accept loop: HTTP/2 with prior knowledge next to HTTP/1.1, whole requests when
+//! the first bytes arrive alone (an HTTP/1.1 `POST` and the HTTP/2 preface both start with
+//! `P`), and graceful shutdown of open HTTP/2 connections.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Fleet, completion, pair, text_of};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http2;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use pdsim::Connector;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+
+/// A TCP stream whose first write sends only `first` bytes, and whose next write waits 50 ms:
+/// the server sees a request's opening bytes alone.
+struct SplitFirstWrite {
+    tcp: TcpStream,
+    first: usize,
+    state: Split,
+}
+
+enum Split {
+    First,
+    Waiting(Pin<Box<tokio::time::Sleep>>),
+    Done,
+}
+
+impl SplitFirstWrite {
+    fn new(tcp: TcpStream, first: usize) -> Self {
+        SplitFirstWrite {
+            tcp,
+            first,
+            state: Split::First,
+        }
+    }
+}
+
+impl AsyncRead for SplitFirstWrite {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for SplitFirstWrite {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = &mut *self;
+        match &mut this.state {
+            Split::First => {
+                let n = buf.len().min(this.first);
+                let written = std::task::ready!(Pin::new(&mut this.tcp).poll_write(cx, &buf[..n]))?;
+                this.state =
+                    Split::Waiting(Box::pin(tokio::time::sleep(Duration::from_millis(50))));
+                Poll::Ready(Ok(written))
+            }
+            Split::Waiting(sleep) => {
+                std::task::ready!(sleep.as_mut().poll(cx));
+                this.state = Split::Done;
+                Pin::new(&mut this.tcp).poll_write(cx, buf)
+            }
+            Split::Done => Pin::new(&mut this.tcp).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
+
+async fn connect(fleet: &Fleet) -> TcpStream {
+    TcpStream::connect(fleet.gateway.addr()).await.unwrap()
+}
+
+/// An HTTP/2 (prior knowledge) connection to the gateway over `io`.
+async fn h2<IO>(io: IO) -> http2::SendRequest<Full<Bytes>>
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .handshake(TokioIo::new(io))
+        .await
+        .expect("h2 handshake");
+    tokio::spawn(conn);
+    sender
+}
+
+async fn h2_completion(
+    sender: &mut http2::SendRequest<Full<Bytes>>,
+    fleet: &Fleet,
+    stream: bool,
+) -> (http::StatusCode, String) {
+    let request = http::Request::post(fleet.url("/v1/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(completion(stream).to_string())))
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(30), sender.send_request(request))
+        .await
+        .expect("answered in time")
+        .expect("response");
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    let status = response.status();
+    let body = tokio::time::timeout(Duration::from_secs(30), response.into_body().collect())
+        .await
+        .expect("body in time")
+        .expect("body")
+        .to_bytes();
+    (status, String::from_utf8(body.to_vec()).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_prior_knowledge_runs_the_pd_flow() {
+    let fleet = pair(Connector::Nixl, |_| {}).await;
+    let mut sender = h2(connect(&fleet).await).await;
+    for stream in [false, true] {
+        let (status, body) = h2_completion(&mut sender, &fleet, stream).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(!text_of(&body).is_empty(), "{body}");
+    }
+    // Both requests went through prefill and decode, with the KV pulled.
+    assert_eq!(fleet.prefill[0].stats().responses_ok, 2);
+    assert_eq!(fleet.decode[0].stats().transfers_pulled, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preface_that_arrives_in_pieces_is_still_http2() {
+    let fleet = pair(Connector::Shfs, |_| {}).await;
+    // "PRI * HTTP" alone, then the rest of the preface 50 ms later.
+    let mut sender = h2(SplitFirstWrite::new(connect(&fleet).await, 10)).await;
+    let (status, body) = h2_completion(&mut sender, &fleet, false).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(fleet.decode[0].stats().transfers_pulled, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http1_request_whose_first_byte_arrives_alone_is_served() {
+    let fleet = pair(Connector::Shfs, |_| {}).await;
+    // "P" matches the HTTP/2 preface so far; "PO" does not.
+    let mut tcp = SplitFirstWrite::new(connect(&fleet).await, 1);
+    let body = completion(false).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    tcp.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), tcp.read_to_end(&mut response))
+        .await
+        .expect("answered in time")
+        .unwrap();
+    let response = String::from_utf8(response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    let (_, json) = response.split_once("\r\n\r\n").unwrap();
+    assert!(!text_of(json).is_empty(), "{response}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_idle_http2_connections() {
+    let fleet = pair(Connector::Shfs, |c| {
+        c.drain_delay = Duration::ZERO;
+    })
+    .await;
+    let mut sender = h2(connect(&fleet).await).await;
+    let (status, _) = h2_completion(&mut sender, &fleet, false).await;
+    assert_eq!(status, 200);
+    let Fleet { gateway, .. } = fleet;
+    // The deadline is far off: only a connection that closes on its own lets this end in time.
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        gateway.shutdown(Duration::from_secs(60)),
+    )
+    .await
+    .expect("an idle HTTP/2 connection does not hold shutdown up");
+    // The server sent GOAWAY and closed: the connection is gone.
+    tokio::time::timeout(Duration::from_secs(10), sender.ready())
+        .await
+        .expect("closed in time")
+        .expect_err("no new request on a closed connection");
+}
