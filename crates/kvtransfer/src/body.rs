@@ -149,22 +149,122 @@ impl<'de> Visitor<'de> for TopLevel {
     }
 }
 
+/// Finds one top-level member and skips the others without allocating; a repeated `key` is an
+/// error, other repeated keys are not looked at.
+struct FindMember<'k>(&'k str);
+
+impl<'de> Visitor<'de> for FindMember<'_> {
+    type Value = Option<&'de RawValue>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut found = None;
+        while let Some(wanted) = map.next_key_seed(KeyIs(self.0))? {
+            if !wanted {
+                map.next_value::<de::IgnoredAny>()?;
+            } else if found.is_some() {
+                return Err(de::Error::custom(format_args!(
+                    "duplicate key {:?}",
+                    self.0
+                )));
+            } else {
+                found = Some(map.next_value()?);
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// Reads an object key as "is it this one?", borrowing it from the input.
+struct KeyIs<'k>(&'k str);
+
+impl<'de> de::DeserializeSeed<'de> for KeyIs<'_> {
+    type Value = bool;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyIs<'_> {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<bool, E> {
+        Ok(key == self.0)
+    }
+}
+
+/// The position of the opening `{`, or the error for input that is not a JSON object.
+fn object_start(input: &[u8]) -> Result<usize, BodyError> {
+    let open = skip_ws(input, 0);
+    match input.get(open) {
+        Some(b'{') => Ok(open),
+        // Distinguish "valid JSON but not an object" from garbage.
+        Some(_) => match serde_json::from_slice::<de::IgnoredAny>(input) {
+            Ok(_) => Err(BodyError::NotObject),
+            Err(e) => Err(BodyError::Invalid(e)),
+        },
+        None => Err(BodyError::Invalid(
+            serde_json::from_slice::<de::IgnoredAny>(input)
+                .err()
+                .unwrap_or_else(|| de::Error::custom("empty body")),
+        )),
+    }
+}
+
+/// The raw value of the top-level member `key` of the JSON object `input`, borrowed from it,
+/// or `None` without such a member. Cheaper than [`JsonBody::parse`] when one member is all
+/// that is wanted (a prefill response's `kv_transfer_params`): the rest of the object is
+/// validated but no key or member is stored.
+///
+/// # Errors
+/// [`BodyError::NotObject`] for any other JSON value, [`BodyError::Invalid`] for malformed
+/// JSON or a repeated `key`.
+pub fn top_level_member<'a>(input: &'a [u8], key: &str) -> Result<Option<&'a RawValue>, BodyError> {
+    object_start(input)?;
+    let found = match std::str::from_utf8(input) {
+        Ok(text) => visit_object(serde_json::Deserializer::from_str(text), FindMember(key)),
+        // Skipped values are not decoded, so the byte reader would let invalid UTF-8 in them
+        // pass; reading the whole input as one raw value reports where it is.
+        Err(_) => Err(serde_json::from_slice::<&RawValue>(input)
+            .err()
+            .unwrap_or_else(|| de::Error::custom("invalid UTF-8"))),
+    };
+    found.map_err(BodyError::Invalid)
+}
+
 fn parse_members(input: &[u8]) -> Result<Vec<(String, &RawValue)>, serde_json::Error> {
+    read_object(input, TopLevel)
+}
+
+/// Runs `visitor` over the object `input`, which must hold nothing after it but whitespace.
+fn read_object<'de, V: Visitor<'de>>(
+    input: &'de [u8],
+    visitor: V,
+) -> Result<V::Value, serde_json::Error> {
     // One UTF-8 check of the whole input lets serde_json read it as `str`, which skips the
     // per-string and per-raw-value re-validation of the byte reader (about a third of the parse
     // cost for prompt-sized strings). Invalid UTF-8 takes the byte reader, for its error position.
     match std::str::from_utf8(input) {
-        Ok(text) => members_of(serde_json::Deserializer::from_str(text)),
-        Err(_) => members_of(serde_json::Deserializer::from_slice(input)),
+        Ok(text) => visit_object(serde_json::Deserializer::from_str(text), visitor),
+        Err(_) => visit_object(serde_json::Deserializer::from_slice(input), visitor),
     }
 }
 
-fn members_of<'de, R: serde_json::de::Read<'de>>(
+fn visit_object<'de, R: serde_json::de::Read<'de>, V: Visitor<'de>>(
     mut de: serde_json::Deserializer<R>,
-) -> Result<Vec<(String, &'de RawValue)>, serde_json::Error> {
-    let members = de::Deserializer::deserialize_map(&mut de, TopLevel)?;
+    visitor: V,
+) -> Result<V::Value, serde_json::Error> {
+    let value = de::Deserializer::deserialize_map(&mut de, visitor)?;
     de.end()?;
-    Ok(members)
+    Ok(value)
 }
 
 impl JsonBody {
@@ -176,24 +276,7 @@ impl JsonBody {
     /// for repeated keys, [`BodyError::Invalid`] for malformed JSON.
     pub fn parse(raw: Bytes) -> Result<JsonBody, BodyError> {
         let input: &[u8] = &raw;
-        let open = skip_ws(input, 0);
-        match input.get(open) {
-            Some(b'{') => {}
-            Some(_) => {
-                // Distinguish "valid JSON but not an object" from garbage.
-                return match serde_json::from_slice::<de::IgnoredAny>(input) {
-                    Ok(_) => Err(BodyError::NotObject),
-                    Err(e) => Err(BodyError::Invalid(e)),
-                };
-            }
-            None => {
-                return Err(BodyError::Invalid(
-                    serde_json::from_slice::<de::IgnoredAny>(input)
-                        .err()
-                        .unwrap_or_else(|| de::Error::custom("empty body")),
-                ));
-            }
-        }
+        let open = object_start(input)?;
         let parsed = parse_members(input).map_err(BodyError::Invalid)?;
         let base = input.as_ptr() as usize;
         let mut members: Vec<Member> = Vec::with_capacity(parsed.len());
@@ -459,6 +542,42 @@ mod tests {
 
     fn parse(s: &str) -> Result<JsonBody, BodyError> {
         JsonBody::parse(Bytes::copy_from_slice(s.as_bytes()))
+    }
+
+    #[test]
+    fn top_level_member_reads_one_member() {
+        let raw = br#" {"id":"x","kv\u005ftransfer_params" : {"a":[1,{"kv_transfer_params":2}]} ,"n":null} "#;
+        let found = top_level_member(raw, "kv_transfer_params")
+            .unwrap()
+            .unwrap();
+        assert_eq!(found.get(), r#"{"a":[1,{"kv_transfer_params":2}]}"#);
+        assert_eq!(top_level_member(raw, "n").unwrap().unwrap().get(), "null");
+        assert!(top_level_member(raw, "a").unwrap().is_none());
+        assert!(
+            top_level_member(br#"{"a":1,"a":2}"#, "b")
+                .unwrap()
+                .is_none()
+        );
+        assert!(matches!(
+            top_level_member(br#"{"a":1,"\u0061":2}"#, "a"),
+            Err(BodyError::Invalid(e)) if e.to_string().contains("duplicate key \"a\"")
+        ));
+        assert!(matches!(
+            top_level_member(b"[1]", "a"),
+            Err(BodyError::NotObject)
+        ));
+        assert!(matches!(
+            top_level_member(b"{\"a\":1} x", "a"),
+            Err(BodyError::Invalid(_))
+        ));
+        assert!(matches!(
+            top_level_member(b"", "a"),
+            Err(BodyError::Invalid(_))
+        ));
+        assert!(matches!(
+            top_level_member(b"{\"a\":tru}", "b"),
+            Err(BodyError::Invalid(_))
+        ));
     }
 
     #[test]

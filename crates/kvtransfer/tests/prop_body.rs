@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use bytes::Bytes;
+use kvtransfer::body::top_level_member;
 use kvtransfer::{BodyError, JsonBody};
 use proptest::prelude::*;
 use serde::de::IgnoredAny;
@@ -322,6 +323,34 @@ proptest! {
             Err(BodyError::NotObject) => prop_assert!(valid && !is_object),
             Err(BodyError::DuplicateKey(_)) => prop_assert!(valid && is_object),
             Err(e) => prop_assert!(false, "unexpected error kind: {}", e),
+        }
+    }
+
+    #[test]
+    fn top_level_member_agrees_with_parse(
+        d in doc(),
+        flip in any::<prop::sample::Index>(),
+        byte in any::<u8>(),
+        mutate in any::<bool>(),
+    ) {
+        let mut raw = d.text().into_bytes();
+        if mutate {
+            let i = flip.index(raw.len());
+            raw[i] = byte;
+        }
+        let parsed = JsonBody::parse(Bytes::from(raw.clone()));
+        let keys = d.members.iter().map(|m| m.key.as_str()).chain(["absent"]);
+        for key in keys {
+            let found = top_level_member(&raw, key);
+            match &parsed {
+                Ok(body) => match found {
+                    Ok(v) => prop_assert_eq!(v.map(|v| v.get()), body.get_raw(key)),
+                    Err(e) => prop_assert!(false, "parse accepted, member lookup failed: {}", e),
+                },
+                Err(BodyError::Invalid(_) | BodyError::NotObject) => prop_assert!(found.is_err()),
+                // Another key repeated: the member is still found, or its own repeat is an error.
+                Err(_) => {}
+            }
         }
     }
 

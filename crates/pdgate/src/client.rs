@@ -22,14 +22,16 @@ pub const MAX_PREFILL_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 
 /// Client headers forwarded to both legs. Everything else (hop-by-hop headers, `host`,
 /// `content-length`, `x-data-parallel-rank`, ...) is dropped.
-const FORWARDED: &[&str] = &[
-    "authorization",
-    "traceparent",
-    "tracestate",
-    "baggage",
-    "openai-organization",
-    "openai-project",
+const FORWARDED: [HeaderName; 6] = [
+    header::AUTHORIZATION,
+    HeaderName::from_static("traceparent"),
+    HeaderName::from_static("tracestate"),
+    HeaderName::from_static("baggage"),
+    HeaderName::from_static("openai-organization"),
+    HeaderName::from_static("openai-project"),
 ];
+
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Builds the engine client.
 pub fn build(connect_timeout: Duration) -> HttpClient {
@@ -46,9 +48,9 @@ pub fn build(connect_timeout: Duration) -> HttpClient {
 /// The client headers worth forwarding to engines.
 pub fn forwarded_headers(incoming: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();
-    for name in FORWARDED {
-        for v in incoming.get_all(*name) {
-            out.append(HeaderName::from_static(name), v.clone());
+    for name in &FORWARDED {
+        for v in incoming.get_all(name) {
+            out.append(name.clone(), v.clone());
         }
     }
     out
@@ -109,7 +111,9 @@ fn describe(err: &hyper_util::client::legacy::Error) -> String {
 
 /// Sends one leg and returns the response head (the body streams on).
 pub async fn send(client: &HttpClient, leg: Leg<'_>) -> Result<Response<Incoming>, GatewayError> {
-    let uri = format!("{}{}", leg.endpoint.base_url, leg.path);
+    let mut uri = String::with_capacity(leg.endpoint.base_url.len() + leg.path.len());
+    uri.push_str(&leg.endpoint.base_url);
+    uri.push_str(leg.path);
     let mut builder = Request::builder().method(leg.method).uri(uri);
     if let Some(h) = builder.headers_mut() {
         h.extend(leg.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
@@ -118,7 +122,7 @@ pub async fn send(client: &HttpClient, leg: Leg<'_>) -> Result<Response<Incoming
             HeaderValue::from_static("application/json"),
         );
         if let Ok(id) = HeaderValue::from_str(leg.request_id) {
-            h.insert(HeaderName::from_static("x-request-id"), id);
+            h.insert(X_REQUEST_ID, id);
         }
         for (k, v) in leg.extra {
             if let Ok(v) = HeaderValue::from_str(v) {

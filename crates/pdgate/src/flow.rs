@@ -138,15 +138,21 @@ struct Meta {
 
 impl Meta {
     fn apply(&self, headers: &mut HeaderMap) {
-        let pairs = [
-            ("x-request-id", self.request_id.as_str()),
-            (PREFILL_TARGET_HEADER, self.prefill.as_str()),
-            (DECODE_TARGET_HEADER, self.decode.as_str()),
-            (CONNECTOR_HEADER, self.connector),
+        const NAMES: [HeaderName; 4] = [
+            HeaderName::from_static("x-request-id"),
+            HeaderName::from_static(PREFILL_TARGET_HEADER),
+            HeaderName::from_static(DECODE_TARGET_HEADER),
+            HeaderName::from_static(CONNECTOR_HEADER),
         ];
-        for (k, v) in pairs {
+        let values = [
+            self.request_id.as_str(),
+            &self.prefill,
+            &self.decode,
+            self.connector,
+        ];
+        for (name, v) in NAMES.into_iter().zip(values) {
             if let Ok(v) = HeaderValue::from_str(v) {
-                headers.insert(HeaderName::from_static(k), v);
+                headers.insert(name, v);
             }
         }
         if self.fallback {

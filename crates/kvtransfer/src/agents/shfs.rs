@@ -6,7 +6,7 @@ use bytes::Bytes;
 use crate::agent::{
     AgentError, KvTransferAgent, MergeOutcome, PrefillRequest, decode_base, require_ip,
 };
-use crate::body::{JsonBody, json_type_name};
+use crate::body::{JsonBody, json_type_name, top_level_member};
 use crate::context::RoutingContext;
 use crate::pod::Pod;
 use crate::rules::{KV_TRANSFER_PARAMS, apply_prefill_leg_rules, strip_client_transfer_fields};
@@ -52,14 +52,16 @@ impl KvTransferAgent for ShfsAgent {
             pod: prefill_pod.name.clone(),
             reason,
         };
-        let response = JsonBody::parse(Bytes::copy_from_slice(prefill_response))
-            .map_err(|e| bad_response(e.to_string()))?;
-        let params = match response.get_raw_bytes(KV_TRANSFER_PARAMS) {
+        // Only `kv_transfer_params` is used; the rest of the response is validated and skipped.
+        let params = match top_level_member(prefill_response, KV_TRANSFER_PARAMS)
+            .map_err(|e| bad_response(e.to_string()))?
+            .map(|raw| raw.get().as_bytes())
+        {
             Some(raw) if raw.first() == Some(&b'{') => raw,
-            Some(raw) if &raw[..] != b"null" => {
+            Some(raw) if raw != b"null" => {
                 return Err(AgentError::UnexpectedType {
                     pod: prefill_pod.name.clone(),
-                    found: json_type_name(&raw),
+                    found: json_type_name(raw),
                 });
             }
             _ => {
@@ -72,7 +74,7 @@ impl KvTransferAgent for ShfsAgent {
                 return Ok(MergeOutcome::Recompute);
             }
         };
-        let mut params = JsonBody::parse(params)
+        let mut params = JsonBody::parse(Bytes::copy_from_slice(params))
             .map_err(|e| bad_response(format!("kv_transfer_params: {e}")))?;
         params.set("remote_host", ip)?;
         decode.set_raw(KV_TRANSFER_PARAMS, params.to_bytes());
