@@ -6,16 +6,13 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use crate::endpoints::Endpoint;
 use crate::error::{GatewayError, Source};
+use crate::pool::{EngineBody, EnginePool, PoolConfig, PoolError};
 
 /// Shared engine client (connection pool per engine).
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub type HttpClient = EnginePool;
 
 /// Largest prefill response body the gateway reads into memory.
 pub const MAX_PREFILL_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
@@ -35,14 +32,11 @@ const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Builds the engine client.
 pub fn build(connect_timeout: Duration) -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.set_nodelay(true);
-    connector.enforce_http(true);
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .pool_max_idle_per_host(4096)
-        .build(connector)
+    EnginePool::new(PoolConfig {
+        connect_timeout,
+        idle_timeout: Duration::from_secs(60),
+        max_idle_per_engine: 4096,
+    })
 }
 
 /// The client headers worth forwarding to engines.
@@ -94,12 +88,13 @@ pub fn is_connect_failure(err: &GatewayError) -> bool {
     matches!(err, GatewayError::Upstream { reason, timeout: false, .. } if reason.starts_with(CONNECT_FAILED))
 }
 
-fn describe(err: &hyper_util::client::legacy::Error) -> String {
-    let mut text = if err.is_connect() {
-        CONNECT_FAILED.to_string()
+fn describe(err: &PoolError) -> String {
+    let prefix = if err.is_connect() {
+        CONNECT_FAILED
     } else {
-        "failed".to_string()
+        "failed"
     };
+    let mut text = format!("{prefix}: {err}");
     let mut source = std::error::Error::source(err);
     while let Some(s) = source {
         text.push_str(": ");
@@ -110,7 +105,7 @@ fn describe(err: &hyper_util::client::legacy::Error) -> String {
 }
 
 /// Sends one leg and returns the response head (the body streams on).
-pub async fn send(client: &HttpClient, leg: Leg<'_>) -> Result<Response<Incoming>, GatewayError> {
+pub async fn send(client: &HttpClient, leg: Leg<'_>) -> Result<Response<EngineBody>, GatewayError> {
     let mut uri = String::with_capacity(leg.endpoint.base_url.len() + leg.path.len());
     uri.push_str(&leg.endpoint.base_url);
     uri.push_str(leg.path);
@@ -154,7 +149,7 @@ pub struct Collected {
 pub async fn collect(
     leg: Source,
     endpoint: &Endpoint,
-    response: Response<Incoming>,
+    response: Response<EngineBody>,
 ) -> Result<Collected, GatewayError> {
     let (parts, body) = response.into_parts();
     let body = Limited::new(body, MAX_PREFILL_RESPONSE_BYTES)

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::pool::EngineBody;
 use bytes::Bytes;
 use futures_util::future::OptionFuture;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response};
-use hyper::body::Incoming;
 use kvtransfer::{Dispatch, JsonBody, KvTransferAgent, MergeOutcome, RoutingContext};
 use tokio::time::timeout;
 use tokio_util::task::AbortOnDropHandle;
@@ -502,7 +502,7 @@ impl Gateway {
         &self,
         pd: &Pd,
         body: Bytes,
-    ) -> Result<(Response<Incoming>, Arc<Endpoint>, LoadGuard), GatewayError> {
+    ) -> Result<(Response<EngineBody>, Arc<Endpoint>, LoadGuard), GatewayError> {
         let mut endpoint = pd.decode.clone();
         let mut tried = vec![endpoint.name.clone()];
         loop {
@@ -561,7 +561,7 @@ impl Gateway {
     ) -> Result<Response<axum::body::Body>, GatewayError> {
         enum Step {
             Prefill(Result<PartnerResult, tokio::task::JoinError>),
-            Decode(Result<(Response<Incoming>, Arc<Endpoint>, LoadGuard), GatewayError>),
+            Decode(Result<(Response<EngineBody>, Arc<Endpoint>, LoadGuard), GatewayError>),
         }
         let mut tried = vec![pd.prefill.name.clone()];
         loop {
@@ -718,7 +718,7 @@ impl Gateway {
 
     fn relay(
         &self,
-        head: Response<Incoming>,
+        head: Response<EngineBody>,
         pd: Pd,
         decode_load: LoadGuard,
         partner: Option<AbortOnDropHandle<PartnerResult>>,

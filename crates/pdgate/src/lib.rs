@@ -55,6 +55,7 @@ pub mod health;
 pub mod listener;
 pub mod metrics;
 pub mod policy;
+pub mod pool;
 pub mod relay;
 pub mod retry;
 pub mod server;

@@ -11,9 +11,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
+use crate::pool::EngineBody;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
@@ -29,7 +29,7 @@ pin_project! {
     /// A decode response body on its way to the client.
     pub struct RelayBody {
         #[pin]
-        inner: Incoming,
+        inner: EngineBody,
         #[pin]
         idle: Sleep,
         idle_timeout: Duration,
@@ -47,7 +47,7 @@ impl RelayBody {
     /// Wraps a decode body. `sse` decides how late failures are reported (an SSE error event, or a
     /// broken body for JSON).
     pub fn new(
-        inner: Incoming,
+        inner: EngineBody,
         idle_timeout: Duration,
         sse: bool,
         guards: Vec<LoadGuard>,

@@ -4,12 +4,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::pool::EngineBody;
 use bytes::Bytes;
 use http::Method;
 use http::header::HeaderMap;
 use http_body::Frame;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::time::timeout;
 use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 use tracing::{debug, warn};
@@ -122,7 +122,7 @@ pub enum FirstByte {
 
 /// Waits for the decode's first frame or the prefill's end, whichever comes first.
 pub async fn first_byte(
-    body: &mut Incoming,
+    body: &mut EngineBody,
     prefill: &mut AbortOnDropHandle<PartnerResult>,
     idle: Duration,
     decode: &Endpoint,
