@@ -380,9 +380,11 @@ impl Gateway {
             model: view.model,
             meta,
         };
+        // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
+        // would otherwise hold (and move) that much inline.
         match pd.agent.dispatch() {
-            Dispatch::Sequential => self.sequential(pd, record).await,
-            Dispatch::Concurrent => self.concurrent(pd, record).await,
+            Dispatch::Sequential => Box::pin(self.sequential(pd, record)).await,
+            Dispatch::Concurrent => Box::pin(self.concurrent(pd, record)).await,
         }
     }
 
