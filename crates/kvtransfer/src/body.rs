@@ -240,6 +240,43 @@ pub fn top_level_member<'a>(input: &'a [u8], key: &str) -> Result<Option<&'a Raw
     found.map_err(BodyError::Invalid)
 }
 
+/// `object` with its top-level `key` set to `raw_value`, which must be valid JSON: the same bytes
+/// as [`JsonBody::parse`], [`JsonBody::set_raw`] and [`JsonBody::to_bytes`] would give (the value
+/// replaced in place, or the member added last), from one scan and without building a
+/// [`JsonBody`].
+///
+/// # Errors
+/// As [`top_level_member`].
+pub fn with_member(object: &[u8], key: &str, raw_value: &[u8]) -> Result<Bytes, BodyError> {
+    let found = top_level_member(object, key)?;
+    let mut out = BytesMut::with_capacity(object.len() + key.len() + raw_value.len() + 4);
+    if let Some(value) = found {
+        let text = value.get();
+        let start = (text.as_ptr() as usize)
+            .checked_sub(object.as_ptr() as usize)
+            .filter(|s| s + text.len() <= object.len())
+            .ok_or_else(|| BodyError::Invalid(de::Error::custom("raw value outside input")))?;
+        out.put_slice(&object[..start]);
+        out.put_slice(raw_value);
+        out.put_slice(&object[start + text.len()..]);
+        return Ok(out.freeze());
+    }
+    // A valid object: its `}` is the last byte that is not whitespace.
+    let open = skip_ws(object, 0);
+    let close = trim_json_ws(object).len() + open - 1;
+    let empty = skip_ws(object, open + 1) == close;
+    // An empty object loses the whitespace between its braces, as in `JsonBody::to_bytes`.
+    out.put_slice(&object[..if empty { open + 1 } else { close }]);
+    if !empty {
+        out.put_u8(b',');
+    }
+    out.put_slice(&serde_json::to_vec(key).unwrap_or_else(|_| format!("\"{key}\"").into_bytes()));
+    out.put_u8(b':');
+    out.put_slice(raw_value);
+    out.put_slice(&object[close..]);
+    Ok(out.freeze())
+}
+
 fn parse_members(input: &[u8]) -> Result<Vec<(String, &RawValue)>, serde_json::Error> {
     read_object(input, TopLevel)
 }

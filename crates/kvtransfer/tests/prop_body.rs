@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use bytes::Bytes;
-use kvtransfer::body::top_level_member;
+use kvtransfer::body::{top_level_member, with_member};
 use kvtransfer::{BodyError, JsonBody};
 use proptest::prelude::*;
 use serde::de::IgnoredAny;
@@ -351,6 +351,23 @@ proptest! {
                 // Another key repeated: the member is still found, or its own repeat is an error.
                 Err(_) => {}
             }
+        }
+    }
+
+    #[test]
+    fn with_member_is_parse_set_raw_emit(d in doc(), pick in any::<prop::sample::Index>(), new_key in any::<bool>(), value in value()) {
+        let raw = d.text().into_bytes();
+        let key = if new_key || d.members.is_empty() {
+            "remote_host".to_string()
+        } else {
+            d.members[pick.index(d.members.len())].key.clone()
+        };
+        let mut body = JsonBody::parse(Bytes::from(raw.clone())).unwrap();
+        body.set_raw(&key, Bytes::from(value.clone()));
+        match with_member(&raw, &key, value.as_bytes()) {
+            Ok(out) => prop_assert_eq!(&out[..], &body.to_bytes()[..]),
+            // The doc generator may already hold "remote_host" under an escaped spelling.
+            Err(e) => prop_assert!(false, "with_member failed: {}", e),
         }
     }
 

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use crate::agent::{
     AgentError, KvTransferAgent, MergeOutcome, PrefillRequest, decode_base, require_ip,
 };
-use crate::body::{JsonBody, json_type_name, top_level_member};
+use crate::body::{BodyError, JsonBody, json_type_name, top_level_member, with_member};
 use crate::context::RoutingContext;
 use crate::pod::Pod;
 use crate::rules::{KV_TRANSFER_PARAMS, apply_prefill_leg_rules, strip_client_transfer_fields};
@@ -74,10 +74,13 @@ impl KvTransferAgent for ShfsAgent {
                 return Ok(MergeOutcome::Recompute);
             }
         };
-        let mut params = JsonBody::parse(Bytes::copy_from_slice(params))
+        let host = serde_json::to_vec(ip).map_err(|source| BodyError::Serialize {
+            key: "remote_host".into(),
+            source,
+        })?;
+        let params = with_member(params, "remote_host", &host)
             .map_err(|e| bad_response(format!("kv_transfer_params: {e}")))?;
-        params.set("remote_host", ip)?;
-        decode.set_raw(KV_TRANSFER_PARAMS, params.to_bytes());
+        decode.set_raw(KV_TRANSFER_PARAMS, params);
         ctx.req_body = decode.to_bytes();
         Ok(MergeOutcome::KvAttached)
     }
