@@ -77,7 +77,9 @@ async fn connection(tcp: TcpStream, app: Router, shutdown: CancellationToken) {
         let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .serve_connection(io, service);
-        until_shutdown(conn, &shutdown, |c| c.graceful_shutdown()).await
+        // Boxed: HTTP/2 connections are rare here, and inline their state would enlarge the task
+        // of every HTTP/1.1 connection by ~2.6 KiB (massif, 1,000 open streams).
+        Box::pin(until_shutdown(conn, &shutdown, |c| c.graceful_shutdown())).await
     } else {
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
