@@ -1,5 +1,6 @@
-//! A response body that tells a guard how it ended: the one wrapper behind the admission slot
-//! (released at the end) and the SGLang abort (disarmed at a clean end).
+//! A body that tells a guard how it ended: the one wrapper behind the admission slot (released at
+//! the end), the SGLang abort (disarmed at a clean end) and the engine pool (a connection goes
+//! back at a clean end).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -18,28 +19,36 @@ pub trait OnEnd: Send + 'static {
 
 pin_project! {
     /// `inner`, with `guard` told when it ends.
-    pub struct GuardedBody<G> {
+    #[derive(Debug)]
+    pub struct GuardedBody<B, G> {
         #[pin]
-        inner: Body,
+        inner: B,
         guard: G,
     }
 }
 
-impl<G: OnEnd> GuardedBody<G> {
+impl<B, G: OnEnd> GuardedBody<B, G> {
+    /// `inner`, with `guard` told when it ends.
+    pub fn new(inner: B, guard: G) -> Self {
+        GuardedBody { inner, guard }
+    }
+}
+
+impl<G: OnEnd> GuardedBody<Body, G> {
     /// Wraps `inner` into a body again.
     pub fn wrap(inner: Body, guard: G) -> Body {
         Body::new(GuardedBody { inner, guard })
     }
 }
 
-impl<G: OnEnd> http_body::Body for GuardedBody<G> {
+impl<B: http_body::Body<Data = Bytes>, G: OnEnd> http_body::Body for GuardedBody<B, G> {
     type Data = Bytes;
-    type Error = axum::Error;
+    type Error = B::Error;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let mut this = self.project();
         let polled = this.inner.as_mut().poll_frame(cx);
         match &polled {

@@ -12,23 +12,22 @@
 //! to put the connection back (bench/profile.sh callgrind: 5% of pdgate's instructions).
 
 use std::collections::HashMap;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri, header};
-use http_body::{Body, Frame, SizeHint};
+use http_body::Body;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use pin_project_lite::pin_project;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::guarded::{GuardedBody, OnEnd};
 
 type Sender = http1::SendRequest<Full<Bytes>>;
 
@@ -133,7 +132,7 @@ impl EnginePool {
                         authority: authority.clone(),
                         sender,
                     };
-                    return Ok(response.map(|body| EngineBody::new(body, checkin)));
+                    return Ok(response.map(|body| engine_body(body, checkin)));
                 }
                 Err(mut e) => match e.take_message() {
                     // The engine closed the pooled connection before the request left.
@@ -259,7 +258,7 @@ fn to_origin_form(request: &mut Request<Full<Bytes>>) -> Result<Authority, PoolE
 
 /// What puts a connection back when its response ends.
 #[derive(Debug)]
-struct Checkin {
+pub struct Checkin {
     pool: Arc<Inner>,
     authority: Authority,
     sender: Sender,
@@ -271,62 +270,27 @@ impl Checkin {
     }
 }
 
-pin_project! {
-    /// An engine response body. Read to its end, it returns its connection to the pool;
-    /// dropped earlier, or broken, it closes the connection.
-    #[derive(Debug)]
-    pub struct EngineBody {
-        #[pin]
-        inner: Incoming,
-        checkin: Option<Checkin>,
-    }
-}
+/// An engine response body. Read to its end, it returns its connection to the pool; dropped
+/// earlier, or broken, it closes the connection.
+pub type EngineBody = GuardedBody<Incoming, Option<Checkin>>;
 
-impl EngineBody {
-    fn new(inner: Incoming, checkin: Checkin) -> Self {
-        if inner.is_end_stream() {
+impl OnEnd for Option<Checkin> {
+    fn ended(&mut self, clean: bool) {
+        if let Some(checkin) = self.take()
+            && clean
+        {
             checkin.put_back();
-            return EngineBody {
-                inner,
-                checkin: None,
-            };
-        }
-        EngineBody {
-            inner,
-            checkin: Some(checkin),
         }
     }
 }
 
-impl Body for EngineBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let mut this = self.project();
-        let frame = ready!(this.inner.as_mut().poll_frame(cx));
-        match &frame {
-            Some(Ok(_)) if !this.inner.is_end_stream() => {}
-            Some(Err(_)) => drop(this.checkin.take()),
-            _ => {
-                if let Some(checkin) = this.checkin.take() {
-                    checkin.put_back();
-                }
-            }
-        }
-        Poll::Ready(frame)
+/// Wraps `inner`; a body without content ends at once.
+fn engine_body(inner: Incoming, checkin: Checkin) -> EngineBody {
+    let mut guard = Some(checkin);
+    if inner.is_end_stream() {
+        guard.ended(true);
     }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
+    GuardedBody::new(inner, guard)
 }
 
 #[cfg(test)]
