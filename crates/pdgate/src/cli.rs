@@ -62,6 +62,9 @@ pub struct RunArgs {
     /// Bound on silence between two relayed chunks [default: 120s].
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub stream_idle_timeout: Option<Duration>,
+    /// A client connection without a request head for this long is closed [default: 620s].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub client_idle_timeout: Option<Duration>,
     /// Bound on connecting to an engine [default: 5s].
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub connect_timeout: Option<Duration>,
@@ -197,6 +200,9 @@ impl RunArgs {
         }
         if let Some(v) = self.stream_idle_timeout {
             c.stream_idle_timeout = v;
+        }
+        if let Some(v) = self.client_idle_timeout {
+            c.client_idle_timeout = v;
         }
         if let Some(v) = self.connect_timeout {
             c.connect_timeout = v;

@@ -90,6 +90,10 @@ pub struct Config {
     /// Bound on establishing a TCP connection to an engine.
     #[serde(deserialize_with = "de_duration")]
     pub connect_timeout: Duration,
+    /// A client connection that sends no (complete) request head for this long is closed: a new
+    /// one before its first request, a kept-alive one between requests.
+    #[serde(deserialize_with = "de_duration")]
+    pub client_idle_timeout: Duration,
     /// What to do when the prefill leg fails.
     pub on_prefill_failure: PrefillFailurePolicy,
     /// Largest accepted request body.
@@ -164,6 +168,9 @@ impl Default for Config {
             prefill_timeout: Duration::from_secs(30),
             decode_timeout: Duration::from_secs(300),
             stream_idle_timeout: Duration::from_secs(120),
+            // Longer than load balancers keep idle connections to backends (AWS ALB 60 s, Google
+            // Cloud 600 s), so that they, not pdgate, close them: no request races a close.
+            client_idle_timeout: Duration::from_secs(620),
             connect_timeout: Duration::from_secs(5),
             on_prefill_failure: PrefillFailurePolicy::Fallback,
             max_body_bytes: 32 * 1024 * 1024,
@@ -305,6 +312,7 @@ impl Config {
             ("prefill_timeout", self.prefill_timeout),
             ("decode_timeout", self.decode_timeout),
             ("stream_idle_timeout", self.stream_idle_timeout),
+            ("client_idle_timeout", self.client_idle_timeout),
             ("connect_timeout", self.connect_timeout),
             ("health_check_interval", self.health_check_interval),
             ("health_check_timeout", self.health_check_timeout),

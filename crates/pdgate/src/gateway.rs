@@ -308,7 +308,8 @@ impl RunningGateway {
             cancel.clone(),
         ));
         let app = crate::server::router(gateway.clone());
-        tasks.spawn(crate::listener::serve(listener, app, cancel.clone()));
+        let idle = gateway.config.client_idle_timeout;
+        tasks.spawn(crate::listener::serve(listener, app, idle, cancel.clone()));
         Ok(RunningGateway {
             addr,
             gateway,

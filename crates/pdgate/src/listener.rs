@@ -4,6 +4,7 @@
 //! and handing them back to hyper as a separate 24-byte read. hyper then grows the connection's
 //! 8 KiB read buffer to 16 KiB for the rest of the request line, for the life of the connection
 //! (8 KiB more per open stream; docs/benchmarks.md). Here the first bytes are only peeked at.
+//! Unlike `axum::serve`, a connection that sends no request head for the idle timeout is closed.
 
 use std::io;
 use std::time::Duration;
@@ -19,13 +20,17 @@ use tracing::{debug, warn};
 /// What an HTTP/2 client sends first.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-/// A new connection has this long to send its first request head.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// Serves `app` on `listener` until `shutdown` fires, then stops accepting, lets every open
 /// connection finish its in-flight requests (idle keep-alive connections close at once) and
-/// returns. Connection tasks are owned here: dropping the future ends them.
-pub async fn serve(listener: TcpListener, app: Router, shutdown: CancellationToken) {
+/// returns. A connection that sends no complete request head for `idle` (a new one before its
+/// first request, a kept-alive one between requests) is closed. Connection tasks are owned here:
+/// dropping the future ends them.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    idle: Duration,
+    shutdown: CancellationToken,
+) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
@@ -33,7 +38,7 @@ pub async fn serve(listener: TcpListener, app: Router, shutdown: CancellationTok
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((tcp, _)) => {
-                    connections.spawn(connection(tcp, app.clone(), shutdown.clone()));
+                    connections.spawn(connection(tcp, app.clone(), idle, shutdown.clone()));
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -57,16 +62,20 @@ async fn accept_failed(e: io::Error) {
     tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
-async fn connection(tcp: TcpStream, app: Router, shutdown: CancellationToken) {
+async fn connection(tcp: TcpStream, app: Router, idle: Duration, shutdown: CancellationToken) {
     let _ = tcp.set_nodelay(true);
-    let h2 = match tokio::time::timeout(HEADER_READ_TIMEOUT, starts_with_h2_preface(&tcp)).await {
+    let first = tokio::select! {
+        first = tokio::time::timeout(idle, starts_with_h2_preface(&tcp)) => first,
+        () = shutdown.cancelled() => return,
+    };
+    let h2 = match first {
         Ok(Ok(h2)) => h2,
         Ok(Err(e)) => {
             debug!(error = %e, "connection failed before its first request");
             return;
         }
         Err(_) => {
-            debug!("connection sent nothing within the header read timeout");
+            debug!("connection sent nothing within the idle timeout");
             return;
         }
     };
@@ -83,7 +92,7 @@ async fn connection(tcp: TcpStream, app: Router, shutdown: CancellationToken) {
     } else {
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_READ_TIMEOUT)
+            .header_read_timeout(idle)
             .serve_connection(io, service);
         until_shutdown(conn, &shutdown, |c| c.graceful_shutdown()).await
     };

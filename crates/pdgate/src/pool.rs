@@ -150,12 +150,7 @@ impl EnginePool {
 
     async fn connect(&self, authority: &Authority) -> Result<Sender, PoolError> {
         let limit = self.inner.config.connect_timeout;
-        // `host()` keeps an IPv6 literal's brackets; the socket address wants it bare.
-        let host = authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        let address = (host, authority.port_u16().unwrap_or(80));
+        let address = socket_target(authority);
         let tcp = match tokio::time::timeout(limit, TcpStream::connect(address)).await {
             Ok(Ok(tcp)) => tcp,
             Ok(Err(e)) => return Err(PoolError::Connect(e.to_string())),
@@ -230,6 +225,17 @@ impl Inner {
             list.push(entry);
         }
     }
+}
+
+/// Host and port to connect to: `host()` keeps an IPv6 literal's brackets, which a socket address
+/// does not take; `http://` without a port means 80.
+fn socket_target(authority: &Authority) -> (&str, u16) {
+    let host = authority.host();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    (host, authority.port_u16().unwrap_or(80))
 }
 
 /// Rewrites an absolute `http://host[:port]/path` URI to the origin form an HTTP/1.1 server
@@ -497,6 +503,21 @@ mod tests {
             engine.closed.load(Ordering::SeqCst) >= 3
         })
         .await;
+    }
+
+    #[test]
+    fn socket_targets_take_bare_ipv6_literals_and_default_ports() {
+        let target = |a: &str| {
+            let a: Authority = a.parse().unwrap();
+            let (host, port) = socket_target(&a);
+            (host.to_string(), port)
+        };
+        assert_eq!(target("[fd00::2]:8001"), ("fd00::2".to_string(), 8001));
+        assert_eq!(target("10.0.0.1:8000"), ("10.0.0.1".to_string(), 8000));
+        assert_eq!(
+            target("prefill-0.engines"),
+            ("prefill-0.engines".to_string(), 80)
+        );
     }
 
     #[tokio::test]

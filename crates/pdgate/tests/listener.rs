@@ -1,6 +1,6 @@
 //! The front's accept loop: HTTP/2 with prior knowledge next to HTTP/1.1, whole requests when
 //! the first bytes arrive alone (an HTTP/1.1 `POST` and the HTTP/2 preface both start with
-//! `P`), and graceful shutdown of open HTTP/2 connections.
+//! `P`), the client idle timeout, and graceful shutdown of open and silent connections.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -11,11 +11,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Fleet, completion, pair, text_of};
+use common::{Fleet, completion, pair, sim, start, text_of};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use pdsim::Connector;
+use pdsim::{Connector, Role};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
@@ -196,4 +196,83 @@ async fn shutdown_closes_idle_http2_connections() {
         .await
         .expect("closed in time")
         .expect_err("no new request on a closed connection");
+}
+
+/// Reads until the peer closes the connection; `None` if it stays open for `limit`.
+async fn read_until_closed(tcp: &mut TcpStream, limit: Duration) -> Option<Vec<u8>> {
+    let mut got = Vec::new();
+    tokio::time::timeout(limit, tcp.read_to_end(&mut got))
+        .await
+        .ok()
+        .map(|_| got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_close_after_the_idle_timeout_but_streams_outlast_it() {
+    // Tokens every 100 ms: a 6-token stream runs ~600 ms, twice the idle timeout.
+    let mut decode = sim(Role::Decode, Connector::Shfs);
+    decode.latency.itl = Duration::from_millis(100);
+    let fleet = start(
+        vec![sim(Role::Prefill, Connector::Shfs)],
+        vec![decode],
+        |c| {
+            c.client_idle_timeout = Duration::from_millis(300);
+        },
+    )
+    .await;
+    let mut tcp = connect(&fleet).await;
+    let body = serde_json::json!({"model": common::MODEL, "prompt": "hi", "max_tokens": 6, "stream": true})
+        .to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let started = tokio::time::Instant::now();
+    tcp.write_all(request.as_bytes()).await.unwrap();
+    // The kept-alive connection is closed by the gateway once idle: everything read until then
+    // is one whole response.
+    let response = read_until_closed(&mut tcp, Duration::from_secs(10))
+        .await
+        .expect("the idle connection was closed");
+    let response = String::from_utf8(response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(
+        response.contains("data: [DONE]"),
+        "the stream ran to its end: {response}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "the stream outlasted the timeout"
+    );
+
+    // A connection that never sends a byte is closed too.
+    let mut silent = connect(&fleet).await;
+    let got = read_until_closed(&mut silent, Duration::from_secs(10))
+        .await
+        .expect("the silent connection was closed");
+    assert!(got.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_does_not_hold_shutdown_up() {
+    let fleet = pair(Connector::Shfs, |c| {
+        c.drain_delay = Duration::ZERO;
+    })
+    .await;
+    // Connected, nothing sent: waiting for its first bytes (the idle timeout is 620 s).
+    let mut silent = connect(&fleet).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let Fleet { gateway, .. } = fleet;
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        gateway.shutdown(Duration::from_secs(60)),
+    )
+    .await
+    .expect("shutdown ends without waiting for the silent connection");
+    assert!(
+        read_until_closed(&mut silent, Duration::from_secs(5))
+            .await
+            .is_some()
+    );
 }
