@@ -252,9 +252,7 @@ pub fn with_member(object: &[u8], key: &str, raw_value: &[u8]) -> Result<Bytes, 
     let mut out = BytesMut::with_capacity(object.len() + key.len() + raw_value.len() + 4);
     if let Some(value) = found {
         let text = value.get();
-        let start = (text.as_ptr() as usize)
-            .checked_sub(object.as_ptr() as usize)
-            .filter(|s| s + text.len() <= object.len())
+        let start = offset_in(object, text)
             .ok_or_else(|| BodyError::Invalid(de::Error::custom("raw value outside input")))?;
         out.put_slice(&object[..start]);
         out.put_slice(raw_value);
@@ -270,11 +268,26 @@ pub fn with_member(object: &[u8], key: &str, raw_value: &[u8]) -> Result<Bytes, 
     if !empty {
         out.put_u8(b',');
     }
-    out.put_slice(&serde_json::to_vec(key).unwrap_or_else(|_| format!("\"{key}\"").into_bytes()));
-    out.put_u8(b':');
+    out.put_slice(&member_head(key));
     out.put_slice(raw_value);
     out.put_slice(&object[close..]);
     Ok(out.freeze())
+}
+
+/// Where `text`, a slice serde_json borrowed from `input`, starts in it. Checked rather than
+/// trusted: `None` if it does not lie within `input`.
+fn offset_in(input: &[u8], text: &str) -> Option<usize> {
+    (text.as_ptr() as usize)
+        .checked_sub(input.as_ptr() as usize)
+        .filter(|start| start + text.len() <= input.len())
+}
+
+/// The text of an added member before its value: the key as a JSON string, then `:`.
+fn member_head(key: &str) -> Vec<u8> {
+    // Serialising a str cannot fail; fall back to a plain quote if it ever did.
+    let mut head = serde_json::to_vec(key).unwrap_or_else(|_| format!("\"{key}\"").into_bytes());
+    head.push(b':');
+    head
 }
 
 fn parse_members(input: &[u8]) -> Result<Vec<(String, &RawValue)>, serde_json::Error> {
@@ -315,18 +328,14 @@ impl JsonBody {
         let input: &[u8] = &raw;
         let open = object_start(input)?;
         let parsed = parse_members(input).map_err(BodyError::Invalid)?;
-        let base = input.as_ptr() as usize;
         let mut members: Vec<Member> = Vec::with_capacity(parsed.len());
         // serde_json has validated the text, so between members there is
         // only whitespace and one comma, and after the last one `}`.
         let mut pos = open + 1;
         for (key, value) in parsed {
             let text = value.get();
-            // `&'de RawValue` borrows from `input`; check anyway rather than
-            // trust pointer arithmetic blindly.
-            let start = (text.as_ptr() as usize)
-                .checked_sub(base)
-                .filter(|s| s + text.len() <= input.len() && *s >= pos)
+            let start = offset_in(input, text)
+                .filter(|s| *s >= pos)
                 .ok_or_else(|| BodyError::Invalid(de::Error::custom("raw value outside input")))?;
             let end = start + text.len();
             if let Some(prev) = members.last_mut() {
@@ -451,14 +460,10 @@ impl JsonBody {
             self.members[i].value = Piece::Owned(value);
             return;
         }
-        // Serialising a str cannot fail; fall back to a plain quote if it ever did.
-        let mut head =
-            serde_json::to_vec(key).unwrap_or_else(|_| format!("\"{key}\"").into_bytes());
-        head.push(b':');
         self.members.push(Member {
             key: key.into(),
             pre: 0..0,
-            head: Piece::Owned(Bytes::from(head)),
+            head: Piece::Owned(Bytes::from(member_head(key))),
             value: Piece::Owned(value),
             post: 0..0,
         });
