@@ -28,7 +28,8 @@ const FORWARDED: [HeaderName; 6] = [
     HeaderName::from_static("openai-project"),
 ];
 
-const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// The request id header, on both legs and on the answer.
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Builds the engine client.
 pub fn build(connect_timeout: Duration) -> HttpClient {

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::pool::EngineBody;
 use bytes::Bytes;
 use futures_util::future::OptionFuture;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -21,6 +20,7 @@ use crate::error::{GatewayError, Source};
 use crate::gateway::Gateway;
 use crate::guarded::GuardedBody;
 use crate::metrics::RequestRecord;
+use crate::pool::EngineBody;
 use crate::relay::{PartnerResult, RelayBody};
 use crate::retry::{AbortOnLeave, FirstByte, abort_sglang, first_byte};
 
@@ -139,7 +139,7 @@ struct Meta {
 impl Meta {
     fn apply(&self, headers: &mut HeaderMap) {
         const NAMES: [HeaderName; 4] = [
-            HeaderName::from_static("x-request-id"),
+            client::X_REQUEST_ID,
             HeaderName::from_static(PREFILL_TARGET_HEADER),
             HeaderName::from_static(DECODE_TARGET_HEADER),
             HeaderName::from_static(CONNECTOR_HEADER),
@@ -308,7 +308,7 @@ impl Gateway {
                 debug!(id = %request_id, error = %err, "request failed");
                 let mut response = axum::response::IntoResponse::into_response(err);
                 if let Ok(v) = HeaderValue::from_str(&request_id) {
-                    response.headers_mut().insert("x-request-id", v);
+                    response.headers_mut().insert(client::X_REQUEST_ID, v);
                 }
                 response
             }

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use axum::Router;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -88,13 +89,13 @@ async fn connection(tcp: TcpStream, app: Router, idle: Duration, shutdown: Cance
             .serve_connection(io, service);
         // Boxed: HTTP/2 connections are rare here, and inline their state would enlarge the task
         // of every HTTP/1.1 connection by ~2.6 KiB (massif, 1,000 open streams).
-        Box::pin(until_shutdown(conn, &shutdown, |c| c.graceful_shutdown())).await
+        Box::pin(until_shutdown(conn, &shutdown)).await
     } else {
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(idle)
             .serve_connection(io, service);
-        until_shutdown(conn, &shutdown, |c| c.graceful_shutdown()).await
+        until_shutdown(conn, &shutdown).await
     };
     if let Err(e) = result {
         debug!(error = %e, "connection ended with an error");
@@ -102,18 +103,11 @@ async fn connection(tcp: TcpStream, app: Router, idle: Duration, shutdown: Cance
 }
 
 /// Drives `conn` to its end; when `shutdown` fires first, asks it to finish gracefully.
-async fn until_shutdown<C, T>(
-    conn: C,
-    shutdown: &CancellationToken,
-    graceful: impl FnOnce(std::pin::Pin<&mut C>),
-) -> T
-where
-    C: Future<Output = T>,
-{
+async fn until_shutdown<C: GracefulConnection>(conn: C, shutdown: &CancellationToken) -> C::Output {
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         out = conn.as_mut() => return out,
-        () = shutdown.cancelled() => graceful(conn.as_mut()),
+        () = shutdown.cancelled() => conn.as_mut().graceful_shutdown(),
     }
     conn.await
 }

@@ -202,14 +202,13 @@ impl Inner {
             since: Instant::now(),
         };
         let mut idle = self.lock();
-        if let Some(list) = idle.get_mut(authority.as_str()) {
-            self.push(list, entry);
-            return;
-        }
-        let mut list = Vec::new();
-        self.push(&mut list, entry);
-        if !list.is_empty() {
-            idle.insert(authority.as_str().into(), list);
+        match idle.get_mut(authority.as_str()) {
+            Some(list) => self.push(list, entry),
+            // The key is allocated only for an engine's first idle connection.
+            None if self.config.max_idle_per_engine > 0 => {
+                idle.insert(authority.as_str().into(), vec![entry]);
+            }
+            None => {}
         }
     }
 

@@ -11,7 +11,6 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use crate::pool::EngineBody;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
@@ -21,6 +20,7 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::endpoints::LoadGuard;
 use crate::error::{GatewayError, Source};
 use crate::metrics::RequestRecord;
+use crate::pool::EngineBody;
 
 /// The outcome of a leg running beside the relayed body.
 pub type PartnerResult = Result<(), GatewayError>;

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::pool::EngineBody;
 use bytes::Bytes;
 use http::Method;
 use http::header::HeaderMap;
@@ -19,6 +18,7 @@ use crate::endpoints::Endpoint;
 use crate::error::{GatewayError, Source};
 use crate::gateway::Gateway;
 use crate::guarded::OnEnd;
+use crate::pool::EngineBody;
 use crate::relay::PartnerResult;
 
 /// Bound on one abort call.

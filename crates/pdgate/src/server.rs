@@ -63,7 +63,7 @@ pub async fn read_body(
 fn refused(e: GatewayError, headers: &HeaderMap) -> Response {
     let mut response = e.into_response();
     if let Ok(v) = HeaderValue::from_str(&crate::flow::request_id(headers)) {
-        response.headers_mut().insert("x-request-id", v);
+        response.headers_mut().insert(client::X_REQUEST_ID, v);
     }
     response
 }
@@ -232,7 +232,7 @@ async fn forward(gw: Arc<Gateway>, request: Request) -> Response {
         response.headers_mut().insert(DECODE_TARGET_HEADER, v);
     }
     if let Ok(v) = HeaderValue::from_str(&request_id) {
-        response.headers_mut().insert("x-request-id", v);
+        response.headers_mut().insert(client::X_REQUEST_ID, v);
     }
     response
 }
