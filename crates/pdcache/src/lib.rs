@@ -1,0 +1,1 @@
+//! pdcache: what pdgate and pdsim need to know about engines' prefix caches.
