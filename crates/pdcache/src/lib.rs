@@ -1,1 +1,4 @@
 //! pdcache: what pdgate and pdsim need to know about engines' prefix caches.
+
+pub mod events;
+mod msgpack;
