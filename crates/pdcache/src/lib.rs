@@ -1,4 +1,5 @@
 //! pdcache: what pdgate and pdsim need to know about engines' prefix caches.
 
 pub mod events;
+pub mod keys;
 mod msgpack;

@@ -1,0 +1,251 @@
+//! Block keys: the 64-bit names under which the index stores cached prefix blocks.
+//!
+//! Every key is chained: `key_i = xxh3_64(block_i, seed = key_{i-1})`, with `key_{-1}` a fixed
+//! seed per key kind, so a key names a block *and everything before it*, and two prompts share
+//! key `i` exactly when they share blocks `0..=i`. Only full blocks get keys: engines cache only
+//! full blocks, and a partial block would change with every extra character.
+//!
+//! Two kinds, with different seeds so they can never collide in one index:
+//! - **Token keys** ([`token_keys`]) over blocks of `block_size` token ids (as little-endian
+//!   `u32`s). The same function keys the `token_ids` of vLLM's `BlockStored` events
+//!   ([`chain_token_block`]), so the gateway scores requests with its own keys and never depends
+//!   on the engine's hash algorithm or seed ("dual key"; the engine's hashes are only mapped to
+//!   these for parents and removals).
+//! - **Approximate keys** ([`TextKeys`]) over blocks of bytes of the prompt text, or of the chat
+//!   messages serialized in order (the whole conversation), for endpoints without events or a
+//!   tokenizer. The byte block is [`BYTES_PER_TOKEN`] x the token block size: English BPE text
+//!   averages about 4 bytes per token, so one byte block covers about one engine block, and a
+//!   byte-block match predicts roughly the tokens the engine will find cached.
+//!
+//! Keys are deterministic (no per-process randomness): every gateway replica computes the same
+//! keys for the same prompt, which is what lets replicas agree without talking to each other.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// A chained block key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockKey(pub u64);
+
+/// Seed of the first token block ("pdcache/tokens" folded to 64 bits; any fixed value would do,
+/// but it must never change: replicas and restarts must agree).
+pub const TOKEN_SEED: u64 = 0x7064_6361_6368_6574;
+/// Seed of the first text block ("pdcache/text").
+pub const TEXT_SEED: u64 = 0x7064_6361_6368_7478;
+
+/// Bytes of text per token assumed when sizing approximate blocks.
+pub const BYTES_PER_TOKEN: usize = 4;
+
+/// The approximate block size in bytes for an engine block of `token_block_size` tokens.
+pub fn text_block_bytes(token_block_size: usize) -> usize {
+    token_block_size.max(1) * BYTES_PER_TOKEN
+}
+
+/// Key of one block of tokens chained onto `parent` (`None` for the first block). `extra` is the
+/// block's extra hash keys as the engine sent them (LoRA, multimodal, cache salt): mixing them in
+/// makes such a block unmatchable by a plain request with the same tokens, which is right, since
+/// the engine will not reuse it for one either.
+pub fn chain_token_block(
+    parent: Option<BlockKey>,
+    block: &[u32],
+    extra: Option<&[u8]>,
+    scratch: &mut Vec<u8>,
+) -> BlockKey {
+    scratch.clear();
+    scratch.reserve(block.len() * 4 + extra.map_or(0, <[u8]>::len));
+    for t in block {
+        scratch.extend_from_slice(&t.to_le_bytes());
+    }
+    if let Some(extra) = extra {
+        // A separator nobody can produce with whole u32 tokens: the byte length mod 4 differs.
+        scratch.push(0xff);
+        scratch.extend_from_slice(extra);
+    }
+    BlockKey(xxh3_64_with_seed(
+        scratch,
+        parent.map_or(TOKEN_SEED, |p| p.0),
+    ))
+}
+
+/// Keys of the full blocks of `tokens`, appended to `out`. `block_size` 0 yields nothing.
+pub fn token_keys_into(tokens: &[u32], block_size: usize, out: &mut Vec<BlockKey>) {
+    if block_size == 0 {
+        return;
+    }
+    let mut scratch = Vec::with_capacity(block_size * 4);
+    let mut parent = None;
+    out.reserve(tokens.len() / block_size);
+    for block in tokens.chunks_exact(block_size) {
+        let key = chain_token_block(parent, block, None, &mut scratch);
+        out.push(key);
+        parent = Some(key);
+    }
+}
+
+/// Keys of the full blocks of `tokens`.
+pub fn token_keys(tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
+    let mut out = Vec::new();
+    token_keys_into(tokens, block_size, &mut out);
+    out
+}
+
+/// Approximate keys over a byte stream fed in pieces: the prompt text, or a conversation's
+/// messages one after another ([`TextKeys::push_message`]). Only full blocks produce keys.
+#[derive(Debug, Clone)]
+pub struct TextKeys {
+    block_bytes: usize,
+    partial: Vec<u8>,
+    parent: u64,
+    keys: Vec<BlockKey>,
+}
+
+impl TextKeys {
+    /// Keys for an engine whose blocks hold `token_block_size` tokens.
+    pub fn new(token_block_size: usize) -> Self {
+        let block_bytes = text_block_bytes(token_block_size);
+        Self {
+            block_bytes,
+            partial: Vec::with_capacity(block_bytes),
+            parent: TEXT_SEED,
+            keys: Vec::new(),
+        }
+    }
+
+    /// Appends bytes to the stream.
+    pub fn push(&mut self, mut bytes: &[u8]) {
+        // Hash whole blocks straight from the input; copy only the pieces that straddle blocks.
+        if !self.partial.is_empty() {
+            let need = self.block_bytes - self.partial.len();
+            let take = need.min(bytes.len());
+            self.partial.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            if self.partial.len() < self.block_bytes {
+                return;
+            }
+            self.parent = xxh3_64_with_seed(&self.partial, self.parent);
+            self.keys.push(BlockKey(self.parent));
+            self.partial.clear();
+        }
+        let mut blocks = bytes.chunks_exact(self.block_bytes);
+        for block in &mut blocks {
+            self.parent = xxh3_64_with_seed(block, self.parent);
+            self.keys.push(BlockKey(self.parent));
+        }
+        self.partial.extend_from_slice(blocks.remainder());
+    }
+
+    /// Appends one chat message: role, a unit separator, the content, a record separator. The
+    /// separators keep `("ab", "c")` and `("a", "bc")` apart; the gateway passes the content as
+    /// text (or, for structured content, its JSON as received).
+    pub fn push_message(&mut self, role: &str, content: &[u8]) {
+        self.push(role.as_bytes());
+        self.push(&[0x1f]);
+        self.push(content);
+        self.push(&[0x1e]);
+    }
+
+    /// The keys of the full blocks so far.
+    pub fn keys(&self) -> &[BlockKey] {
+        &self.keys
+    }
+
+    /// The keys of the full blocks; the trailing partial block is dropped.
+    pub fn finish(self) -> Vec<BlockKey> {
+        self.keys
+    }
+}
+
+/// Approximate keys of a plain prompt.
+pub fn text_keys(text: &[u8], token_block_size: usize) -> Vec<BlockKey> {
+    let mut k = TextKeys::new(token_block_size);
+    k.push(text);
+    k.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_full_blocks_get_keys() {
+        assert_eq!(token_keys(&[1, 2, 3], 4), []);
+        assert_eq!(token_keys(&[1, 2, 3, 4, 5], 4).len(), 1);
+        assert_eq!(token_keys(&[1, 2, 3, 4], 0), []);
+        assert_eq!(text_keys(&[b'x'; 63], 16), []);
+        assert_eq!(text_keys(&[b'x'; 64 * 3 + 5], 16).len(), 3);
+    }
+
+    #[test]
+    fn keys_chain_so_a_shared_key_means_a_shared_prefix() {
+        let a = token_keys(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
+        let b = token_keys(&[9, 2, 3, 4, 5, 6, 7, 8], 4);
+        assert_ne!(a[0], b[0]);
+        assert_ne!(
+            a[1], b[1],
+            "the same second block after a different first one"
+        );
+        let c = token_keys(&[1, 2, 3, 4, 5, 6, 7, 9], 4);
+        assert_eq!(a[0], c[0]);
+        assert_ne!(a[1], c[1]);
+    }
+
+    #[test]
+    fn event_chaining_equals_request_keys() {
+        // An event carrying blocks 1..3 with its parent's key yields the request's keys.
+        let tokens: Vec<u32> = (0..12).collect();
+        let all = token_keys(&tokens, 4);
+        let mut scratch = Vec::new();
+        let k1 = chain_token_block(Some(all[0]), &tokens[4..8], None, &mut scratch);
+        let k2 = chain_token_block(Some(k1), &tokens[8..12], None, &mut scratch);
+        assert_eq!([all[1], all[2]], [k1, k2]);
+        let salted = chain_token_block(
+            Some(all[0]),
+            &tokens[4..8],
+            Some(&[0x91, 0xc0]),
+            &mut scratch,
+        );
+        assert_ne!(salted, k1, "extra keys make a different block");
+    }
+
+    #[test]
+    fn text_is_independent_of_how_it_is_pushed() {
+        let text: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        let whole = text_keys(&text, 16);
+        let mut pieces = TextKeys::new(16);
+        for chunk in text.chunks(7) {
+            pieces.push(chunk);
+        }
+        assert_eq!(pieces.finish(), whole);
+        assert_eq!(whole.len(), 1000 / 64);
+    }
+
+    #[test]
+    fn messages_are_separated_and_ordered() {
+        let keys = |msgs: &[(&str, &str)]| {
+            let mut k = TextKeys::new(1);
+            for (role, content) in msgs {
+                k.push_message(role, content.as_bytes());
+            }
+            k.finish()
+        };
+        let a = keys(&[("user", "hello there"), ("assistant", "hi")]);
+        assert_ne!(a, keys(&[("user", "hello ther"), ("assistant", "ehi")]));
+        assert_ne!(a, keys(&[("assistant", "hi"), ("user", "hello there")]));
+        // A longer conversation extends the shorter one's keys.
+        let longer = keys(&[
+            ("user", "hello there"),
+            ("assistant", "hi"),
+            ("user", "more"),
+        ]);
+        assert_eq!(&longer[..a.len()], &a[..]);
+    }
+
+    #[test]
+    fn token_and_text_keys_never_share_a_seed() {
+        assert_ne!(TOKEN_SEED, TEXT_SEED);
+        let bytes: Vec<u8> = [1u32, 2, 3, 4]
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect();
+        assert_ne!(token_keys(&[1, 2, 3, 4], 4), text_keys(&bytes, 4));
+    }
+}
