@@ -12,6 +12,9 @@
 //!   byte-preserving output (key order, number spelling, big integers).
 //! - [`rules`]: the prefill-leg rules and the stripping of client-supplied
 //!   transfer fields shared by all connectors.
+//! - [`checks`]: what a vLLM engine would reject before doing any work
+//!   ([`check_request`], [`EngineReject`]), so a gateway refuses it before
+//!   the prefill leg runs.
 //! - [`pod`]: [`Pod`] and Mooncake bootstrap facts
 //!   ([`parse_mooncake_bootstrap`]).
 //! - [`context`]: [`RoutingContext`], per-request state (ids, bodies, timings,
@@ -61,6 +64,7 @@
 pub mod agent;
 pub mod agents;
 pub mod body;
+pub mod checks;
 pub mod context;
 pub mod pod;
 pub mod registry;
@@ -73,6 +77,7 @@ pub use agents::{
     MooncakeAgent, NixlAgent, SHFS_PREFILL_KV_TRANSFER_PARAMS, SglangAgent, ShfsAgent,
 };
 pub use body::{BodyError, JsonBody};
+pub use checks::{EngineReject, check_model, check_request, reject_body_error};
 pub use context::{RoutingContext, Timings, TransferState};
 pub use pod::{
     BootstrapError, DEFAULT_HTTP_PORT, DEFAULT_MOONCAKE_BOOTSTRAP_PORT,
@@ -84,7 +89,7 @@ pub use registry::{
 };
 pub use rules::{
     CLIENT_FORBIDDEN_HEADERS, KV_TRANSFER_PARAMS, apply_prefill_leg_rules,
-    strip_client_transfer_fields,
+    is_client_transfer_field, strip_client_transfer_fields,
 };
 
 /// Pod label selecting the pod's KV connector type.

@@ -1,0 +1,1093 @@
+//! What a vLLM engine would reject before doing any work, decided from the
+//! client body alone, so that a gateway can refuse the request before the
+//! prefill leg computes (and pins) KV that no decode will pull.
+//!
+//! [`check_request`] answers `Ok` or an [`EngineReject`] with the status,
+//! message and `param` vLLM gives: the texts of vLLM's request validators
+//! (`CompletionRequest`/`ChatCompletionRequest`) and of
+//! `SamplingParams._verify_args`, including the ` (parameter=..., value=...)`
+//! suffix that `VLLMValidationError` prints. Only what vLLM rejects whatever
+//! its configuration is checked; anything that depends on the model or the
+//! server's flags (context length, vocabulary, `--max-logprobs` other than
+//! the default) is either a [`Limits`] field or left to the engine, so the
+//! gateway never refuses what an engine would serve.
+//!
+//! Where vLLM and this module differ on purpose:
+//! - vLLM reports a failure of its pydantic validators ([`Stage::Schema`]) as
+//!   `"N validation error: {...}"` with the sentence below inside and type
+//!   `"Bad Request"`; this module gives the sentence itself and type
+//!   `"BadRequestError"`, as its sampling checks do (the status and `param`
+//!   are the same).
+//! - Type errors (`"max_tokens": 1.5`, `"top_p": {}`) give a short sentence
+//!   naming the field instead of pydantic's dump.
+//! - Version-dependent cases are left to the engine: `temperature > 2`,
+//!   `logprobs: -1`, `min_tokens` above a `max_tokens: null`.
+//!
+//! The engine simulator (pdsim) implements the same list on its own, so the
+//! two can be compared in tests.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use serde_json::value::RawValue;
+
+use crate::body::{BodyError, JsonBody};
+
+/// The OpenAI generation endpoint a body was sent to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `POST /v1/completions`
+    Completions,
+    /// `POST /v1/chat/completions`
+    ChatCompletions,
+}
+
+/// Engine settings the checks depend on. [`Limits::default`] is vLLM's
+/// default configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// `--max-logprobs` (vLLM default 20). `None`: the engine's limit is not
+    /// known (e.g. `-1`, the vocabulary size), so logprob counts are not
+    /// checked against a maximum.
+    pub max_logprobs: Option<u64>,
+    /// `VLLM_MAX_N_SEQUENCES` (vLLM default 16384).
+    pub max_n: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_logprobs: Some(20),
+            max_n: 16384,
+        }
+    }
+}
+
+/// Default `max_tokens` of vLLM's `CompletionRequest` when the client sends none.
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: i128 = 16;
+
+/// Where in vLLM the rejection would come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// The request body as a whole (JSON, shape, duplicate keys).
+    Body,
+    /// A pydantic validator of the request model (field types, required
+    /// fields, `stream_options`, logprobs fields).
+    Schema,
+    /// `SamplingParams` (value bounds).
+    Sampling,
+    /// The served-model check (404).
+    Model,
+}
+
+/// A request an engine would refuse, in vLLM's terms. Render it with
+/// [`EngineReject::to_json`] as `{"error":{"message","type","param","code"}}`
+/// with HTTP status [`EngineReject::status`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct EngineReject {
+    /// HTTP status (400, or 404 for an unknown model).
+    pub status: u16,
+    /// vLLM's message.
+    pub message: String,
+    /// The offending parameter where vLLM names one.
+    pub param: Option<&'static str>,
+    /// Which vLLM layer would have answered.
+    pub stage: Stage,
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorInfo<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorInfo<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: u16,
+}
+
+impl EngineReject {
+    fn new(stage: Stage, message: String, param: Option<&'static str>) -> Self {
+        EngineReject {
+            status: 400,
+            message,
+            param,
+            stage,
+        }
+    }
+
+    /// The OpenAI error `type`: `"NotFoundError"` for 404, else `"BadRequestError"`.
+    pub fn error_type(&self) -> &'static str {
+        if self.status == 404 {
+            "NotFoundError"
+        } else {
+            "BadRequestError"
+        }
+    }
+
+    /// The OpenAI-shaped error body: `{"error":{"message","type","param","code"}}`.
+    pub fn to_json(&self) -> Vec<u8> {
+        let body = ErrorBody {
+            error: ErrorInfo {
+                message: &self.message,
+                kind: self.error_type(),
+                param: self.param,
+                code: self.status,
+            },
+        };
+        // A struct of strings and integers always serialises.
+        serde_json::to_vec(&body).unwrap_or_default()
+    }
+}
+
+/// The rejection for a body [`JsonBody::parse`] refused: vLLM answers 400 for
+/// a body that is not JSON or not an object. A duplicate key is a gateway
+/// rule (contracts §2: Python keeps the last one silently, so a client could
+/// hide a value from a gateway that reads the first).
+pub fn reject_body_error(err: &BodyError) -> EngineReject {
+    let message = match err {
+        BodyError::NotObject => {
+            "Input should be a valid dictionary or object to extract fields from".to_owned()
+        }
+        BodyError::Invalid(e) => format!("JSON decode error: {e}"),
+        other => other.to_string(),
+    };
+    EngineReject::new(Stage::Body, message, None)
+}
+
+/// The vLLM 404 for a `model` the engines do not serve. `None` (no `model`
+/// in the body) passes: vLLM serves its default model then.
+pub fn check_model<S: AsRef<str>>(
+    requested: Option<&str>,
+    served: &[S],
+) -> Result<(), EngineReject> {
+    match requested {
+        Some(m) if !served.iter().any(|s| s.as_ref() == m) => Err(EngineReject {
+            status: 404,
+            message: format!("The model `{m}` does not exist."),
+            param: Some("model"),
+            stage: Stage::Model,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Checks `body` for `endpoint` the way vLLM validates it before scheduling,
+/// in vLLM's order (request validators, then sampling parameters).
+///
+/// # Errors
+/// The first [`EngineReject`] vLLM would answer with.
+pub fn check_request(
+    body: &JsonBody,
+    endpoint: Endpoint,
+    limits: &Limits,
+) -> Result<(), EngineReject> {
+    let v = View::read(body);
+    check_schema(&v, endpoint)?;
+    check_sampling(&v, endpoint, limits)
+}
+
+/// The parameter that makes `body` ask for more than one sequence (`n > 1`,
+/// or, on completions, an array of several prompts), if any. Connectors that
+/// return one set of transfer parameters per request cannot serve it.
+///
+/// # Errors
+/// An [`EngineReject`] when `n` or `prompt` has a type vLLM refuses.
+pub fn batch_param(
+    body: &JsonBody,
+    endpoint: Endpoint,
+) -> Result<Option<&'static str>, EngineReject> {
+    let v = View::read(body);
+    if let Some(n) = v.int("n")?
+        && n.value > 1
+    {
+        return Ok(Some("n"));
+    }
+    if endpoint == Endpoint::Completions
+        && let Some(raw) = v.raw("prompt")
+        && raw.starts_with('[')
+    {
+        let items: Vec<&RawValue> = serde_json::from_str(raw).map_err(|_| {
+            EngineReject::new(
+                Stage::Schema,
+                "prompt: Input should be a valid string or list".to_owned(),
+                Some("prompt"),
+            )
+        })?;
+        // A flat array of token ids is one prompt; strings or nested arrays are one each.
+        let nested = items
+            .first()
+            .is_some_and(|i| i.get().starts_with('"') || i.get().starts_with('['));
+        if nested && items.len() > 1 {
+            return Ok(Some("prompt"));
+        }
+    }
+    Ok(None)
+}
+
+/// [`batch_param`] as the gateway's 400 for a connector that serves one
+/// sequence per request (`connector` names it in the message).
+///
+/// # Errors
+/// The 400 when the body asks for several sequences.
+pub fn check_single_sequence(
+    body: &JsonBody,
+    endpoint: Endpoint,
+    connector: &str,
+) -> Result<(), EngineReject> {
+    match batch_param(body, endpoint)? {
+        None => Ok(()),
+        Some(param) => Err(EngineReject::new(
+            Stage::Schema,
+            format!(
+                "connector {connector} serves one prompt with n=1 per request; send the prompts as separate requests"
+            ),
+            Some(param),
+        )),
+    }
+}
+
+/// A JSON number read the way Python reads it: integer text stays exact
+/// (`text`), anything else is a float.
+#[derive(Clone, Debug)]
+struct Int {
+    value: i128,
+    /// Python's `str()` of the value.
+    text: String,
+}
+
+/// The top-level members the checks read, as raw JSON text.
+struct View<'a> {
+    body: &'a JsonBody,
+}
+
+fn type_error(field: &'static str, what: &str) -> EngineReject {
+    EngineReject::new(
+        Stage::Schema,
+        format!("{field}: Input should be a valid {what}"),
+        Some(field),
+    )
+}
+
+/// Python's truthiness of a JSON value (`bool(json.loads(raw))`).
+fn truthy(raw: Option<&str>) -> bool {
+    let Some(raw) = raw else { return false };
+    match raw.as_bytes().first() {
+        None | Some(b'n' | b'f') => false,
+        Some(b't') => true,
+        Some(b'"') => raw != "\"\"",
+        Some(b'[' | b'{') => {
+            let inner = raw[1..raw.len().saturating_sub(1)].trim_matches([' ', '\t', '\n', '\r']);
+            !inner.is_empty()
+        }
+        Some(_) => number_text(raw).is_some_and(|f| f != 0.0),
+    }
+}
+
+fn number_text(raw: &str) -> Option<f64> {
+    raw.parse::<f64>().ok()
+}
+
+fn is_integer_text(raw: &str) -> bool {
+    !raw.contains(['.', 'e', 'E'])
+}
+
+/// Python's `repr()` of a float: shortest round-trip digits, positional for
+/// exponents -4..16, else `1e-05` / `1e+16` style.
+fn py_float(f: f64) -> String {
+    if f.is_nan() {
+        return "nan".to_owned();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "inf" } else { "-inf" }.to_owned();
+    }
+    let sci = format!("{f:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let (sign, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => ("-", m),
+        None => ("", mantissa),
+    };
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let mut out = String::from(sign);
+    if (-4..16).contains(&exp) {
+        let point = exp + 1;
+        if point <= 0 {
+            out.push_str("0.");
+            out.extend(std::iter::repeat_n('0', point.unsigned_abs() as usize));
+            out.push_str(&digits);
+        } else {
+            let point = point as usize;
+            if digits.len() <= point {
+                out.push_str(&digits);
+                out.extend(std::iter::repeat_n('0', point - digits.len()));
+                out.push_str(".0");
+            } else {
+                out.push_str(&digits[..point]);
+                out.push('.');
+                out.push_str(&digits[point..]);
+            }
+        }
+    } else {
+        out.push_str(&digits[..1]);
+        if digits.len() > 1 {
+            out.push('.');
+            out.push_str(&digits[1..]);
+        }
+        let _ = write!(
+            out,
+            "e{}{:02}",
+            if exp < 0 { '-' } else { '+' },
+            exp.unsigned_abs()
+        );
+    }
+    out
+}
+
+/// Python's `str()` of the JSON value `raw` as a `VLLMValidationError` value.
+fn py_value(raw: &str) -> String {
+    match raw.as_bytes().first() {
+        Some(b'"') => serde_json::from_str::<String>(raw).unwrap_or_else(|_| raw.to_owned()),
+        Some(b't') => "True".to_owned(),
+        Some(b'f') => "False".to_owned(),
+        Some(b'n') => "None".to_owned(),
+        Some(b'-' | b'0'..=b'9') if !is_integer_text(raw) => {
+            number_text(raw).map_or_else(|| raw.to_owned(), py_float)
+        }
+        _ => raw.to_owned(),
+    }
+}
+
+impl<'a> View<'a> {
+    fn read(body: &'a JsonBody) -> Self {
+        View { body }
+    }
+
+    /// The raw value of `key`, `None` when absent or `null` (pydantic's
+    /// optional fields treat both alike).
+    fn raw(&self, key: &str) -> Option<&'a str> {
+        self.body.get_raw(key).filter(|r| *r != "null")
+    }
+
+    /// An integer field as pydantic (lax mode) reads it: integers, floats
+    /// without a fraction, booleans and numeric strings.
+    fn int(&self, key: &'static str) -> Result<Option<Int>, EngineReject> {
+        let Some(raw) = self.raw(key) else {
+            return Ok(None);
+        };
+        let text = match raw.as_bytes().first() {
+            Some(b't') => "1",
+            Some(b'f') => "0",
+            Some(b'"') => {
+                let s = py_value(raw);
+                return parse_int(s.trim())
+                    .map(Some)
+                    .ok_or_else(|| type_error(key, "integer"));
+            }
+            _ => raw,
+        };
+        parse_int(text).map(Some).ok_or_else(|| {
+            let what = if number_text(text).is_some() {
+                "integer, got a number with a fractional part"
+            } else {
+                "integer"
+            };
+            type_error(key, what)
+        })
+    }
+
+    /// A float field as pydantic (lax mode) reads it.
+    fn float(&self, key: &'static str) -> Result<Option<f64>, EngineReject> {
+        let Some(raw) = self.raw(key) else {
+            return Ok(None);
+        };
+        let value = match raw.as_bytes().first() {
+            Some(b't') => Some(1.0),
+            Some(b'f') => Some(0.0),
+            Some(b'"') => py_value(raw).trim().parse::<f64>().ok(),
+            Some(b'[' | b'{') => None,
+            _ => number_text(raw),
+        };
+        value
+            .filter(|f| f.is_finite())
+            .map(Some)
+            .ok_or_else(|| type_error(key, "number"))
+    }
+}
+
+/// Parses integer text exactly (saturating beyond `i128`) or a float without
+/// a fraction; `None` for anything else.
+fn parse_int(text: &str) -> Option<Int> {
+    if text.is_empty() {
+        return None;
+    }
+    if is_integer_text(text) {
+        let digits = text.strip_prefix(['-', '+']).unwrap_or(text);
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let negative = text.starts_with('-');
+        let value = text
+            .parse::<i128>()
+            .unwrap_or(if negative { i128::MIN } else { i128::MAX });
+        let trimmed = digits.trim_start_matches('0');
+        let magnitude = if trimmed.is_empty() { "0" } else { trimmed };
+        let sign = if negative && magnitude != "0" {
+            "-"
+        } else {
+            ""
+        };
+        return Some(Int {
+            value,
+            text: format!("{sign}{magnitude}"),
+        });
+    }
+    let f = number_text(text)?;
+    if !f.is_finite() || f.fract() != 0.0 {
+        return None;
+    }
+    // Exact for |f| < 2^127; a float integer beyond that saturates.
+    let value = f as i128;
+    let text = if value == 0 {
+        "0".to_owned()
+    } else {
+        format!("{f:.0}")
+    };
+    Some(Int { value, text })
+}
+
+/// A logprobs-style field read by vLLM's `check_logprobs` before pydantic:
+/// any number (or boolean) passes, anything else is "must be an integer".
+fn logprob_field(v: &View<'_>, key: &'static str) -> Result<Option<(f64, String)>, EngineReject> {
+    let Some(raw) = v.raw(key) else {
+        return Ok(None);
+    };
+    let value = match raw.as_bytes().first() {
+        Some(b't') => Some(1.0),
+        Some(b'f') => Some(0.0),
+        Some(b'-' | b'0'..=b'9') => number_text(raw),
+        _ => None,
+    };
+    match value {
+        Some(f) => Ok(Some((f, py_value(raw)))),
+        None => Err(EngineReject::new(
+            Stage::Schema,
+            format!(
+                "`{key}` must be an integer. (parameter={key}, value={})",
+                py_value(raw)
+            ),
+            Some(key),
+        )),
+    }
+}
+
+fn check_schema(v: &View<'_>, endpoint: Endpoint) -> Result<(), EngineReject> {
+    match endpoint {
+        Endpoint::Completions => {
+            let prompt_empty = v.raw("prompt").is_none_or(|p| p == "\"\"");
+            let embeds_empty = v
+                .raw("prompt_embeds")
+                .is_none_or(|e| e.starts_with('[') && !truthy(Some(e)));
+            if prompt_empty && embeds_empty {
+                return Err(EngineReject::new(
+                    Stage::Schema,
+                    "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
+                        .to_owned(),
+                    Some("prompt"),
+                ));
+            }
+        }
+        Endpoint::ChatCompletions => match v.body.get_raw("messages") {
+            None => {
+                return Err(EngineReject::new(
+                    Stage::Schema,
+                    "Field required: messages".to_owned(),
+                    Some("messages"),
+                ));
+            }
+            Some(m) if !m.starts_with('[') => return Err(type_error("messages", "list")),
+            Some(_) => {}
+        },
+    }
+    if truthy(v.raw("stream_options")) && !truthy(v.raw("stream")) {
+        return Err(EngineReject::new(
+            Stage::Schema,
+            "Stream options can only be defined when `stream=True`. (parameter=stream_options)"
+                .to_owned(),
+            Some("stream_options"),
+        ));
+    }
+    let count_field = match endpoint {
+        Endpoint::Completions => "logprobs",
+        Endpoint::ChatCompletions => "top_logprobs",
+    };
+    let prompt_logprobs = logprob_field(v, "prompt_logprobs")?;
+    let count = logprob_field(v, count_field)?;
+    if let Some((p, text)) = &prompt_logprobs {
+        if truthy(v.raw("stream")) && (*p > 0.0 || *p == -1.0) {
+            return Err(EngineReject::new(
+                Stage::Schema,
+                "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)"
+                    .to_owned(),
+                Some("prompt_logprobs"),
+            ));
+        }
+        if *p < 0.0 && *p != -1.0 {
+            return Err(EngineReject::new(
+                Stage::Schema,
+                format!(
+                    "`prompt_logprobs` must be a positive value or -1. (parameter=prompt_logprobs, value={text})"
+                ),
+                Some("prompt_logprobs"),
+            ));
+        }
+    }
+    if let Some((c, text)) = &count {
+        if *c < 0.0 && *c != -1.0 {
+            return Err(EngineReject::new(
+                Stage::Schema,
+                format!(
+                    "`{count_field}` must be a positive value or -1. (parameter={count_field}, value={text})"
+                ),
+                Some(count_field),
+            ));
+        }
+        if endpoint == Endpoint::ChatCompletions
+            && (*c == -1.0 || *c > 0.0)
+            && !truthy(v.raw("logprobs"))
+        {
+            return Err(EngineReject::new(
+                Stage::Schema,
+                "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)"
+                    .to_owned(),
+                Some("top_logprobs"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn sampling(message: String, param: Option<&'static str>) -> EngineReject {
+    EngineReject::new(Stage::Sampling, message, param)
+}
+
+fn check_sampling(v: &View<'_>, endpoint: Endpoint, limits: &Limits) -> Result<(), EngineReject> {
+    // Field types first: pydantic validates every field before vLLM builds
+    // the sampling parameters.
+    let n = v.int("n")?;
+    let presence = v.float("presence_penalty")?;
+    let frequency = v.float("frequency_penalty")?;
+    let repetition = v.float("repetition_penalty")?;
+    let temperature = v.float("temperature")?;
+    let top_p = v.float("top_p")?;
+    let top_k = v.int("top_k")?;
+    let min_p = v.float("min_p")?;
+    let max_tokens = v.int("max_tokens")?;
+    let max_completion_tokens = match endpoint {
+        Endpoint::ChatCompletions => v.int("max_completion_tokens")?,
+        Endpoint::Completions => None,
+    };
+    let min_tokens = v.int("min_tokens")?;
+    // Beam search builds BeamSearchParams, which has none of the checks below.
+    if truthy(v.raw("use_beam_search")) {
+        return Ok(());
+    }
+    if let Some(n) = &n {
+        if n.value < 1 {
+            return Err(sampling(
+                format!("n must be at least 1, got {}.", n.text),
+                None,
+            ));
+        }
+        if n.value > i128::from(limits.max_n) {
+            return Err(sampling(
+                format!(
+                    "n must be at most {}, got {}. To increase this limit, set the VLLM_MAX_N_SEQUENCES environment variable.",
+                    limits.max_n, n.text
+                ),
+                None,
+            ));
+        }
+    }
+    for (name, value) in [
+        ("presence_penalty", presence),
+        ("frequency_penalty", frequency),
+    ] {
+        if let Some(f) = value
+            && !(-2.0..=2.0).contains(&f)
+        {
+            return Err(sampling(
+                format!("{name} must be in [-2, 2], got {}.", py_float(f)),
+                None,
+            ));
+        }
+    }
+    if let Some(f) = repetition
+        && f <= 0.0
+    {
+        return Err(sampling(
+            format!(
+                "repetition_penalty must be greater than zero, got {}.",
+                py_float(f)
+            ),
+            None,
+        ));
+    }
+    if let Some(f) = temperature
+        && f < 0.0
+    {
+        let t = py_float(f);
+        return Err(sampling(
+            format!(
+                "temperature must be non-negative, got {t}. (parameter=temperature, value={t})"
+            ),
+            Some("temperature"),
+        ));
+    }
+    if let Some(f) = top_p
+        && !(f > 0.0 && f <= 1.0)
+    {
+        let t = py_float(f);
+        return Err(sampling(
+            format!("top_p must be in (0, 1], got {t}. (parameter=top_p, value={t})"),
+            Some("top_p"),
+        ));
+    }
+    if let Some(k) = &top_k
+        && k.value < -1
+    {
+        return Err(sampling(
+            format!("top_k must be 0 (disable), or at least 1, got {}.", k.text),
+            None,
+        ));
+    }
+    if let Some(f) = min_p
+        && !(0.0..=1.0).contains(&f)
+    {
+        return Err(sampling(
+            format!("min_p must be in [0, 1], got {}.", py_float(f)),
+            None,
+        ));
+    }
+    // The limit the engine applies: chat prefers max_completion_tokens;
+    // completions default to 16 when the key is absent.
+    let mut effective = match endpoint {
+        Endpoint::ChatCompletions => max_completion_tokens.or(max_tokens),
+        Endpoint::Completions => match (&max_tokens, v.body.contains_key("max_tokens")) {
+            (Some(m), _) => Some(m.clone()),
+            (None, false) => Some(Int {
+                value: COMPLETIONS_DEFAULT_MAX_TOKENS,
+                text: COMPLETIONS_DEFAULT_MAX_TOKENS.to_string(),
+            }),
+            (None, true) => None,
+        },
+    };
+    // Completions with echo and max_tokens 0 only score the prompt (vLLM
+    // runs them with one token).
+    if endpoint == Endpoint::Completions
+        && truthy(v.raw("echo"))
+        && effective.as_ref().is_some_and(|m| m.value == 0)
+    {
+        effective = Some(Int {
+            value: 1,
+            text: "1".to_owned(),
+        });
+    }
+    if let Some(m) = &effective
+        && m.value < 1
+    {
+        return Err(sampling(
+            format!(
+                "max_tokens must be at least 1, got {0}. (parameter=max_tokens, value={0})",
+                m.text
+            ),
+            Some("max_tokens"),
+        ));
+    }
+    if let Some(min) = &min_tokens {
+        if min.value < 0 {
+            return Err(sampling(
+                format!(
+                    "min_tokens must be greater than or equal to 0, got {}.",
+                    min.text
+                ),
+                None,
+            ));
+        }
+        if let Some(m) = &effective
+            && min.value > m.value
+        {
+            return Err(sampling(
+                format!(
+                    "min_tokens must be less than or equal to max_tokens={}, got {}.",
+                    m.text, min.text
+                ),
+                None,
+            ));
+        }
+    }
+    if let Some(raw) = v.raw("stop") {
+        let empty = match raw.as_bytes().first() {
+            Some(b'"') => raw == "\"\"",
+            Some(b'[') => serde_json::from_str::<Vec<&RawValue>>(raw)
+                .is_ok_and(|items| items.iter().any(|i| i.get() == "\"\"")),
+            _ => false,
+        };
+        if empty {
+            return Err(sampling(
+                "stop cannot contain an empty string.".to_owned(),
+                None,
+            ));
+        }
+    }
+    if let Some(n) = &n
+        && n.value > 1
+        && temperature.is_some_and(|t| t < 1e-5)
+    {
+        return Err(sampling(
+            format!("n must be 1 when using greedy sampling, got {}.", n.text),
+            None,
+        ));
+    }
+    if let Some(max) = limits.max_logprobs {
+        check_logprob_max(v, endpoint, max)?;
+    }
+    Ok(())
+}
+
+/// `SamplingParams._validate_logprobs` against the engine's `--max-logprobs`.
+fn check_logprob_max(v: &View<'_>, endpoint: Endpoint, max: u64) -> Result<(), EngineReject> {
+    let wanted = |key: &'static str| -> Result<Option<f64>, EngineReject> {
+        Ok(logprob_field(v, key)?.map(|(f, _)| f))
+    };
+    let sample = match endpoint {
+        Endpoint::Completions => wanted("logprobs")?,
+        Endpoint::ChatCompletions if truthy(v.raw("logprobs")) => wanted("top_logprobs")?,
+        Endpoint::ChatCompletions => None,
+    };
+    let mut prompt = wanted("prompt_logprobs")?;
+    if prompt.is_none() && truthy(v.raw("echo")) {
+        prompt = match endpoint {
+            Endpoint::Completions => wanted("logprobs")?,
+            Endpoint::ChatCompletions => wanted("top_logprobs")?,
+        };
+    }
+    // -1 means the vocabulary size, which only the engine knows.
+    let over = |n: f64| n > 0.0 && n as u128 > u128::from(max);
+    for (kind, param, value) in [
+        ("sample", "logprobs", sample),
+        ("prompt", "prompt_logprobs", prompt),
+    ] {
+        if let Some(n) = value.filter(|n| over(*n)) {
+            let n = py_logprob_count(n);
+            return Err(sampling(
+                format!(
+                    "Requested {kind} logprobs of {n}, which is greater than max allowed: {max} (parameter={param}, value={n})"
+                ),
+                Some(param),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The count as Python prints the int (or float) pydantic made of it.
+fn py_logprob_count(n: f64) -> String {
+    if n.fract() == 0.0 {
+        format!("{n:.0}")
+    } else {
+        py_float(n)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn check(endpoint: Endpoint, body: &str) -> Result<(), EngineReject> {
+        let parsed = JsonBody::parse(Bytes::copy_from_slice(body.as_bytes())).unwrap();
+        check_request(&parsed, endpoint, &Limits::default())
+    }
+
+    #[test]
+    fn py_float_matches_python_repr() {
+        for (f, want) in [
+            (-1.0, "-1.0"),
+            (0.1, "0.1"),
+            (2.5, "2.5"),
+            (1e-5, "1e-05"),
+            (0.0001, "0.0001"),
+            (1e16, "1e+16"),
+            (123456789012345.0, "123456789012345.0"),
+            (-0.0, "-0.0"),
+            (1.5e300, "1.5e+300"),
+        ] {
+            assert_eq!(py_float(f), want, "{f}");
+        }
+        assert_eq!(py_value("\"a\\u0062\""), "ab");
+        assert_eq!(py_value("true"), "True");
+        assert_eq!(py_value("-2.50"), "-2.5");
+        assert_eq!(py_value("-2"), "-2");
+    }
+
+    #[test]
+    fn truthiness_is_pythons() {
+        for (raw, want) in [
+            ("true", true),
+            ("false", false),
+            ("null", false),
+            ("0", false),
+            ("0.0", false),
+            ("-0", false),
+            ("2", true),
+            ("\"\"", false),
+            ("\"false\"", true),
+            ("[]", false),
+            ("[ ]", false),
+            ("{}", false),
+            ("{ \n}", false),
+            ("{\"a\":1}", true),
+        ] {
+            assert_eq!(truthy(Some(raw)), want, "{raw}");
+        }
+        assert!(!truthy(None));
+    }
+
+    #[test]
+    fn integers_read_like_pydantic() {
+        let b = JsonBody::parse(Bytes::from_static(
+            br#"{"a":1e3,"b":"7","c":true,"d":1.5,"e":"x","f":[1],"g":-0,"h":123456789012345678901234567890123456789012,"i":null}"#,
+        ))
+        .unwrap();
+        let v = View::read(&b);
+        assert_eq!(v.int("a").unwrap().unwrap().value, 1000);
+        assert_eq!(v.int("b").unwrap().unwrap().value, 7);
+        assert_eq!(v.int("c").unwrap().unwrap().value, 1);
+        assert!(v.int("d").unwrap_err().message.contains("fractional part"));
+        assert_eq!(v.int("e").unwrap_err().param, Some("e"));
+        assert!(v.int("f").is_err());
+        assert_eq!(v.int("g").unwrap().unwrap().text, "0");
+        let big = v.int("h").unwrap().unwrap();
+        assert_eq!(big.value, i128::MAX);
+        assert_eq!(big.text, "123456789012345678901234567890123456789012");
+        assert!(v.int("i").unwrap().is_none());
+        assert!(v.int("missing").unwrap().is_none());
+    }
+
+    /// (endpoint, body, expected message or None for accepted, param)
+    type Case = (
+        Endpoint,
+        &'static str,
+        Option<&'static str>,
+        Option<&'static str>,
+    );
+
+    const C: Endpoint = Endpoint::Completions;
+    const H: Endpoint = Endpoint::ChatCompletions;
+
+    #[rustfmt::skip]
+    const CASES: &[Case] = &[
+        // Accepted bodies (each an edge next to a rejected one below).
+        (C, r#"{"prompt":"x"}"#, None, None),
+        (H, r#"{"messages":[{"role":"user","content":"hi"}]}"#, None, None),
+        (C, r#"{"prompt":"x","max_tokens":1,"min_tokens":1}"#, None, None),
+        (C, r#"{"prompt":"x","max_tokens":0,"echo":true,"min_tokens":1}"#, None, None),
+        (C, r#"{"prompt":"x","max_tokens":0,"echo":true,"min_tokens":2}"#, Some("min_tokens must be less than or equal to max_tokens=1, got 2."), None),
+        (C, r#"{"prompt":"x","max_tokens":null,"min_tokens":17}"#, None, None),
+        (C, r#"{"prompt":"x","min_tokens":16}"#, None, None),
+        (H, r#"{"messages":[],"min_tokens":17}"#, None, None),
+        (H, r#"{"messages":[],"max_tokens":4,"max_completion_tokens":32,"min_tokens":17}"#, None, None),
+        (C, r#"{"prompt":"x","max_completion_tokens":0}"#, None, None),
+        (C, r#"{"prompt":"x","stream_options":{}}"#, None, None),
+        (C, r#"{"prompt":"x","stream_options":null}"#, None, None),
+        (C, r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#, None, None),
+        (C, r#"{"prompt":"x","n":16384,"temperature":1}"#, None, None),
+        (C, r#"{"prompt":"x","temperature":0,"top_p":1,"top_k":-1,"min_p":0}"#, None, None),
+        (C, r#"{"prompt":"x","temperature":2.5}"#, None, None),
+        (C, r#"{"prompt":"x","presence_penalty":2,"frequency_penalty":-2,"repetition_penalty":2.5}"#, None, None),
+        (C, r#"{"prompt":"x","logprobs":20,"prompt_logprobs":0,"stream":true}"#, None, None),
+        (C, r#"{"prompt":"x","logprobs":-1}"#, None, None),
+        (H, r#"{"messages":[],"top_logprobs":0,"logprobs":false}"#, None, None),
+        (H, r#"{"messages":[],"top_logprobs":21}"#, Some("when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)"), Some("top_logprobs")),
+        (H, r#"{"messages":[],"top_logprobs":-1,"logprobs":true}"#, None, None),
+        (C, r#"{"prompt":"x","use_beam_search":true,"top_p":-1,"min_tokens":-1,"n":2,"temperature":0}"#, None, None),
+        (C, r#"{"prompt_embeds":"ZQ=="}"#, None, None),
+        (C, r#"{"prompt":"x","stop":["a"]}"#, None, None),
+
+        // Body shape and required fields.
+        (C, r#"{}"#, Some("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"), Some("prompt")),
+        (C, r#"{"prompt":""}"#, Some("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"), Some("prompt")),
+        (C, r#"{"prompt":null,"prompt_embeds":[]}"#, Some("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"), Some("prompt")),
+        (H, r#"{"model":"m"}"#, Some("Field required: messages"), Some("messages")),
+        (H, r#"{"messages":"hi"}"#, Some("messages: Input should be a valid list"), Some("messages")),
+
+        // stream_options without stream.
+        (C, r#"{"prompt":"x","stream_options":{"include_usage":true}}"#, Some("Stream options can only be defined when `stream=True`. (parameter=stream_options)"), Some("stream_options")),
+        (H, r#"{"messages":[],"stream":false,"stream_options":{"include_usage":false}}"#, Some("Stream options can only be defined when `stream=True`. (parameter=stream_options)"), Some("stream_options")),
+
+        // max_tokens / max_completion_tokens.
+        (C, r#"{"prompt":"x","max_tokens":0}"#, Some("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"), Some("max_tokens")),
+        (C, r#"{"prompt":"x","max_tokens":-5,"echo":true}"#, Some("max_tokens must be at least 1, got -5. (parameter=max_tokens, value=-5)"), Some("max_tokens")),
+        (H, r#"{"messages":[],"max_completion_tokens":0,"max_tokens":10}"#, Some("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"), Some("max_tokens")),
+        (H, r#"{"messages":[],"max_tokens":0}"#, Some("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"), Some("max_tokens")),
+        (C, r#"{"prompt":"x","max_tokens":1.5}"#, Some("max_tokens: Input should be a valid integer, got a number with a fractional part"), Some("max_tokens")),
+        (C, r#"{"prompt":"x","max_tokens":"many"}"#, Some("max_tokens: Input should be a valid integer"), Some("max_tokens")),
+        (C, r#"{"prompt":"x","max_tokens":"0"}"#, Some("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"), Some("max_tokens")),
+        (C, r#"{"prompt":"x","max_tokens":0.0}"#, Some("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"), Some("max_tokens")),
+
+        // min_tokens.
+        (C, r#"{"prompt":"x","min_tokens":-1}"#, Some("min_tokens must be greater than or equal to 0, got -1."), None),
+        (C, r#"{"prompt":"x","max_tokens":2,"min_tokens":3}"#, Some("min_tokens must be less than or equal to max_tokens=2, got 3."), None),
+        (C, r#"{"prompt":"x","min_tokens":17}"#, Some("min_tokens must be less than or equal to max_tokens=16, got 17."), None),
+        (C, r#"{"prompt":"x","min_tokens":17,"max_completion_tokens":32}"#, Some("min_tokens must be less than or equal to max_tokens=16, got 17."), None),
+        (H, r#"{"messages":[],"max_tokens":32,"max_completion_tokens":4,"min_tokens":5}"#, Some("min_tokens must be less than or equal to max_tokens=4, got 5."), None),
+        (H, r#"{"messages":[],"max_tokens":4,"max_completion_tokens":null,"min_tokens":5}"#, Some("min_tokens must be less than or equal to max_tokens=4, got 5."), None),
+        (C, r#"{"prompt":"x","min_tokens":9223372036854775808}"#, Some("min_tokens must be less than or equal to max_tokens=16, got 9223372036854775808."), None),
+
+        // n.
+        (C, r#"{"prompt":"x","n":0}"#, Some("n must be at least 1, got 0."), None),
+        (H, r#"{"messages":[],"n":-3}"#, Some("n must be at least 1, got -3."), None),
+        (H, r#"{"messages":[],"n":16385}"#, Some("n must be at most 16384, got 16385. To increase this limit, set the VLLM_MAX_N_SEQUENCES environment variable."), None),
+        (H, r#"{"messages":[],"n":1.5}"#, Some("n: Input should be a valid integer, got a number with a fractional part"), Some("n")),
+        (C, r#"{"prompt":"x","n":2,"temperature":0}"#, Some("n must be 1 when using greedy sampling, got 2."), None),
+
+        // Sampling bounds.
+        (C, r#"{"prompt":"x","temperature":-1}"#, Some("temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)"), Some("temperature")),
+        (C, r#"{"prompt":"x","top_p":0}"#, Some("top_p must be in (0, 1], got 0.0. (parameter=top_p, value=0.0)"), Some("top_p")),
+        (H, r#"{"messages":[],"top_p":1.01}"#, Some("top_p must be in (0, 1], got 1.01. (parameter=top_p, value=1.01)"), Some("top_p")),
+        (C, r#"{"prompt":"x","top_k":-2.0}"#, Some("top_k must be 0 (disable), or at least 1, got -2."), None),
+        (C, r#"{"prompt":"x","top_k":2.5}"#, Some("top_k: Input should be a valid integer, got a number with a fractional part"), Some("top_k")),
+        (C, r#"{"prompt":"x","min_p":1.5}"#, Some("min_p must be in [0, 1], got 1.5."), None),
+        (C, r#"{"prompt":"x","presence_penalty":2.1}"#, Some("presence_penalty must be in [-2, 2], got 2.1."), None),
+        (H, r#"{"messages":[],"frequency_penalty":-3}"#, Some("frequency_penalty must be in [-2, 2], got -3.0."), None),
+        (C, r#"{"prompt":"x","repetition_penalty":0}"#, Some("repetition_penalty must be greater than zero, got 0.0."), None),
+        (C, r#"{"prompt":"x","temperature":{}}"#, Some("temperature: Input should be a valid number"), Some("temperature")),
+        (C, r#"{"prompt":"x","stop":["a",""]}"#, Some("stop cannot contain an empty string."), None),
+        (H, r#"{"messages":[],"stop":""}"#, Some("stop cannot contain an empty string."), None),
+
+        // Logprobs.
+        (C, r#"{"prompt":"x","logprobs":21}"#, Some("Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)"), Some("logprobs")),
+        (C, r#"{"prompt":"x","logprobs":-2}"#, Some("`logprobs` must be a positive value or -1. (parameter=logprobs, value=-2)"), Some("logprobs")),
+        (C, r#"{"prompt":"x","logprobs":"3"}"#, Some("`logprobs` must be an integer. (parameter=logprobs, value=3)"), Some("logprobs")),
+        (H, r#"{"messages":[],"top_logprobs":-2}"#, Some("`top_logprobs` must be a positive value or -1. (parameter=top_logprobs, value=-2)"), Some("top_logprobs")),
+        (H, r#"{"messages":[],"top_logprobs":2,"logprobs":false}"#, Some("when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)"), Some("top_logprobs")),
+        (H, r#"{"messages":[],"top_logprobs":21,"logprobs":true}"#, Some("Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)"), Some("logprobs")),
+        (C, r#"{"prompt":"x","prompt_logprobs":1,"stream":true}"#, Some("`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)"), Some("prompt_logprobs")),
+        (H, r#"{"messages":[],"prompt_logprobs":-1,"stream":true}"#, Some("`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)"), Some("prompt_logprobs")),
+        (C, r#"{"prompt":"x","prompt_logprobs":-2}"#, Some("`prompt_logprobs` must be a positive value or -1. (parameter=prompt_logprobs, value=-2)"), Some("prompt_logprobs")),
+        (C, r#"{"prompt":"x","prompt_logprobs":25}"#, Some("Requested prompt logprobs of 25, which is greater than max allowed: 20 (parameter=prompt_logprobs, value=25)"), Some("prompt_logprobs")),
+        (C, r#"{"prompt":"x","echo":true,"logprobs":21}"#, Some("Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)"), Some("logprobs")),
+    ];
+
+    #[test]
+    fn table() {
+        let mut failures = Vec::new();
+        for (i, (endpoint, body, message, param)) in CASES.iter().enumerate() {
+            let got = check(*endpoint, body);
+            let ok = match (&got, message) {
+                (Ok(()), None) => true,
+                (Err(e), Some(m)) => e.message == *m && e.param == *param && e.status == 400,
+                _ => false,
+            };
+            if !ok {
+                failures.push(format!(
+                    "case {i} {endpoint:?} {body}: got {got:?}, want {message:?} {param:?}"
+                ));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn limits_are_configurable() {
+        let body =
+            JsonBody::parse(Bytes::from_static(br#"{"prompt":"x","logprobs":50,"n":5}"#)).unwrap();
+        assert!(check_request(&body, C, &Limits::default()).is_err());
+        let none = Limits {
+            max_logprobs: None,
+            ..Limits::default()
+        };
+        assert!(check_request(&body, C, &none).is_ok());
+        let small_n = Limits {
+            max_logprobs: None,
+            max_n: 4,
+        };
+        let e = check_request(&body, C, &small_n).unwrap_err();
+        assert!(e.message.starts_with("n must be at most 4, got 5."), "{e}");
+    }
+
+    #[test]
+    fn rejects_render_as_openai_errors() {
+        let e = check(C, r#"{"prompt":"x","max_tokens":0}"#).unwrap_err();
+        let v: serde_json::Value = serde_json::from_slice(&e.to_json()).unwrap();
+        assert_eq!(v["error"]["type"], "BadRequestError");
+        assert_eq!(v["error"]["code"], 400);
+        assert_eq!(v["error"]["param"], "max_tokens");
+        assert_eq!(e.stage, Stage::Sampling);
+        let e = check_model(Some("other"), &["m"]).unwrap_err();
+        let v: serde_json::Value = serde_json::from_slice(&e.to_json()).unwrap();
+        assert_eq!(e.status, 404);
+        assert_eq!(v["error"]["type"], "NotFoundError");
+        assert_eq!(v["error"]["message"], "The model `other` does not exist.");
+        assert!(check_model(Some("m"), &["m"]).is_ok());
+        assert!(check_model(None, &["m"]).is_ok());
+        let v: serde_json::Value =
+            serde_json::from_slice(&check(C, "{}").unwrap_err().to_json()).unwrap();
+        assert_eq!(v["error"]["param"], "prompt");
+    }
+
+    #[test]
+    fn body_errors_are_400() {
+        for raw in ["[1]", "\"s\"", "not json", r#"{"a":1,"a":2}"#] {
+            let err = JsonBody::parse(Bytes::copy_from_slice(raw.as_bytes())).unwrap_err();
+            let e = reject_body_error(&err);
+            assert_eq!((e.status, e.stage), (400, Stage::Body), "{raw}");
+        }
+        let err = JsonBody::parse(Bytes::from_static(b"[1]")).unwrap_err();
+        assert_eq!(
+            reject_body_error(&err).message,
+            "Input should be a valid dictionary or object to extract fields from"
+        );
+    }
+
+    #[test]
+    fn batches_are_found() {
+        let read = |s: &'static str| JsonBody::parse(Bytes::from_static(s.as_bytes())).unwrap();
+        assert_eq!(batch_param(&read(r#"{"prompt":"x"}"#), C).unwrap(), None);
+        assert_eq!(
+            batch_param(&read(r#"{"prompt":[1,2,3]}"#), C).unwrap(),
+            None
+        );
+        assert_eq!(batch_param(&read(r#"{"prompt":["a"]}"#), C).unwrap(), None);
+        assert_eq!(
+            batch_param(&read(r#"{"prompt":["a","b"]}"#), C).unwrap(),
+            Some("prompt")
+        );
+        assert_eq!(
+            batch_param(&read(r#"{"prompt":[[1],[2]]}"#), C).unwrap(),
+            Some("prompt")
+        );
+        assert_eq!(
+            batch_param(&read(r#"{"messages":[],"n":2}"#), H).unwrap(),
+            Some("n")
+        );
+        assert_eq!(
+            batch_param(&read(r#"{"messages":[],"n":1}"#), H).unwrap(),
+            None
+        );
+        assert!(batch_param(&read(r#"{"n":"x"}"#), H).is_err());
+        let e = check_single_sequence(&read(r#"{"prompt":["a","b"]}"#), C, "shfs").unwrap_err();
+        assert_eq!(e.param, Some("prompt"));
+        assert!(
+            e.message.starts_with("connector shfs serves one prompt"),
+            "{e}"
+        );
+        assert!(check_single_sequence(&read(r#"{"prompt":"a","n":1}"#), C, "shfs").is_ok());
+    }
+}
