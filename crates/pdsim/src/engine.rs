@@ -1,29 +1,23 @@
-//! The engine: shared state, the per-request plan (which handoff to perform)
-//! and the job that runs it.
+//! The engine: state shared by every request and listener of one engine.
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::Instant;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Connector, Faults, SimConfig};
 use crate::error::ApiError;
-use crate::kv::{KvStore, KvWire, PullClient, PullError};
-use crate::plan::{Consume, Plan, Produce, kv_fail, mooncake_worker, seg};
-use crate::request::{Endpoint, GenRequest};
-use crate::respond::ChoiceOut;
-use crate::stats::{Counters, Recent};
-use crate::tokens::word;
+use crate::kv_pull::PullClient;
+use crate::kv_store::KvStore;
+use crate::plan::PlanInput;
+use crate::stats::{Counters, Recent, SimStats};
 
 /// vLLM's KV block size; used for block ids and prefix-cache granularity.
-const BLOCK_SIZE: u32 = 16;
+pub(crate) const BLOCK_SIZE: u32 = 16;
 /// Context window of the simulated model.
 pub(crate) const MAX_MODEL_LEN: u32 = 32_768;
 const PREFIX_CACHE_CAPACITY: usize = 4096;
@@ -43,12 +37,12 @@ pub(crate) struct Engine {
     pub bootstrap_port: Option<u16>,
     /// JSON-escaped model name, with quotes.
     pub model_json: String,
-    aborts: Mutex<HashMap<String, CancellationToken>>,
+    pub aborts: Mutex<HashMap<String, CancellationToken>>,
     /// Cancelled when the engine core dies (fault `crash_on_bad_kv_params`); never reset.
-    dead: CancellationToken,
+    pub dead: CancellationToken,
     last_kv_error: Mutex<Option<String>>,
     prefix_cache: Mutex<HashSet<u64>>,
-    next_block: AtomicU64,
+    pub next_block: AtomicU64,
 }
 
 impl Engine {
@@ -98,7 +92,7 @@ impl Engine {
 
     /// Counts a failed KV load and keeps its reason. vLLM connectors answer a bare
     /// 500 "Internal server error"; SGLang keeps its own message and status.
-    fn kv_load_failed(&self, request_id: &str, e: ApiError) -> ApiError {
+    pub fn kv_load_failed(&self, request_id: &str, e: ApiError) -> ApiError {
         self.counters.transfers_failed.fetch_add(1, Relaxed);
         let reason = e.to_string();
         tracing::warn!(%request_id, error = %reason, "KV load failed");
@@ -113,7 +107,7 @@ impl Engine {
     }
 
     /// The engine core dies: this request and every later one fail, `/health` turns 503.
-    fn die(&self, request_id: &str, e: &ApiError) -> ApiError {
+    pub fn die(&self, request_id: &str, e: &ApiError) -> ApiError {
         self.counters.transfers_failed.fetch_add(1, Relaxed);
         tracing::error!(%request_id, error = %e, "engine core died on invalid KV transfer params (injected crash_on_bad_kv_params)");
         if let Ok(mut last) = self.last_kv_error.lock() {
@@ -124,7 +118,7 @@ impl Engine {
     }
 
     /// Prefix-cache hit for a prompt computed here: whole blocks, never the last token.
-    fn cached_tokens(&self, digest: u64, count: u32) -> u32 {
+    pub fn cached_tokens(&self, digest: u64, count: u32) -> u32 {
         let Ok(mut seen) = self.prefix_cache.lock() else {
             return 0;
         };
@@ -137,387 +131,27 @@ impl Engine {
         seen.insert(digest);
         0
     }
-}
 
-/// vLLM 0.33 NixlConnector `kv_transfer_params` of a prefill response, in vLLM's key order.
-#[derive(serde::Serialize)]
-struct KvParams<'a> {
-    do_remote_prefill: bool,
-    do_remote_decode: bool,
-    remote_block_ids: [Vec<u64>; 1],
-    remote_engine_id: &'a str,
-    remote_request_id: &'a str,
-    remote_host: &'a str,
-    remote_port: u16,
-    tp_size: u32,
-    dcp_size: u32,
-    pp_size: u32,
-    remote_num_tokens: u32,
-    /// vLLM 0.32 answers `null` here; the lease is enforced by the store, not advertised.
-    remote_blocks_expiry_time: Option<f64>,
-    remote_registration_generation: u64,
-    transfer_mode: &'static str,
-    remote_prefill_cached_tokens: u32,
-}
-
-/// Marks a request finished; when dropped unfinished the client went away.
-pub(crate) struct InFlight {
-    engine: Arc<Engine>,
-    done: bool,
-}
-
-impl InFlight {
-    pub fn new(engine: Arc<Engine>) -> Self {
-        engine.counters.in_flight.fetch_add(1, Relaxed);
-        InFlight {
-            engine,
-            done: false,
+    /// The engine facts a request's plan depends on.
+    pub fn plan_input(&self) -> PlanInput {
+        PlanInput {
+            role: self.cfg.role,
+            connector: self.cfg.connector,
+            crash_on_bad_kv_params: self.faults.load().crash_on_bad_kv_params,
+            handoff_timeout: self.cfg.handoff_timeout,
         }
     }
 
-    pub fn finish(&mut self) {
-        self.done = true;
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let c = &self.engine.counters;
-        c.in_flight.fetch_sub(1, Relaxed);
-        if !self.done {
-            c.client_disconnects.fetch_add(1, Relaxed);
-            c.finished_abort.fetch_add(1, Relaxed);
-        }
-    }
-}
-
-/// Registration in the abort table (sglang `/abort_request`), removed on drop.
-struct AbortReg {
-    engine: Arc<Engine>,
-    keys: Vec<String>,
-    token: CancellationToken,
-}
-
-impl Drop for AbortReg {
-    fn drop(&mut self) {
-        if let Ok(mut m) = self.engine.aborts.lock() {
-            for k in &self.keys {
-                m.remove(k);
-            }
-        }
-    }
-}
-
-/// One generation request from plan to last byte.
-pub(crate) struct Job {
-    pub engine: Arc<Engine>,
-    pub endpoint: Endpoint,
-    pub req: GenRequest,
-    /// JSON-escaped response id, with quotes.
-    pub id_json: String,
-    pub id: String,
-    pub created: u64,
-    pub guard: InFlight,
-    plan: Plan,
-    abort: Option<AbortReg>,
-    permit: Option<OwnedSemaphorePermit>,
-    /// Cached tokens reported in usage.
-    pub cached: u32,
-    sglang_published: bool,
-}
-
-fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
-impl Job {
-    pub fn new(
-        engine: Arc<Engine>,
-        endpoint: Endpoint,
-        req: GenRequest,
-        base_id: &str,
-        plan: Plan,
-        guard: InFlight,
-    ) -> Self {
-        let prefix = match endpoint {
-            Endpoint::Completions => "cmpl-",
-            Endpoint::Chat => "chatcmpl-",
-        };
-        let id = format!("{prefix}{base_id}");
-        let abort = (engine.cfg.connector == Connector::Sglang).then(|| {
-            let token = CancellationToken::new();
-            let mut keys = vec![base_id.to_owned(), id.clone()];
-            if let Some(rid) = &req.rid {
-                keys.push(rid.clone());
-            }
-            if let Ok(mut m) = engine.aborts.lock() {
-                for k in &keys {
-                    m.insert(k.clone(), token.clone());
-                }
-            }
-            AbortReg {
-                engine: engine.clone(),
-                keys,
-                token,
-            }
-        });
-        Job {
-            id_json: crate::respond::json_str(&id),
-            id,
-            created: now_unix(),
-            engine,
-            endpoint,
-            req,
-            guard,
-            plan,
-            abort,
-            permit: None,
-            cached: 0,
-            sglang_published: false,
-        }
-    }
-
-    /// Runs `fut` unless the engine shuts down or the request is aborted first.
-    async fn guarded<F: Future>(&self, fut: F) -> Result<F::Output, ApiError> {
-        let abort = self.abort.as_ref().map(|a| a.token.clone());
-        let aborted = async move {
-            match abort {
-                Some(t) => t.cancelled_owned().await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            biased;
-            () = self.engine.shutdown.cancelled() => Err(ApiError::Aborted("engine is shutting down".into())),
-            () = self.engine.dead.cancelled() => Err(ApiError::EngineDead),
-            () = aborted => {
-                self.engine.counters.aborted.fetch_add(1, Relaxed);
-                Err(ApiError::Aborted(format!("Request {} was aborted.", self.id)))
-            }
-            out = fut => Ok(out),
-        }
-    }
-
-    /// Sleeps `d` (no timer at all when zero), abortable.
-    pub async fn delay(&self, d: Duration) -> Result<(), ApiError> {
-        if d.is_zero() {
-            return Ok(());
-        }
-        self.guarded(tokio::time::sleep(d)).await
-    }
-
-    /// Slot, handoff and prefill compute: everything before the first token.
-    pub async fn prepare(&mut self) -> Result<(), ApiError> {
-        let engine = self.engine.clone();
-        if let Some(sem) = &engine.slots {
-            engine.counters.waiting.fetch_add(1, Relaxed);
-            let r = self.guarded(sem.clone().acquire_owned()).await;
-            engine.counters.waiting.fetch_sub(1, Relaxed);
-            self.permit =
-                Some(r?.map_err(|_| ApiError::Aborted("engine is shutting down".into()))?);
-        }
-        match std::mem::replace(&mut self.plan.produce, Produce::Nothing) {
-            Produce::Fail(e) => return Err(e),
-            Produce::Sglang(room) => {
-                let deadline = Instant::now() + engine.cfg.handoff_timeout;
-                let r = self
-                    .guarded(engine.kv.room_await_decode(&engine, room, deadline))
-                    .await;
-                if !matches!(r, Ok(Ok(()))) {
-                    engine
-                        .kv
-                        .room_fail(room, "prefill failed before the transfer");
-                }
-                r?.map_err(|e| kv_fail(format!("KV transfer failed: {e}")))?;
-                self.plan.produce = Produce::Sglang(room);
-            }
-            p => self.plan.produce = p,
-        }
-        let prompt = self.req.prompt;
-        let compute = match std::mem::replace(&mut self.plan.consume, Consume::Local) {
-            Consume::Local => {
-                self.cached = engine.cached_tokens(prompt.digest, prompt.count);
-                prompt.count - self.cached
-            }
-            Consume::Recompute => {
-                engine.counters.recomputed.fetch_add(1, Relaxed);
-                tracing::debug!(request_id = %self.id, "decode without KV params: recomputing the prompt");
-                self.cached = engine.cached_tokens(prompt.digest, prompt.count);
-                prompt.count - self.cached
-            }
-            Consume::Fail(e) => return Err(engine.kv_load_failed(&self.id, e)),
-            Consume::Crash(e) => return Err(engine.die(&self.id, &e)),
-            remote => {
-                let wire = self
-                    .pull(remote)
-                    .await
-                    .map_err(|e| engine.kv_load_failed(&self.id, e))?;
-                engine.counters.transfers_pulled.fetch_add(1, Relaxed);
-                self.cached = wire.cached_tokens;
-                0
-            }
-        };
-        let lat = &engine.cfg.latency;
-        self.delay(lat.prefill_per_token * compute + lat.ttft).await
-    }
-
-    async fn pull(&self, consume: Consume) -> Result<KvWire, ApiError> {
-        let engine = &self.engine;
-        let fail = |e: String| kv_fail(format!("KV transfer failed for request {}: {e}", self.id));
-        if engine.faults.load().refuse_kv {
-            engine.counters.faults_injected.fetch_add(1, Relaxed);
-            return Err(fail("KV handoff refused (injected fault)".into()));
-        }
-        let timeout = engine.cfg.handoff_timeout + Duration::from_secs(1);
-        let body = match consume {
-            Consume::Pull(url) | Consume::Sglang(url) => self
-                .guarded(engine.client.get(url, timeout))
-                .await?
-                .map_err(|e| fail(e.to_string()))?,
-            Consume::Mooncake {
-                bootstrap,
-                engine_id,
-                transfer_id,
-            } => {
-                let q = self
-                    .guarded(engine.client.get(format!("{bootstrap}/query"), timeout))
-                    .await?
-                    .map_err(|e| fail(e.to_string()))?;
-                let worker = mooncake_worker(&q, &engine_id).map_err(fail)?;
-                let ms = engine.cfg.handoff_timeout.as_millis();
-                let url = format!(
-                    "http://{worker}/mooncake/{}?engine_id={}&timeout_ms={ms}",
-                    seg(&transfer_id),
-                    seg(&engine_id)
-                );
-                self.guarded(engine.client.get(url, timeout))
-                    .await?
-                    .map_err(|e| fail(e.to_string()))?
-            }
-            Consume::Local | Consume::Recompute | Consume::Fail(_) | Consume::Crash(_) => {
-                return Err(fail("internal: nothing to pull".into()));
-            }
-        };
-        let wire: KvWire = serde_json::from_slice(&body)
-            .map_err(|_| fail(PullError::Malformed("side channel".into()).to_string()))?;
-        let own = format!("{:016x}", self.req.prompt.digest);
-        if wire.digest != own || wire.num_tokens != self.req.prompt.count {
-            return Err(fail(format!(
-                "KV does not match this prompt (remote {} tokens digest {}, local {} tokens digest {own})",
-                wire.num_tokens, wire.digest, self.req.prompt.count
-            )));
-        }
-        Ok(wire)
-    }
-
-    /// Generates every choice up front (deterministic, cheap).
-    pub fn choices(&self) -> Vec<ChoiceOut> {
-        let r = &self.req;
-        (0..r.n)
-            .map(|c| {
-                let mut words = Vec::with_capacity(r.max_tokens.min(4096) as usize);
-                for i in 0..r.max_tokens {
-                    let w = word(r.prompt.digest, c, i);
-                    if i >= r.min_tokens
-                        && let Some(s) = r.stop.iter().find(|s| s.trim() == w)
-                    {
-                        return ChoiceOut {
-                            words,
-                            finish: "stop",
-                            stop_reason: Some(s.clone()),
-                        };
-                    }
-                    words.push(w);
-                }
-                ChoiceOut {
-                    words,
-                    finish: "length",
-                    stop_reason: None,
-                }
-            })
-            .collect()
-    }
-
-    /// Hands the KV over as the connector does; returns `kv_transfer_params` JSON.
-    pub fn finish(&mut self, choices: &[ChoiceOut]) -> Option<String> {
-        let engine = self.engine.clone();
-        let c = &engine.counters;
-        let prompt = self.req.prompt;
-        c.prompt_tokens.fetch_add(u64::from(prompt.count), Relaxed);
-        for ch in choices {
-            c.generation_tokens
-                .fetch_add(ch.words.len() as u64, Relaxed);
-            match ch.finish {
-                "stop" => c.finished_stop.fetch_add(1, Relaxed),
-                _ => c.finished_length.fetch_add(1, Relaxed),
-            };
-        }
-        let entry = || engine.kv.entry(prompt.digest, prompt.count, self.cached);
-        match std::mem::replace(&mut self.plan.produce, Produce::Nothing) {
-            Produce::Params => {
-                // vLLM's internal id: `cmpl-<X-Request-Id>-<prompt index>` (chat has no
-                // index), plus the engine's 8-hex random suffix.
-                let request_id = match self.endpoint {
-                    Endpoint::Completions => {
-                        format!("{}-0-{:08x}", self.id, rand::random::<u32>())
-                    }
-                    Endpoint::Chat => format!("{}-{:08x}", self.id, rand::random::<u32>()),
-                };
-                let blocks = prompt.count.div_ceil(BLOCK_SIZE);
-                let first = engine
-                    .next_block
-                    .fetch_add(u64::from(blocks), Ordering::Relaxed);
-                let block_ids: Vec<u64> = (first..first + u64::from(blocks)).collect();
-                let params = KvParams {
-                    do_remote_prefill: true,
-                    do_remote_decode: false,
-                    remote_block_ids: [block_ids],
-                    remote_engine_id: &engine.engine_id,
-                    remote_request_id: &request_id,
-                    remote_host: &engine.cfg.advertise_host,
-                    remote_port: engine.side_channel_port.unwrap_or(0),
-                    tp_size: 1,
-                    dcp_size: 1,
-                    pp_size: 1,
-                    remote_num_tokens: prompt.count,
-                    remote_blocks_expiry_time: None,
-                    remote_registration_generation: 0,
-                    transfer_mode: "pull",
-                    remote_prefill_cached_tokens: self.cached,
-                };
-                let params = serde_json::to_string(&params).ok();
-                engine.kv.put_request(request_id, entry());
-                c.transfers_stored.fetch_add(1, Relaxed);
-                params
-            }
-            Produce::Mooncake(transfer_id) => {
-                if choices.first().is_some_and(|ch| ch.finish == "length") {
-                    engine.kv.put_transfer(transfer_id, entry());
-                    c.transfers_stored.fetch_add(1, Relaxed);
-                }
-                None
-            }
-            Produce::Sglang(room) => {
-                engine.kv.room_publish(room, entry());
-                self.sglang_published = true;
-                c.transfers_stored.fetch_add(1, Relaxed);
-                None
-            }
-            Produce::Nothing | Produce::Fail(_) => None,
-        }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        if let Produce::Sglang(room) = self.plan.produce
-            && !self.sglang_published
-        {
-            self.engine
-                .kv
-                .room_fail(room, "prefill request ended before the transfer");
-        }
+    /// The same data as `GET /sim/stats`.
+    pub fn snapshot(&self) -> SimStats {
+        let mut s = self.counters.snapshot(
+            self.cfg.role.as_str(),
+            self.cfg.connector.as_str(),
+            &self.engine_id,
+            &self.recent,
+        );
+        s.last_kv_error = self.last_kv_error();
+        s.engine_dead = self.is_dead();
+        s
     }
 }

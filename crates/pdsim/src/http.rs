@@ -18,8 +18,9 @@ use crate::config::Faults;
 
 /// Pause before an injected connection drop so earlier bytes are flushed first.
 const DROP_FLUSH: Duration = Duration::from_millis(20);
-use crate::engine::{Engine, InFlight, Job, MAX_MODEL_LEN};
+use crate::engine::{Engine, MAX_MODEL_LEN};
 use crate::error::ApiError;
+use crate::job::{InFlight, Job};
 use crate::plan::plan;
 use crate::request::{Endpoint, parse};
 use crate::respond::{self, ChoiceOut, Head, Usage};
@@ -184,7 +185,7 @@ async fn run(
                 param: Some("input_tokens"),
             });
         }
-        let p = plan(&engine, &req, dp_rank)?;
+        let p = plan(engine.plan_input(), &req, dp_rank)?;
         Ok((req, p))
     });
     let (req, plan) = match prepared {
@@ -484,7 +485,7 @@ async fn set_faults(State(engine): State<Arc<Engine>>, body: Bytes) -> Response 
 }
 
 async fn stats(State(engine): State<Arc<Engine>>) -> Response {
-    axum::Json(crate::snapshot(&engine)).into_response()
+    axum::Json(engine.snapshot()).into_response()
 }
 
 async fn not_found() -> Response {

@@ -5,11 +5,13 @@
 //!
 //! Modules:
 //! - [`config`]: [`Role`], [`Connector`], [`LatencyModel`], [`Faults`], [`SimConfig`].
-//! - `request` / `respond`: vLLM request validation and response shapes.
-//! - `plan`: which handoff a request performs (from body, role, connector).
-//! - `engine`: shared engine state and the job that runs one request.
-//! - `kv`: the prefill's KV store, side channel and bootstrap servers, the decode's pull client.
 //! - `http`: the OpenAI routes and `/sim/faults`, `/sim/stats`, `/abort_request`.
+//! - `request` / `respond`: vLLM request validation and response shapes.
+//! - `plan`: which handoff a request performs (a pure function of body, role, connector).
+//! - `job`: runs one request: slot, handoff, compute, generation, KV hand-over.
+//! - `engine`: state shared by every request and listener of one engine.
+//! - `kv_store`: the prefill's KV kept for its decode; `kv_servers`: the side channel and
+//!   bootstrap servers that serve it; `kv_pull`: the decode's pull client.
 //! - [`stats`]: [`SimStats`], also rendered as Prometheus text on `/metrics`.
 //!
 //! ```no_run
@@ -30,7 +32,10 @@ pub mod config;
 mod engine;
 mod error;
 mod http;
-mod kv;
+mod job;
+mod kv_pull;
+mod kv_servers;
+mod kv_store;
 mod plan;
 mod request;
 mod respond;
@@ -63,18 +68,6 @@ pub struct SimHandle {
     engine: Arc<Engine>,
     addr: SocketAddr,
     tasks: JoinSet<()>,
-}
-
-fn snapshot(engine: &Engine) -> SimStats {
-    let mut s = engine.counters.snapshot(
-        engine.cfg.role.as_str(),
-        engine.cfg.connector.as_str(),
-        &engine.engine_id,
-        &engine.recent,
-    );
-    s.last_kv_error = engine.last_kv_error();
-    s.engine_dead = engine.is_dead();
-    s
 }
 
 fn serve(tasks: &mut JoinSet<()>, listener: TcpListener, router: Router, engine: &Engine) {
@@ -131,12 +124,17 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
         serve(
             &mut tasks,
             l,
-            kv::side_channel_router(engine.clone()),
+            kv_servers::side_channel_router(engine.clone()),
             &engine,
         );
     }
     if let Some(l) = boot {
-        serve(&mut tasks, l, kv::bootstrap_router(engine.clone()), &engine);
+        serve(
+            &mut tasks,
+            l,
+            kv_servers::bootstrap_router(engine.clone()),
+            &engine,
+        );
     }
     tracing::info!(
         %addr,
@@ -187,7 +185,7 @@ impl SimHandle {
 
     /// The same data as `GET /sim/stats`.
     pub fn stats(&self) -> SimStats {
-        snapshot(&self.engine)
+        self.engine.snapshot()
     }
 
     /// Replaces the active faults (same as `POST /sim/faults`).

@@ -4,11 +4,23 @@
 use axum::http::StatusCode;
 use serde_json::{Map, Value};
 
+use std::time::Duration;
+
 use crate::config::{Connector, Role};
-use crate::engine::Engine;
 use crate::error::ApiError;
-use crate::kv::host_port;
+use crate::kv_pull::{host_port, seg};
 use crate::request::GenRequest;
+
+/// The engine facts a plan depends on; nothing else of the engine is read.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PlanInput {
+    pub role: Role,
+    pub connector: Connector,
+    /// The `crash_on_bad_kv_params` fault, read once per request.
+    pub crash_on_bad_kv_params: bool,
+    /// Bounds the sglang rendezvous the decode asks its prefill for.
+    pub handoff_timeout: Duration,
+}
 
 /// How this request loads its prompt's KV.
 pub(crate) enum Consume {
@@ -73,19 +85,6 @@ fn need_str<'a>(
         })
 }
 
-/// Percent-encodes one URL path segment.
-pub(crate) fn seg(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// shfs / nixl decode: the side-channel URL named by vLLM NixlConnector params.
 fn nixl_pull_url(params: &Map<String, Value>) -> Result<String, ApiError> {
     const WHAT: &str = "invalid KV transfer params";
@@ -114,7 +113,7 @@ fn nixl_pull_url(params: &Map<String, Value>) -> Result<String, ApiError> {
     ))
 }
 
-fn sglang_url(req: &GenRequest, engine: &Engine) -> Result<String, ApiError> {
+fn sglang_url(req: &GenRequest, handoff_timeout: Duration) -> Result<String, ApiError> {
     let b = &req.bootstrap;
     let bad = |m: &str| ApiError::bad(format!("disaggregated decode: {m}"));
     let host = b
@@ -134,7 +133,7 @@ fn sglang_url(req: &GenRequest, engine: &Engine) -> Result<String, ApiError> {
         .as_ref()
         .and_then(Value::as_u64)
         .ok_or_else(|| bad("bootstrap_room is missing or not a non-negative integer"))?;
-    let ms = engine.cfg.handoff_timeout.as_millis();
+    let ms = handoff_timeout.as_millis();
     Ok(format!(
         "http://{}/room/{room}?timeout_ms={ms}",
         host_port(host, port)
@@ -143,21 +142,21 @@ fn sglang_url(req: &GenRequest, engine: &Engine) -> Result<String, ApiError> {
 
 /// Decides the handoff for one request; 400s here are answered before any head.
 pub(crate) fn plan(
-    engine: &Engine,
+    input: PlanInput,
     req: &GenRequest,
     dp_rank: Option<&str>,
 ) -> Result<Plan, ApiError> {
-    let role = engine.cfg.role;
+    let role = input.role;
     let kvp = req.kv_transfer_params.as_ref();
     let consume = if !role.consumes() {
         Consume::Local
     } else {
         let remote_prefill = kvp.is_some_and(|p| is_true(p, "do_remote_prefill"));
-        match engine.cfg.connector {
+        match input.connector {
             Connector::Shfs => match kvp {
                 Some(p) if remote_prefill => match nixl_pull_url(p) {
                     Ok(url) => Consume::Pull(url),
-                    Err(e) if engine.faults.load().crash_on_bad_kv_params => Consume::Crash(e),
+                    Err(e) if input.crash_on_bad_kv_params => Consume::Crash(e),
                     Err(e) => Consume::Fail(e),
                 },
                 _ => Consume::Recompute,
@@ -184,7 +183,9 @@ pub(crate) fn plan(
                 Some(p) if remote_prefill => mooncake_consume(p),
                 _ => Consume::Recompute,
             },
-            Connector::Sglang if req.bootstrap.any() => Consume::Sglang(sglang_url(req, engine)?),
+            Connector::Sglang if req.bootstrap.any() => {
+                Consume::Sglang(sglang_url(req, input.handoff_timeout)?)
+            }
             Connector::Sglang | Connector::None => Consume::Recompute,
         }
     };
@@ -197,7 +198,7 @@ pub(crate) fn plan(
         Produce::Nothing
     } else {
         let remote_decode = kvp.is_some_and(|p| is_true(p, "do_remote_decode"));
-        match engine.cfg.connector {
+        match input.connector {
             Connector::Shfs if remote_decode => Produce::Params,
             Connector::Nixl if role == Role::Prefill => Produce::Params,
             Connector::Mooncake if remote_decode => {
@@ -253,27 +254,6 @@ fn mooncake_consume(p: &Map<String, Value>) -> Consume {
     r.unwrap_or_else(Consume::Fail)
 }
 
-pub(crate) fn mooncake_worker(query: &[u8], engine_id: &str) -> Result<String, String> {
-    let v: Value = serde_json::from_slice(query)
-        .map_err(|e| format!("bootstrap /query answer is not JSON: {e}"))?;
-    let ranks = v
-        .as_object()
-        .ok_or("bootstrap /query answer is not an object")?;
-    let rank = ranks
-        .values()
-        .find(|r| r.get("engine_id").and_then(Value::as_str) == Some(engine_id))
-        .ok_or_else(|| {
-            format!("remote_engine_id {engine_id:?} is not served by that bootstrap server")
-        })?;
-    let addr = rank
-        .pointer("/worker_addr/0/0")
-        .and_then(Value::as_str)
-        .ok_or("bootstrap /query answer has no worker_addr")?;
-    addr.strip_prefix("tcp://")
-        .map(str::to_owned)
-        .ok_or_else(|| format!("worker_addr {addr:?} is not tcp://host:port"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,22 +292,6 @@ mod tests {
     }
 
     #[test]
-    fn mooncake_worker_matches_engine_id() {
-        let q = br#"{"0":{"engine_id":"a","worker_addr":{"0":{"0":"tcp://h:1"}}},"1":{"engine_id":"b","worker_addr":{"0":{"0":"tcp://h:2"}}}}"#;
-        assert_eq!(mooncake_worker(q, "b").unwrap(), "h:2");
-        assert!(mooncake_worker(q, "c").unwrap_err().contains("not served"));
-        assert!(mooncake_worker(b"{}", "a").is_err());
-        assert!(
-            mooncake_worker(
-                br#"{"0":{"engine_id":"a","worker_addr":{"0":{"0":"h:1"}}}}"#,
-                "a"
-            )
-            .is_err()
-        );
-        assert!(mooncake_worker(b"[]", "a").is_err());
-    }
-
-    #[test]
     fn mooncake_consume_requires_http_scheme() {
         let p = obj(
             serde_json::json!({"remote_bootstrap_addr":"10.0.0.1:8998","remote_engine_id":"e","transfer_id":"t"}),
@@ -339,6 +303,292 @@ mod tests {
         match mooncake_consume(&p) {
             Consume::Mooncake { bootstrap, .. } => assert_eq!(bootstrap, "http://10.0.0.1:8998"),
             _ => panic!("expected a mooncake pull"),
+        }
+    }
+
+    /// What a plan decides, by name, so a table can state it.
+    fn kinds(p: &Plan) -> (&'static str, &'static str) {
+        let c = match &p.consume {
+            Consume::Local => "local",
+            Consume::Recompute => "recompute",
+            Consume::Pull(_) => "pull",
+            Consume::Mooncake { .. } => "mooncake",
+            Consume::Sglang(_) => "sglang",
+            Consume::Fail(_) => "fail",
+            Consume::Crash(_) => "crash",
+        };
+        let d = match &p.produce {
+            Produce::Nothing => "nothing",
+            Produce::Params => "params",
+            Produce::Mooncake(_) => "mooncake",
+            Produce::Sglang(_) => "sglang",
+            Produce::Fail(_) => "fail",
+        };
+        (c, d)
+    }
+
+    fn input(role: Role, connector: Connector, crash: bool) -> PlanInput {
+        PlanInput {
+            role,
+            connector,
+            crash_on_bad_kv_params: crash,
+            handoff_timeout: Duration::from_secs(10),
+        }
+    }
+
+    const NIXL_PARAMS: &str = r#""kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_engine_id":"e","remote_request_id":"r","remote_host":"h","remote_port":5600}"#;
+
+    /// connector, role, crash fault, body, data-parallel rank header -> (consume, produce),
+    /// or the status of the error answered before any head.
+    type Case<'a> = (
+        Connector,
+        Role,
+        bool,
+        &'a str,
+        Option<&'a str>,
+        Result<(&'static str, &'static str), u16>,
+    );
+
+    /// connector x role x params -> (consume, produce), or the status of a 400 before any head.
+    #[test]
+    fn decision_table() {
+        use Connector::{Mooncake, Nixl, Sglang, Shfs};
+        use Role::{Both, Decode, Prefill};
+        let nixl = format!("{{\"prompt\":\"x\",{NIXL_PARAMS}}}");
+        let neuron = format!("{{\"prompt\":\"x\",\"disagg_prefill_resp\":{{{NIXL_PARAMS}}}}}");
+        let both = format!(
+            "{{\"prompt\":\"x\",{}}}",
+            NIXL_PARAMS.replace(
+                "\"do_remote_prefill\":true",
+                "\"do_remote_prefill\":true,\"do_remote_decode\":true"
+            )
+        );
+        let cases: Vec<Case<'_>> = vec![
+            // Plain requests: every role computes; only a decode calls it a recompute.
+            (
+                Shfs,
+                Both,
+                false,
+                r#"{"prompt":"x"}"#,
+                None,
+                Ok(("local", "nothing")),
+            ),
+            (
+                Shfs,
+                Decode,
+                false,
+                r#"{"prompt":"x"}"#,
+                None,
+                Ok(("recompute", "nothing")),
+            ),
+            (
+                Connector::None,
+                Decode,
+                false,
+                r#"{"prompt":"x"}"#,
+                None,
+                Ok(("recompute", "nothing")),
+            ),
+            (
+                Connector::None,
+                Prefill,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#,
+                None,
+                Ok(("local", "nothing")),
+            ),
+            // shfs: the prefill is asked to keep KV; the decode pulls it.
+            (
+                Shfs,
+                Prefill,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#,
+                None,
+                Ok(("local", "params")),
+            ),
+            (
+                Shfs,
+                Prefill,
+                false,
+                r#"{"prompt":"x"}"#,
+                None,
+                Ok(("local", "nothing")),
+            ),
+            (Shfs, Decode, false, &nixl, None, Ok(("pull", "nothing"))),
+            (
+                Shfs,
+                Decode,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
+                None,
+                Ok(("fail", "nothing")),
+            ),
+            (
+                Shfs,
+                Decode,
+                true,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
+                None,
+                Ok(("crash", "nothing")),
+            ),
+            (
+                Shfs,
+                Decode,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":false}}"#,
+                None,
+                Ok(("recompute", "nothing")),
+            ),
+            // A prefill role never consumes, whatever the body says.
+            (Shfs, Prefill, false, &nixl, None, Ok(("local", "nothing"))),
+            // nixl (Neuron): the prefill keeps KV unasked; the decode reads disagg_prefill_resp.
+            (
+                Nixl,
+                Prefill,
+                false,
+                r#"{"prompt":"x"}"#,
+                None,
+                Ok(("local", "params")),
+            ),
+            (Nixl, Decode, false, &neuron, None, Ok(("pull", "nothing"))),
+            (Nixl, Decode, false, &nixl, None, Ok(("fail", "nothing"))),
+            (
+                Nixl,
+                Decode,
+                false,
+                r#"{"prompt":"x","disagg_prefill_resp":[1]}"#,
+                None,
+                Ok(("fail", "nothing")),
+            ),
+            (
+                Nixl,
+                Decode,
+                false,
+                r#"{"prompt":"x","disagg_prefill_resp":{}}"#,
+                None,
+                Ok(("fail", "nothing")),
+            ),
+            (
+                Nixl,
+                Decode,
+                false,
+                r#"{"prompt":"x"}"#,
+                None,
+                Ok(("recompute", "nothing")),
+            ),
+            // mooncake: transfer_id is required of a prefill; the decode needs the bootstrap.
+            (
+                Mooncake,
+                Prefill,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true,"transfer_id":"t"}}"#,
+                None,
+                Ok(("local", "mooncake")),
+            ),
+            (
+                Mooncake,
+                Prefill,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#,
+                None,
+                Ok(("local", "fail")),
+            ),
+            (
+                Mooncake,
+                Prefill,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true,"transfer_id":"t"}}"#,
+                Some("1"),
+                Err(400),
+            ),
+            (
+                Mooncake,
+                Prefill,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true,"transfer_id":"t"}}"#,
+                Some(" 0 "),
+                Ok(("local", "mooncake")),
+            ),
+            (
+                Mooncake,
+                Decode,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_bootstrap_addr":"http://h:1","remote_engine_id":"e","transfer_id":"t"}}"#,
+                None,
+                Ok(("mooncake", "nothing")),
+            ),
+            (
+                Mooncake,
+                Decode,
+                false,
+                r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","transfer_id":"t"}}"#,
+                None,
+                Ok(("fail", "nothing")),
+            ),
+            // sglang: a room on both legs; a prefill without one is a 400.
+            (
+                Sglang,
+                Prefill,
+                false,
+                r#"{"prompt":"x","bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7}"#,
+                None,
+                Ok(("local", "sglang")),
+            ),
+            (Sglang, Prefill, false, r#"{"prompt":"x"}"#, None, Err(400)),
+            (
+                Sglang,
+                Decode,
+                false,
+                r#"{"prompt":"x","bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7}"#,
+                None,
+                Ok(("sglang", "nothing")),
+            ),
+            (
+                Sglang,
+                Decode,
+                false,
+                r#"{"prompt":"x","bootstrap_host":"h","bootstrap_port":1}"#,
+                None,
+                Err(400),
+            ),
+            (
+                Sglang,
+                Decode,
+                false,
+                r#"{"prompt":"x"}"#,
+                None,
+                Ok(("recompute", "nothing")),
+            ),
+            // A combined engine may do both sides at once.
+            (Shfs, Both, false, &both, None, Ok(("pull", "params"))),
+        ];
+        for (i, (connector, role, crash, body, rank, want)) in cases.into_iter().enumerate() {
+            let req =
+                crate::request::parse(crate::request::Endpoint::Completions, body.as_bytes(), "m")
+                    .unwrap();
+            let got = plan(input(role, connector, crash), &req, rank);
+            match (got, want) {
+                (Ok(p), Ok(w)) => assert_eq!(kinds(&p), w, "case {i}: {connector} {role} {body}"),
+                (Err(e), Err(status)) => assert_eq!(e.status(), status, "case {i}"),
+                (Ok(p), Err(_)) => panic!("case {i}: expected an error, got {:?}", kinds(&p)),
+                (Err(e), Ok(_)) => panic!("case {i}: unexpected error {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn sglang_url_carries_the_handoff_timeout() {
+        let req = crate::request::parse(
+            crate::request::Endpoint::Completions,
+            br#"{"prompt":"x","bootstrap_host":"::1","bootstrap_port":8998,"bootstrap_room":42}"#,
+            "m",
+        )
+        .unwrap();
+        let mut i = input(Role::Decode, Connector::Sglang, false);
+        i.handoff_timeout = Duration::from_millis(1500);
+        match plan(i, &req, None).unwrap().consume {
+            Consume::Sglang(url) => assert_eq!(url, "http://[::1]:8998/room/42?timeout_ms=1500"),
+            _ => panic!("expected an sglang join"),
         }
     }
 }
