@@ -12,7 +12,9 @@ imitates, on purpose:
 - `/v1/completions` and `/v1/chat/completions` answer JSON or, with `"stream": true`, SSE
   (`data: <json>\\n\\n` ... `data: [DONE]\\n\\n`); a prefill leg (`kv_transfer_params` with
   `do_remote_decode: true`) gets vLLM-shaped `kv_transfer_params` back; `/v1/models`, `/health`,
-  `/tokenize`, `/detokenize` and `/v1/embeddings` answer too.
+  `/tokenize`, `/detokenize` and `/v1/embeddings` answer too;
+- `--redirect PATH` makes PATH answer a 307 whose `Location` names the engine's own address, for
+  testing that a gateway does not relay it.
 
 It records every request it receives, completely or not: method, raw and decoded path, query string,
 HTTP version, headers in order, body (text and base64, updated as it arrives: the body is read
@@ -43,7 +45,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 RECORD_PATH = "/_recorded"
@@ -240,7 +242,7 @@ def make_generate(chat: bool, model: str) -> Any:
     return generate
 
 
-def build_app(recorder: Recorder, model: str) -> Any:
+def build_app(recorder: Recorder, model: str, redirects: list[str] | None = None) -> Any:
     async def models(_: Request) -> Response:
         card = {"id": model, "object": "model", "created": 0, "owned_by": "asgi-engine"}
         return JSONResponse({"object": "list", "data": [card]})
@@ -281,7 +283,12 @@ def build_app(recorder: Recorder, model: str) -> Any:
         detail = exc.detail if isinstance(exc, HTTPException) else "Not Found"
         return JSONResponse({"detail": detail}, status_code=status)
 
-    routes = [
+    async def redirect(request: Request) -> Response:
+        # As an engine behind a proxy would: the Location names the address the request came to.
+        return RedirectResponse(str(request.url.replace(path=request.url.path + "/")), 307)
+
+    routes = [Route(path, redirect, methods=["GET", "POST"]) for path in redirects or []]
+    routes += [
         Route("/v1/completions", make_generate(False, model), methods=["POST"]),
         Route("/v1/chat/completions", make_generate(True, model), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
@@ -303,6 +310,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--record", help="append one JSON line per request to this file")
     parser.add_argument("--model", default="asgi-model")
     parser.add_argument(
+        "--redirect",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="answer PATH with a 307 to PATH/ at the request's own address (repeatable)",
+    )
+    parser.add_argument(
         "--http", default="httptools", choices=["httptools", "h11"], help="uvicorn's HTTP parser"
     )
     args = parser.parse_args(argv)
@@ -315,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
 
     recorder = Recorder(args.record)
     config = uvicorn.Config(
-        build_app(recorder, args.model),
+        build_app(recorder, args.model, args.redirect),
         http=args.http,
         lifespan="off",
         log_level="warning",

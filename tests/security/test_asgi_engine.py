@@ -20,7 +20,8 @@ ENGINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "asgi_engine.p
 
 def start_engine(record_file: str, parser: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
-        [sys.executable, ENGINE, "--port", "0", "--record", record_file, "--http", parser],
+        [sys.executable, ENGINE, "--port", "0", "--record", record_file, "--http", parser]
+        + ["--redirect", "/v1/responses"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -107,7 +108,11 @@ def test_trailing_slash_redirect_names_the_host_it_was_sent(engine):
     )
     assert status == 307
     assert headers["location"] == "http://10.0.0.7:8000/v1/chat/completions"
-    assert [r["status"] for r in recorded(port)] == [307, 307]
+    # --redirect: an allowed path whose answer is a redirect to the engine itself.
+    status, headers, _ = send(port, "POST", "/v1/responses", "{}", {"Host": "10.0.0.7:8000"})
+    assert status == 307
+    assert headers["location"] == "http://10.0.0.7:8000/v1/responses/"
+    assert [r["status"] for r in recorded(port)] == [307, 307, 307]
 
 
 def test_records_headers_in_order_and_to_the_file(engine):

@@ -159,6 +159,49 @@ pub fn reject_body_error(err: &BodyError) -> EngineReject {
     EngineReject::new(Stage::Body, message, None)
 }
 
+/// Default bound for [`check_depth`]: serde_json's own recursion limit, and far
+/// below the depth at which Python's `json.loads` in an engine raises
+/// `RecursionError` (a 500 there, not a 400).
+pub const MAX_JSON_DEPTH: usize = 128;
+
+/// Refuses a body whose arrays and objects nest deeper than `max_depth`
+/// (the top-level object is depth 1). [`JsonBody`] skips nested values
+/// without a depth limit, so without this a deeply nested `prompt` would go
+/// through the gateway and fail in the engine.
+///
+/// # Errors
+/// A 400 [`EngineReject`] at [`Stage::Body`].
+pub fn check_depth(raw: &[u8], max_depth: usize) -> Result<(), EngineReject> {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in raw {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max_depth {
+                    return Err(EngineReject::new(
+                        Stage::Body,
+                        format!("JSON body nests deeper than {max_depth} levels"),
+                        None,
+                    ));
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// The vLLM 404 for a `model` the engines do not serve. `None` (no `model`
 /// in the body) passes: vLLM serves its default model then.
 pub fn check_model<S: AsRef<str>>(
@@ -819,6 +862,18 @@ mod tests {
         assert_eq!(py_value("true"), "True");
         assert_eq!(py_value("-2.50"), "-2.5");
         assert_eq!(py_value("-2"), "-2");
+    }
+
+    #[test]
+    fn depth_counts_only_structure() {
+        assert!(check_depth(br#"{"a":[[1]]}"#, 3).is_ok());
+        let e = check_depth(br#"{"a":[[1]]}"#, 2).unwrap_err();
+        assert_eq!((e.status, e.stage), (400, Stage::Body));
+        // Brackets inside strings, also after escaped quotes, do not count.
+        assert!(check_depth(br#"{"a":"[[[\"[[[","b":["\\"]}"#, 2).is_ok());
+        let deep = format!("{{\"p\":{}{}}}", "[".repeat(200), "]".repeat(200));
+        assert!(check_depth(deep.as_bytes(), MAX_JSON_DEPTH).is_err());
+        assert!(check_depth(deep.as_bytes(), 201).is_ok());
     }
 
     #[test]

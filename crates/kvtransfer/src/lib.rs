@@ -77,7 +77,7 @@ pub use agents::{
     MooncakeAgent, NixlAgent, SHFS_PREFILL_KV_TRANSFER_PARAMS, SglangAgent, ShfsAgent,
 };
 pub use body::{BodyError, JsonBody};
-pub use checks::{EngineReject, check_model, check_request, reject_body_error};
+pub use checks::{EngineReject, check_depth, check_model, check_request, reject_body_error};
 pub use context::{RoutingContext, Timings, TransferState};
 pub use pod::{
     BootstrapError, DEFAULT_HTTP_PORT, DEFAULT_MOONCAKE_BOOTSTRAP_PORT,
