@@ -69,8 +69,11 @@ pub const COMPLETIONS_DEFAULT_MAX_TOKENS: i128 = 16;
 /// Where in vLLM the rejection would come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Stage {
-    /// The request body as a whole (JSON, shape, duplicate keys).
+    /// The request body as a whole (not JSON, not an object).
     Body,
+    /// A rule of the gateway, not of vLLM: repeated keys, nesting depth, one
+    /// sequence per request for connectors that cannot serve more.
+    Gateway,
     /// A pydantic validator of the request model (field types, required
     /// fields, `stream_options`, logprobs fields).
     Schema,
@@ -149,14 +152,15 @@ impl EngineReject {
 /// rule (contracts §2: Python keeps the last one silently, so a client could
 /// hide a value from a gateway that reads the first).
 pub fn reject_body_error(err: &BodyError) -> EngineReject {
-    let message = match err {
-        BodyError::NotObject => {
-            "Input should be a valid dictionary or object to extract fields from".to_owned()
-        }
-        BodyError::Invalid(e) => format!("JSON decode error: {e}"),
-        other => other.to_string(),
+    let (stage, message) = match err {
+        BodyError::NotObject => (
+            Stage::Body,
+            "Input should be a valid dictionary or object to extract fields from".to_owned(),
+        ),
+        BodyError::Invalid(e) => (Stage::Body, format!("JSON decode error: {e}")),
+        other => (Stage::Gateway, other.to_string()),
     };
-    EngineReject::new(Stage::Body, message, None)
+    EngineReject::new(stage, message, None)
 }
 
 /// Default bound for [`check_depth`]: serde_json's own recursion limit, and far
@@ -170,7 +174,7 @@ pub const MAX_JSON_DEPTH: usize = 128;
 /// through the gateway and fail in the engine.
 ///
 /// # Errors
-/// A 400 [`EngineReject`] at [`Stage::Body`].
+/// A 400 [`EngineReject`] at [`Stage::Gateway`].
 pub fn check_depth(raw: &[u8], max_depth: usize) -> Result<(), EngineReject> {
     let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
     for &b in raw {
@@ -189,7 +193,7 @@ pub fn check_depth(raw: &[u8], max_depth: usize) -> Result<(), EngineReject> {
                 depth += 1;
                 if depth > max_depth {
                     return Err(EngineReject::new(
-                        Stage::Body,
+                        Stage::Gateway,
                         format!("JSON body nests deeper than {max_depth} levels"),
                         None,
                     ));
@@ -283,7 +287,8 @@ pub fn check_single_sequence(
 ) -> Result<(), EngineReject> {
     match batch_param(body, endpoint)? {
         None => Ok(()),
-        Some(param) => Err(schema(
+        Some(param) => Err(EngineReject::new(
+            Stage::Gateway,
             format!(
                 "connector {connector} serves one prompt with n=1 per request; send the prompts as separate requests"
             ),
@@ -292,8 +297,8 @@ pub fn check_single_sequence(
     }
 }
 
-/// A JSON number read the way Python reads it: integer text stays exact
-/// (`text`), anything else is a float.
+/// An integer field as pydantic reads it: `value` saturates beyond `i128`,
+/// `text` is Python's `str()` of it (exact digits at any size).
 #[derive(Clone, Debug)]
 struct Int {
     value: i128,
@@ -868,7 +873,7 @@ mod tests {
     fn depth_counts_only_structure() {
         assert!(check_depth(br#"{"a":[[1]]}"#, 3).is_ok());
         let e = check_depth(br#"{"a":[[1]]}"#, 2).unwrap_err();
-        assert_eq!((e.status, e.stage), (400, Stage::Body));
+        assert_eq!((e.status, e.stage), (400, Stage::Gateway));
         // Brackets inside strings, also after escaped quotes, do not count.
         assert!(check_depth(br#"{"a":"[[[\"[[[","b":["\\"]}"#, 2).is_ok());
         let deep = format!("{{\"p\":{}{}}}", "[".repeat(200), "]".repeat(200));
