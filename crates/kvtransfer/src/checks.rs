@@ -176,19 +176,11 @@ pub const MAX_JSON_DEPTH: usize = 128;
 /// # Errors
 /// A 400 [`EngineReject`] at [`Stage::Gateway`].
 pub fn check_depth(raw: &[u8], max_depth: usize) -> Result<(), EngineReject> {
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    for &b in raw {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_string = true,
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < raw.len() {
+        match raw[i] {
+            b'"' => i = string_end(raw, i + 1),
             b'[' | b'{' => {
                 depth += 1;
                 if depth > max_depth {
@@ -202,8 +194,40 @@ pub fn check_depth(raw: &[u8], max_depth: usize) -> Result<(), EngineReject> {
             b']' | b'}' => depth = depth.saturating_sub(1),
             _ => {}
         }
+        i += 1;
     }
     Ok(())
+}
+
+/// The index of the `"` that closes the string whose text starts at `i`
+/// (or `raw.len()`). Skips eight bytes at a time while they hold neither a
+/// quote nor a backslash: prompts are most of a body, and a byte-by-byte
+/// scan costs more than the parse itself.
+fn string_end(raw: &[u8], mut i: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGHS: u64 = 0x8080_8080_8080_8080;
+    let holds = |w: u64, b: u8| {
+        let x = w ^ (ONES * u64::from(b));
+        x.wrapping_sub(ONES) & !x & HIGHS != 0
+    };
+    loop {
+        while let Some(chunk) = raw.get(i..i + 8) {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(chunk);
+            let w = u64::from_le_bytes(word);
+            if holds(w, b'"') || holds(w, b'\\') {
+                break;
+            }
+            i += 8;
+        }
+        match raw.get(i) {
+            None => return raw.len(),
+            Some(b'"') => return i,
+            // An escape: whatever follows cannot end the string.
+            Some(b'\\') => i += 2,
+            Some(_) => i += 1,
+        }
+    }
 }
 
 /// The vLLM 404 for a `model` the engines do not serve. `None` (no `model`
@@ -255,10 +279,10 @@ pub fn batch_param(
         return Ok(Some("n"));
     }
     if endpoint == Endpoint::Completions
-        && let Some(raw) = v.raw("prompt")
-        && raw.starts_with('[')
+        && let Some(raw) = v.bytes("prompt")
+        && raw.starts_with(b"[")
     {
-        let items: Vec<&RawValue> = serde_json::from_str(raw).map_err(|_| {
+        let items: Vec<&RawValue> = serde_json::from_slice(&raw).map_err(|_| {
             schema(
                 "prompt: Input should be a valid string or list".to_owned(),
                 Some("prompt"),
@@ -325,12 +349,15 @@ fn truthy(raw: Option<&str>) -> bool {
         None | Some(b'n' | b'f') => false,
         Some(b't') => true,
         Some(b'"') => raw != "\"\"",
-        Some(b'[' | b'{') => {
-            let inner = raw[1..raw.len().saturating_sub(1)].trim_matches([' ', '\t', '\n', '\r']);
-            !inner.is_empty()
-        }
+        Some(b'[' | b'{') => !empty_container(raw.as_bytes()),
         Some(_) => number_text(raw).is_some_and(|f| f != 0.0),
     }
+}
+
+/// Whether the array or object `raw` has nothing but whitespace between its brackets.
+fn empty_container(raw: &[u8]) -> bool {
+    raw.get(1..raw.len().saturating_sub(1))
+        .is_some_and(|inner| inner.iter().all(|b| b" \t\n\r".contains(b)))
 }
 
 fn number_text(raw: &str) -> Option<f64> {
@@ -416,6 +443,11 @@ impl<'a> View<'a> {
     /// optional fields treat both alike).
     fn raw(&self, key: &str) -> Option<&'a str> {
         self.body.get_raw(key).filter(|r| *r != "null")
+    }
+
+    /// The raw bytes of `key` (zero copy, no UTF-8 check), `None` when absent or `null`.
+    fn bytes(&self, key: &str) -> Option<bytes::Bytes> {
+        self.body.get_raw_bytes(key).filter(|r| &r[..] != b"null")
     }
 
     /// An integer field as pydantic (lax mode) reads it: integers, floats
@@ -532,10 +564,11 @@ fn logprob_field(v: &View<'_>, key: &'static str) -> Result<Option<(f64, String)
 fn check_schema(v: &View<'_>, endpoint: Endpoint) -> Result<(), EngineReject> {
     match endpoint {
         Endpoint::Completions => {
-            let prompt_empty = v.raw("prompt").is_none_or(|p| p == "\"\"");
+            // Read as bytes: these are the large members, not worth a UTF-8 check here.
+            let prompt_empty = v.bytes("prompt").is_none_or(|p| &p[..] == b"\"\"");
             let embeds_empty = v
-                .raw("prompt_embeds")
-                .is_none_or(|e| e.starts_with('[') && !truthy(Some(e)));
+                .bytes("prompt_embeds")
+                .is_none_or(|e| e.starts_with(b"[") && empty_container(&e));
             if prompt_empty && embeds_empty {
                 return Err(schema("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
                         .to_owned(),
@@ -543,14 +576,14 @@ fn check_schema(v: &View<'_>, endpoint: Endpoint) -> Result<(), EngineReject> {
                 ));
             }
         }
-        Endpoint::ChatCompletions => match v.body.get_raw("messages") {
+        Endpoint::ChatCompletions => match v.body.get_raw_bytes("messages") {
             None => {
                 return Err(schema(
                     "Field required: messages".to_owned(),
                     Some("messages"),
                 ));
             }
-            Some(m) if !m.starts_with('[') => return Err(type_error("messages", "list")),
+            Some(m) if !m.starts_with(b"[") => return Err(type_error("messages", "list")),
             Some(_) => {}
         },
     }
@@ -879,6 +912,14 @@ mod tests {
         let deep = format!("{{\"p\":{}{}}}", "[".repeat(200), "]".repeat(200));
         assert!(check_depth(deep.as_bytes(), MAX_JSON_DEPTH).is_err());
         assert!(check_depth(deep.as_bytes(), 201).is_ok());
+        // Strings longer than a word, escapes at every offset, an unterminated string.
+        for pad in 0..10 {
+            let body = format!("{{\"a\":\"{}\\\"[[\\\\\",\"b\":[[1]]}}", "x".repeat(pad));
+            assert!(check_depth(body.as_bytes(), 3).is_ok(), "{body}");
+            assert!(check_depth(body.as_bytes(), 2).is_err(), "{body}");
+        }
+        assert!(check_depth(b"{\"a\":\"[[[[[[[[[[[[", 1).is_ok());
+        assert!(check_depth(b"{\"a\":\"\\", 1).is_ok());
     }
 
     #[test]
