@@ -587,6 +587,7 @@ fn check_schema(v: &View<'_>, endpoint: Endpoint) -> Result<(), EngineReject> {
             Some(_) => {}
         },
     }
+    check_formats_and_tools(v, endpoint)?;
     if truthy(v.raw("stream_options")) && !truthy(v.raw("stream")) {
         return Err(schema(
             "Stream options can only be defined when `stream=True`. (parameter=stream_options)"
@@ -634,6 +635,49 @@ fn check_schema(v: &View<'_>, endpoint: Endpoint) -> Result<(), EngineReject> {
                 Some("top_logprobs"),
             ));
         }
+    }
+    Ok(())
+}
+
+/// vLLM's validators of `response_format` and (chat) of tools and the
+/// generation prompt.
+fn check_formats_and_tools(v: &View<'_>, endpoint: Endpoint) -> Result<(), EngineReject> {
+    if let Some(raw) = v.raw("response_format")
+        && raw.starts_with('{')
+        && let Ok(format) = JsonBody::parse(bytes::Bytes::copy_from_slice(raw.as_bytes()))
+        && format.get_raw("type") == Some("\"json_schema\"")
+        && format.get_raw("json_schema").is_none_or(|s| s == "null")
+    {
+        return Err(schema(
+            "When response_format type is 'json_schema', the 'json_schema' field must be provided. (parameter=response_format)".to_owned(),
+            Some("response_format"),
+        ));
+    }
+    if endpoint != Endpoint::ChatCompletions {
+        return Ok(());
+    }
+    let tools = v.raw("tools");
+    if tools.is_some_and(|t| empty_container(t.as_bytes()) && t.starts_with('[')) {
+        return Err(schema(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely. (parameter=tools)".to_owned(),
+            Some("tools"),
+        ));
+    }
+    if let Some(choice) = v.raw("tool_choice")
+        && choice != "\"none\""
+        && tools.is_none()
+    {
+        return Err(schema(
+            "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)".to_owned(),
+            Some("tool_choice"),
+        ));
+    }
+    if truthy(v.raw("continue_final_message")) && truthy(v.raw("add_generation_prompt")) {
+        return Err(schema(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                .to_owned(),
+            None,
+        ));
     }
     Ok(())
 }

@@ -105,6 +105,19 @@ const CASES: &[Case] = &[
     (C, r#"{"prompt":"x","stop":["a",""]}"#, Some("stop cannot contain an empty string."), None),
     (H, r#"{"messages":[],"stop":""}"#, Some("stop cannot contain an empty string."), None),
 
+    // response_format, tools, generation prompt.
+    (C, r#"{"prompt":"x","response_format":{"type":"json_schema"}}"#, Some("When response_format type is 'json_schema', the 'json_schema' field must be provided. (parameter=response_format)"), Some("response_format")),
+    (H, r#"{"messages":[],"response_format":{"type":"json_schema","json_schema":{"name":"o","schema":{}}}}"#, None, None),
+    (H, r#"{"messages":[],"response_format":{"type":"json_object"}}"#, None, None),
+    (H, r#"{"messages":[],"tools":[]}"#, Some("`tools` must not be an empty array. Either provide at least one tool or omit the field entirely. (parameter=tools)"), Some("tools")),
+    (C, r#"{"prompt":"x","tools":[]}"#, None, None),
+    (H, r#"{"messages":[],"tool_choice":"auto"}"#, Some("When using `tool_choice`, `tools` must be set. (parameter=tool_choice)"), Some("tool_choice")),
+    (H, r#"{"messages":[],"tool_choice":"none"}"#, None, None),
+    (H, r#"{"messages":[],"tool_choice":null}"#, None, None),
+    (H, r#"{"messages":[],"tool_choice":"auto","tools":[{"type":"function","function":{"name":"f"}}]}"#, None, None),
+    (H, r#"{"messages":[],"continue_final_message":true,"add_generation_prompt":true}"#, Some("Cannot set both `continue_final_message` and `add_generation_prompt` to True."), None),
+    (H, r#"{"messages":[],"continue_final_message":true}"#, None, None),
+
     // Logprobs.
     (C, r#"{"prompt":"x","logprobs":21}"#, Some("Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)"), Some("logprobs")),
     (C, r#"{"prompt":"x","logprobs":-2}"#, Some("`logprobs` must be a positive value or -1. (parameter=logprobs, value=-2)"), Some("logprobs")),
