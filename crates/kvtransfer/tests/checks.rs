@@ -242,3 +242,97 @@ fn batches_are_found() {
     );
     assert!(check_single_sequence(&read(r#"{"prompt":"a","n":1}"#), C, "shfs").is_ok());
 }
+
+mod properties {
+    use super::*;
+    use kvtransfer::check_depth;
+    use proptest::prelude::*;
+    use serde_json::Value;
+
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(Value::from),
+            // Quotes, backslashes and brackets inside strings, at every offset of a word.
+            "[a-z\"\\\\\\[\\]{} ]{0,20}".prop_map(Value::String),
+            any::<String>().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(8, 64, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map("[a-z_\"]{0,6}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn depth(v: &Value) -> usize {
+        match v {
+            Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+            Value::Object(m) => 1 + m.values().map(depth).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    const FIELDS: &[&str] = &[
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "n",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "echo",
+        "stop",
+        "use_beam_search",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "prompt_embeds",
+        "continue_final_message",
+        "add_generation_prompt",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        #[test]
+        fn depth_agrees_with_the_parsed_value(v in json(), pretty in any::<bool>(), limit in 0usize..10) {
+            let text = if pretty { serde_json::to_string_pretty(&v) } else { serde_json::to_string(&v) }.unwrap();
+            prop_assert_eq!(check_depth(text.as_bytes(), limit).is_ok(), depth(&v) <= limit, "{}", text);
+        }
+
+        #[test]
+        fn checks_never_panic_and_answer_400(
+            fields in prop::collection::btree_map(prop::sample::select(FIELDS), json(), 0..8),
+            chat in any::<bool>(),
+        ) {
+            let body: serde_json::Map<String, Value> =
+                fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+            let text = serde_json::to_vec(&body).unwrap();
+            let parsed = JsonBody::parse(Bytes::from(text)).unwrap();
+            let endpoint = if chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
+            if let Err(e) = check_request(&parsed, endpoint, &Limits::default()) {
+                prop_assert_eq!(e.status, 400);
+                prop_assert!(!e.message.is_empty());
+                prop_assert!(serde_json::from_slice::<Value>(&e.to_json()).is_ok());
+            }
+            let _ = batch_param(&parsed, endpoint);
+        }
+    }
+}
