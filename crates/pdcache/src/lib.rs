@@ -3,3 +3,5 @@
 pub mod events;
 pub mod keys;
 mod msgpack;
+pub mod tokenizer;
+pub mod vllm_hash;
