@@ -1,6 +1,7 @@
 //! pdcache: what pdgate and pdsim need to know about engines' prefix caches.
 
 pub mod events;
+pub mod index;
 pub mod keys;
 mod msgpack;
 pub mod tokenizer;

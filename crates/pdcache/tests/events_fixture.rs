@@ -221,3 +221,56 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn captured_events_index_under_our_own_keys() {
+    use pdcache::index::{CacheIndex, IndexConfig, Match};
+    use pdcache::keys::token_keys;
+    let now = std::time::Instant::now();
+    let mut idx = CacheIndex::new(IndexConfig::default(), now);
+    let (a, b) = (
+        idx.add_endpoint().expect("room"),
+        idx.add_endpoint().expect("room"),
+    );
+    let msgs = messages();
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    for m in &msgs {
+        let ep = if m.topic.starts_with("kv@A") { a } else { b };
+        let batch = decode_batch(&m.payload).expect("decodes");
+        let st = idx.apply_batch(ep, &batch, now);
+        assert_eq!((st.orphaned, st.ignored), (0, 0), "{}", m.topic);
+        for e in &batch.events {
+            if let KvEvent::BlockStored(s) = e {
+                prompts.push(s.token_ids.clone());
+            }
+        }
+    }
+    // Engine A: the second message's block continues the first message's third block, so a
+    // request of those 3 + 1 blocks matches 4 on A, though A never stored them as one event.
+    let mut req = prompts[0][..96].to_vec();
+    req.extend_from_slice(&prompts[1]);
+    let mut out: Vec<Match> = Vec::new();
+    idx.match_prefix(&token_keys(&req, 32), &mut out);
+    assert_eq!(
+        out,
+        [Match {
+            endpoint: a,
+            blocks: 4
+        }]
+    );
+    // Engine B (block 128): its evicted block is gone, the others are there.
+    let removed = &prompts[3];
+    idx.match_prefix(&token_keys(removed, 128), &mut out);
+    assert!(
+        out.iter().all(|m| m.endpoint != b),
+        "the block B evicted matches nothing on B"
+    );
+    idx.match_prefix(&token_keys(&prompts[4], 128), &mut out);
+    assert_eq!(
+        out,
+        [Match {
+            endpoint: b,
+            blocks: 3
+        }]
+    );
+}

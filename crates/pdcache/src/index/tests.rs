@@ -1,0 +1,294 @@
+use std::collections::{HashMap, HashSet};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::events::{BlockHash, BlockRemoved};
+use crate::keys::token_keys;
+
+fn index(capacity: usize) -> (CacheIndex, Instant) {
+    let t0 = Instant::now();
+    let config = IndexConfig {
+        capacity_per_endpoint: capacity,
+        ..IndexConfig::default()
+    };
+    (CacheIndex::new(config, t0), t0)
+}
+
+fn keys(ids: &[u64]) -> Vec<BlockKey> {
+    ids.iter().map(|&k| BlockKey(k)).collect()
+}
+
+fn matches(idx: &CacheIndex, ks: &[BlockKey]) -> Vec<(u16, u32)> {
+    let mut out = Vec::new();
+    idx.match_prefix(ks, &mut out);
+    let mut v: Vec<(u16, u32)> = out.iter().map(|m| (m.endpoint.0, m.blocks)).collect();
+    v.sort_unstable();
+    v
+}
+
+fn ep(idx: &mut CacheIndex) -> EndpointId {
+    idx.add_endpoint().expect("room")
+}
+
+#[test]
+fn longest_consecutive_prefix_per_endpoint() {
+    let (mut idx, t0) = index(100);
+    let (a, b, c) = (ep(&mut idx), ep(&mut idx), ep(&mut idx));
+    idx.insert_approximate(a, &keys(&[1, 2, 3, 4]), t0);
+    idx.insert_approximate(b, &keys(&[1, 2]), t0);
+    // c holds blocks 0 and 2 but not 1: only the first counts.
+    idx.insert_approximate(c, &keys(&[1, 3]), t0);
+    assert_eq!(
+        matches(&idx, &keys(&[1, 2, 3, 9])),
+        [(a.0, 3), (b.0, 2), (c.0, 1)]
+    );
+    assert_eq!(
+        matches(&idx, &keys(&[2, 3])),
+        [(a.0, 2), (b.0, 1)],
+        "keys name prefixes; a mid-prompt key matches only where it was stored"
+    );
+    assert_eq!(matches(&idx, &keys(&[7])), []);
+    assert_eq!(matches(&idx, &[]), []);
+}
+
+#[test]
+fn keys_on_many_endpoints_switch_to_bitmaps_and_back() {
+    let (mut idx, t0) = index(100);
+    let eps: Vec<EndpointId> = (0..100).map(|_| ep(&mut idx)).collect();
+    for (n, &e) in eps.iter().enumerate() {
+        // Everyone shares [10, 11]; endpoint n continues with its own blocks, n % 5 of them.
+        let mut ks = vec![10, 11];
+        ks.extend((0..(n % 5) as u64).map(|j| 1000 + 10 * n as u64 + j));
+        idx.insert_approximate(e, &keys(&ks), t0);
+    }
+    let s = idx.stats();
+    assert_eq!(s.wide_keys, 2);
+    let probe = keys(&[10, 11, 1000 + 10 * 7, 1000 + 10 * 7 + 1]);
+    let got = matches(&idx, &probe);
+    assert_eq!(got.len(), 100);
+    for (e, blocks) in got {
+        let expect = if e == 7 { 4 } else { 2 };
+        assert_eq!(blocks, expect, "endpoint {e}");
+    }
+    // A narrow key after a wide one, and a wide one after a narrow one.
+    idx.insert_approximate(eps[3], &keys(&[5, 10]), t0);
+    assert_eq!(matches(&idx, &keys(&[5, 10, 11])), [(3, 3)]);
+    for &e in &eps[..95] {
+        idx.clear_endpoint(e);
+    }
+    assert_eq!(matches(&idx, &keys(&[10, 11])).len(), 5);
+    for &e in &eps[95..] {
+        idx.remove_endpoint(e);
+    }
+    let s = idx.stats();
+    assert_eq!((s.entries, s.keys, s.wide_keys), (0, 0, 0));
+}
+
+#[test]
+fn lru_evicts_the_least_recently_used_and_guesses_before_facts() {
+    let (mut idx, t0) = index(4);
+    let a = ep(&mut idx);
+    idx.insert_approximate(a, &keys(&[1, 2, 3, 4]), t0);
+    idx.insert_approximate(a, &keys(&[1]), t0); // 1 is now the most recent
+    idx.insert_approximate(a, &keys(&[5]), t0);
+    assert_eq!(idx.endpoint_len(a), 4);
+    assert_eq!(
+        matches(&idx, &keys(&[2])),
+        [],
+        "2 was the least recently used"
+    );
+    assert_eq!(matches(&idx, &keys(&[1])), [(a.0, 1)]);
+    // Precise entries outlive guesses under pressure.
+    let (mut idx, t0) = index(2);
+    let b = ep(&mut idx);
+    let stored = BlockStored::new(vec![BlockHash::Uint(1)], None, vec![7, 7], 2);
+    idx.apply_event(b, &KvEvent::BlockStored(stored), t0);
+    idx.insert_speculative(b, &keys(&[50, 51]), t0);
+    assert_eq!(idx.stats().precise, 1);
+    assert_eq!(matches(&idx, &token_keys(&[7, 7], 2)), [(b.0, 1)]);
+}
+
+#[test]
+fn approximate_and_speculative_entries_expire_on_the_injected_clock() {
+    let (mut idx, t0) = index(100);
+    let (a, b) = (ep(&mut idx), ep(&mut idx));
+    idx.insert_approximate(a, &keys(&[1, 2]), t0);
+    idx.insert_speculative(b, &keys(&[1, 2]), t0);
+    idx.expire(t0 + Duration::from_secs(1));
+    assert_eq!(matches(&idx, &keys(&[1, 2])), [(a.0, 2), (b.0, 2)]);
+    idx.expire(t0 + Duration::from_secs(3));
+    assert_eq!(
+        matches(&idx, &keys(&[1, 2])),
+        [(a.0, 2)],
+        "speculative gone after 2 s"
+    );
+    // A refresh extends the approximate life.
+    idx.insert_approximate(a, &keys(&[1]), t0 + Duration::from_secs(100));
+    idx.expire(t0 + Duration::from_secs(150));
+    assert_eq!(matches(&idx, &keys(&[1, 2])), [(a.0, 1)]);
+    idx.expire(t0 + Duration::from_secs(221));
+    assert_eq!(idx.stats().entries, 0);
+}
+
+#[test]
+fn events_confirm_speculation_chain_parents_and_remove_by_engine_hash() {
+    let (mut idx, t0) = index(100);
+    let a = ep(&mut idx);
+    let tokens: Vec<u32> = (0..12).collect();
+    let ks = token_keys(&tokens, 4);
+    idx.insert_speculative(a, &ks, t0);
+    let first = BlockStored::new(vec![BlockHash::Uint(100)], None, tokens[..4].to_vec(), 4);
+    let rest = BlockStored::new(
+        vec![200.into(), 300.into()],
+        Some(100.into()),
+        tokens[4..].to_vec(),
+        4,
+    );
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(first), KvEvent::BlockStored(rest)],
+        data_parallel_rank: Some(0),
+    };
+    let st = idx.apply_batch(a, &batch, t0);
+    assert_eq!((st.stored, st.orphaned), (3, 0));
+    assert_eq!(idx.stats().precise, 3);
+    idx.expire(t0 + Duration::from_secs(10));
+    assert_eq!(
+        matches(&idx, &ks),
+        [(a.0, 3)],
+        "confirmed entries do not expire"
+    );
+    // Removing the middle block cuts the prefix at 1.
+    let st = idx.apply_event(
+        a,
+        &KvEvent::BlockRemoved(BlockRemoved::new(vec![200.into(), 999.into()])),
+        t0,
+    );
+    assert_eq!(st.removed, 1);
+    assert_eq!(matches(&idx, &ks), [(a.0, 1)]);
+    // A store whose parent is unknown cannot be keyed.
+    let orphan = BlockStored::new(vec![400.into()], Some(12345.into()), vec![1, 2, 3, 4], 4);
+    assert_eq!(
+        idx.apply_event(a, &KvEvent::BlockStored(orphan), t0)
+            .orphaned,
+        1
+    );
+    // Other groups, other media and malformed stores are ignored.
+    let mut other = BlockStored::new(vec![500.into()], None, tokens[..4].to_vec(), 4);
+    other.group_idx = Some(1);
+    let mut cpu = other.clone();
+    cpu.group_idx = Some(0);
+    cpu.medium = Some("CPU".into());
+    let bad = BlockStored::new(vec![600.into()], None, vec![1, 2, 3], 4);
+    for e in [other, cpu, bad] {
+        assert_eq!(idx.apply_event(a, &KvEvent::BlockStored(e), t0).ignored, 1);
+    }
+    assert_eq!(
+        idx.apply_event(a, &KvEvent::AllBlocksCleared, t0).cleared,
+        1
+    );
+    assert_eq!(idx.stats().entries, 0);
+}
+
+#[test]
+fn endpoint_ids_are_reused_without_stale_entries() {
+    let (mut idx, t0) = index(100);
+    let a = ep(&mut idx);
+    idx.insert_approximate(a, &keys(&[1]), t0);
+    idx.remove_endpoint(a);
+    let b = ep(&mut idx);
+    assert_eq!(a, b);
+    assert_eq!(matches(&idx, &keys(&[1])), []);
+    idx.remove_endpoint(EndpointId(999));
+    idx.insert_approximate(EndpointId(999), &keys(&[1]), t0);
+    assert_eq!(idx.stats().entries, 0, "unknown endpoints are ignored");
+}
+
+#[test]
+fn predicted_cached_tokens_follows_vllm() {
+    // 140 tokens, block 32, 4 blocks cached: 128.
+    assert_eq!(predicted_cached_tokens(4, 32, 140), 128);
+    // A fully cached prompt of exactly 4 blocks recomputes the last block.
+    assert_eq!(predicted_cached_tokens(4, 32, 128), 96);
+    assert_eq!(predicted_cached_tokens(0, 32, 128), 0);
+    assert_eq!(predicted_cached_tokens(3, 0, 0), 0);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store(u16, u8, u64),
+    Remove(u16, u64),
+    Clear(u16),
+    Approx(u16, Vec<u8>),
+    Match(Vec<u8>),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0..12u16, 0..6u8, 0..40u64).prop_map(|(e, k, h)| Op::Store(e, k, h)),
+        (0..12u16, 0..40u64).prop_map(|(e, h)| Op::Remove(e, h)),
+        (0..12u16).prop_map(Op::Clear),
+        (0..12u16, proptest::collection::vec(0..6u8, 0..4)).prop_map(|(e, k)| Op::Approx(e, k)),
+        proptest::collection::vec(0..6u8, 0..5).prop_map(Op::Match),
+    ]
+}
+
+proptest! {
+    /// The index against a naive model (a set of keys per endpoint), with few keys and up to 12
+    /// endpoints so keys cross the narrow/wide threshold both ways.
+    #[test]
+    fn agrees_with_a_naive_model(ops in proptest::collection::vec(op(), 1..200)) {
+        let (mut idx, t0) = index(1 << 20);
+        let eps: Vec<EndpointId> = (0..12).map(|_| ep(&mut idx)).collect();
+        let mut model: HashMap<u16, HashSet<u64>> = HashMap::new();
+        // Precise entries by engine hash, per endpoint, as the model sees them.
+        let mut engine: HashMap<(u16, u64), u64> = HashMap::new();
+        let key_of = |k: u8| token_keys(&[u32::from(k)], 1)[0].0;
+        for op in ops {
+            match op {
+                Op::Store(e, k, h) => {
+                    let s = BlockStored::new(vec![h.into()], None, vec![u32::from(k)], 1);
+                    idx.apply_event(eps[usize::from(e)], &KvEvent::BlockStored(s), t0);
+                    if let Some(old) = engine.insert((e, h), key_of(k))
+                        && old != key_of(k)
+                    {
+                        model.entry(e).or_default().remove(&old);
+                    }
+                    // The same key stored under a new engine hash: the old hash maps no more.
+                    engine.retain(|&(e2, h2), v| !(e2 == e && h2 != h && *v == key_of(k)));
+                    model.entry(e).or_default().insert(key_of(k));
+                }
+                Op::Remove(e, h) => {
+                    let r = BlockRemoved::new(vec![h.into()]);
+                    idx.apply_event(eps[usize::from(e)], &KvEvent::BlockRemoved(r), t0);
+                    if let Some(k) = engine.remove(&(e, h)) {
+                        model.entry(e).or_default().remove(&k);
+                    }
+                }
+                Op::Clear(e) => {
+                    idx.clear_endpoint(eps[usize::from(e)]);
+                    model.remove(&e);
+                    engine.retain(|&(e2, _), _| e2 != e);
+                }
+                Op::Approx(e, ks) => {
+                    let ks: Vec<BlockKey> = ks.iter().map(|&k| BlockKey(key_of(k))).collect();
+                    idx.insert_approximate(eps[usize::from(e)], &ks, t0);
+                    model.entry(e).or_default().extend(ks.iter().map(|k| k.0));
+                }
+                Op::Match(ks) => {
+                    let ks: Vec<BlockKey> = ks.iter().map(|&k| BlockKey(key_of(k))).collect();
+                    let mut want: Vec<(u16, u32)> = model
+                        .iter()
+                        .map(|(&e, set)| (e, ks.iter().take_while(|k| set.contains(&k.0)).count() as u32))
+                        .filter(|&(_, n)| n > 0)
+                        .collect();
+                    want.sort_unstable();
+                    prop_assert_eq!(matches(&idx, &ks), want);
+                }
+            }
+        }
+        let total: usize = model.values().map(HashSet::len).sum();
+        prop_assert_eq!(idx.stats().entries, total);
+    }
+}
