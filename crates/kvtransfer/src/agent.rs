@@ -1,6 +1,7 @@
 //! The KV-transfer agent interface: how one connector shapes the two legs.
 
 use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
 
 use crate::body::{BodyError, JsonBody};
 use crate::context::RoutingContext;
@@ -8,15 +9,16 @@ use crate::pod::Pod;
 use crate::rules::strip_client_transfer_fields;
 
 /// Header naming the data-parallel rank a request must run on (vLLM).
-pub const DATA_PARALLEL_RANK_HEADER: &str = "x-data-parallel-rank";
+pub const DATA_PARALLEL_RANK_HEADER: HeaderName = HeaderName::from_static("x-data-parallel-rank");
 
 /// The prefill leg an agent built: body bytes and extra headers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrefillRequest {
     /// The prefill body to send (same path as the client used).
     pub body: Bytes,
-    /// Extra headers for the prefill leg, e.g. `("x-data-parallel-rank", "0")`.
-    pub headers: Vec<(&'static str, String)>,
+    /// Extra headers for the prefill leg, e.g. `x-data-parallel-rank: 0`. Typed, so a
+    /// gateway can set them without checking (or panicking on) names at request time.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl PrefillRequest {
@@ -27,6 +29,16 @@ impl PrefillRequest {
             headers: Vec::new(),
         }
     }
+}
+
+/// A call the gateway makes to an engine on a connector's behalf (e.g. SGLang's abort): a
+/// `POST` of `body` (JSON) to `path` on the engine, bounded by the gateway.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineCall {
+    /// Request path on the engine, e.g. `/abort_request`.
+    pub path: &'static str,
+    /// JSON body.
+    pub body: Bytes,
 }
 
 /// How the gateway schedules the two legs for an agent.
@@ -124,6 +136,21 @@ pub trait KvTransferAgent: Send + Sync + std::fmt::Debug {
     /// Whether `n > 1` or a prompt array can be served; the gateway answers 400
     /// otherwise (vLLM returns one set of transfer parameters per request).
     fn supports_batch(&self) -> bool {
+        false
+    }
+
+    /// What a decode engine must be sent to drop `request_id` when the gateway gives it up (its
+    /// concurrent prefill failed, or the client left before the stream's end). `None` (the
+    /// default): closing the decode connection is enough, as for vLLM.
+    fn engine_abort(&self, request_id: &str) -> Option<EngineCall> {
+        let _ = request_id;
+        None
+    }
+
+    /// Whether a prefill pod needs bootstrap facts looked up by discovery
+    /// ([`Pod::mooncake_bootstrap`], from the pod's bootstrap server) before it can be routed to.
+    /// Discovery does the I/O; the agent only says it needs it.
+    fn needs_bootstrap_lookup(&self) -> bool {
         false
     }
 

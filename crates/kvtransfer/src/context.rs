@@ -1,25 +1,8 @@
 //! Per-request routing state shared between the gateway and the agents.
 
-use std::time::Instant;
-
 use bytes::Bytes;
 
 use crate::body::{BodyError, JsonBody};
-
-/// Points in a request's life, filled by the gateway as they happen.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Timings {
-    /// The client request was read.
-    pub received: Option<Instant>,
-    /// The prefill leg was sent.
-    pub prefill_sent: Option<Instant>,
-    /// The prefill response was complete.
-    pub prefill_done: Option<Instant>,
-    /// The decode leg was sent.
-    pub decode_sent: Option<Instant>,
-    /// The first decode body byte arrived.
-    pub decode_first_byte: Option<Instant>,
-}
 
 /// Protocol state an agent's `augment_prefill_request` leaves for its
 /// `merge_prefill_response` (and for the gateway's logs and aborts).
@@ -48,16 +31,8 @@ pub struct TransferState {
 pub struct RoutingContext {
     /// Request id sent as `X-Request-Id` on both legs.
     pub request_id: String,
-    /// Model name from the body (filled by [`RoutingContext::from_parsed`]).
-    pub model: String,
-    /// Request path (`/v1/chat/completions`, ...), used for both legs.
-    pub path: String,
-    /// Whether the client asked for a stream (the decode leg keeps it).
-    pub stream: bool,
     /// The client body as received; after merge, the decode body.
     pub req_body: Bytes,
-    /// Timestamps of the request's phases.
-    pub timings: Timings,
     /// Per-request protocol state set by augment, read by merge.
     pub transfer: TransferState,
     parsed: Option<JsonBody>,
@@ -69,41 +44,21 @@ impl RoutingContext {
     pub fn new(request_id: impl Into<String>, req_body: Bytes) -> Self {
         RoutingContext {
             request_id: request_id.into(),
-            model: String::new(),
-            path: String::new(),
-            stream: false,
             req_body,
-            timings: Timings::default(),
             transfer: TransferState::default(),
             parsed: None,
         }
     }
 
     /// A context around an already parsed (and possibly already stripped)
-    /// body: `req_body` is its current bytes, `model` and `stream` are read
-    /// from it when present and well-typed.
+    /// body: `req_body` is its current bytes. (The gateway reads what it needs
+    /// of the request itself; the context carries only what agents use.)
     pub fn from_parsed(request_id: impl Into<String>, body: JsonBody) -> Self {
-        let model = body
-            .get::<String>("model")
-            .and_then(Result::ok)
-            .unwrap_or_default();
-        let stream = body
-            .get::<bool>("stream")
-            .and_then(Result::ok)
-            .unwrap_or(false);
         RoutingContext {
-            model,
-            stream,
             req_body: body.to_bytes(),
             parsed: Some(body),
             ..RoutingContext::new(request_id, Bytes::new())
         }
-    }
-
-    /// Builder: sets the request path.
-    pub fn with_path(mut self, path: impl Into<String>) -> Self {
-        self.path = path.into();
-        self
     }
 
     /// The client's body, parsed at most once. The first call parses
@@ -144,13 +99,11 @@ mod tests {
     }
 
     #[test]
-    fn from_parsed_reads_model_and_stream() {
+    fn from_parsed_keeps_the_parsed_body() {
         let body = JsonBody::parse(Bytes::from_static(br#"{"model":"m","stream":true}"#)).unwrap();
-        let ctx = RoutingContext::from_parsed("r", body).with_path("/v1/completions");
-        assert_eq!((ctx.model.as_str(), ctx.stream), ("m", true));
-        assert_eq!(ctx.path, "/v1/completions");
-        let body = JsonBody::parse(Bytes::from_static(br#"{"model":7,"stream":"yes"}"#)).unwrap();
-        let ctx = RoutingContext::from_parsed("r", body);
-        assert_eq!((ctx.model.as_str(), ctx.stream), ("", false));
+        let mut ctx = RoutingContext::from_parsed("r", body);
+        assert_eq!(&ctx.req_body[..], br#"{"model":"m","stream":true}"#);
+        ctx.req_body = Bytes::from_static(b"not json");
+        assert!(ctx.original_body().unwrap().contains_key("stream"));
     }
 }

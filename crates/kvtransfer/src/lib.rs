@@ -17,15 +17,16 @@
 //!   the prefill leg runs.
 //! - [`pod`]: [`Pod`] and Mooncake bootstrap facts
 //!   ([`parse_mooncake_bootstrap`]).
-//! - [`context`]: [`RoutingContext`], per-request state (ids, bodies, timings,
+//! - [`context`]: [`RoutingContext`], per-request state (id, bodies,
 //!   [`TransferState`]).
-//! - [`agent`]: the [`KvTransferAgent`] trait, [`Dispatch`], [`MergeOutcome`],
-//!   [`AgentError`].
+//! - [`agent`]: the [`KvTransferAgent`] trait (with defaulted hooks for
+//!   connector quirks: [`KvTransferAgent::engine_abort`],
+//!   [`KvTransferAgent::needs_bootstrap_lookup`]), [`Dispatch`],
+//!   [`MergeOutcome`], [`EngineCall`], [`AgentError`].
 //! - [`agents`]: built-ins [`ShfsAgent`] (default, vLLM NixlConnector wire
 //!   format), [`NixlAgent`] (Neuron), [`MooncakeAgent`], [`SglangAgent`].
-//! - [`registry`]: [`Registry`] (owned) and the process-wide default registry
-//!   behind [`register`], [`resolve`], [`resolve_connector_type`],
-//!   [`resolve_agent_for_pod`], [`valid_agent_names`].
+//! - [`registry`]: [`Registry`], agents by connector name. Owned by whoever
+//!   uses it (a gateway builds one at start-up); there is no process-wide one.
 //!
 //! # Example
 //! ```
@@ -71,22 +72,20 @@ pub mod registry;
 pub mod rules;
 
 pub use agent::{
-    AgentError, DATA_PARALLEL_RANK_HEADER, Dispatch, KvTransferAgent, MergeOutcome, PrefillRequest,
+    AgentError, DATA_PARALLEL_RANK_HEADER, Dispatch, EngineCall, KvTransferAgent, MergeOutcome,
+    PrefillRequest,
 };
 pub use agents::{
     MooncakeAgent, NixlAgent, SHFS_PREFILL_KV_TRANSFER_PARAMS, SglangAgent, ShfsAgent,
 };
 pub use body::{BodyError, JsonBody};
 pub use checks::{EngineReject, check_depth, check_model, check_request, reject_body_error};
-pub use context::{RoutingContext, Timings, TransferState};
+pub use context::{RoutingContext, TransferState};
 pub use pod::{
     BootstrapError, DEFAULT_HTTP_PORT, DEFAULT_MOONCAKE_BOOTSTRAP_PORT,
     DEFAULT_SGLANG_BOOTSTRAP_PORT, MooncakeBootstrap, MooncakeRank, Pod, parse_mooncake_bootstrap,
 };
-pub use registry::{
-    AgentFactory, Registry, RegistryError, register, resolve, resolve_agent_for_pod,
-    resolve_connector_type, valid_agent_names, validate_default,
-};
+pub use registry::{AgentFactory, Registry, RegistryError};
 pub use rules::{
     CLIENT_FORBIDDEN_HEADERS, KV_TRANSFER_PARAMS, apply_prefill_leg_rules,
     is_client_transfer_field, strip_client_transfer_fields,
@@ -122,6 +121,11 @@ pub mod labels {
     pub const POD_GROUP_INDEX: &str = "stormservice.orchestration.aibrix.ai/pod-group-index";
     /// Annotation: SGLang bootstrap port (default 8998).
     pub const SGLANG_BOOTSTRAP_PORT: &str = "model.aibrix.ai/sglang-bootstrap-port";
+    /// Annotation (pdgate's own): Mooncake bootstrap (`/query`) port (default 8998).
+    pub const MOONCAKE_BOOTSTRAP_PORT: &str = "model.aibrix.ai/mooncake-bootstrap-port";
+    /// Every bootstrap-port annotation: a configured `bootstrap_port` sets them all, so the
+    /// gateway need not know which connector reads which.
+    pub const BOOTSTRAP_PORTS: [&str; 2] = [MOONCAKE_BOOTSTRAP_PORT, SGLANG_BOOTSTRAP_PORT];
     /// Label: the pod's KV connector type (same as
     /// [`CONNECTOR_TYPE_IDENTIFIER`](crate::CONNECTOR_TYPE_IDENTIFIER)).
     pub const KV_CONNECTOR_TYPE: &str = crate::CONNECTOR_TYPE_IDENTIFIER;

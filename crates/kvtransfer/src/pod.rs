@@ -131,6 +131,15 @@ impl Pod {
             .filter(|p| *p != 0)
             .unwrap_or(DEFAULT_SGLANG_BOOTSTRAP_PORT)
     }
+
+    /// The port of the bootstrap server a lookup queries (Mooncake `GET /query`): annotation
+    /// [`labels::MOONCAKE_BOOTSTRAP_PORT`] when it parses, else
+    /// [`DEFAULT_MOONCAKE_BOOTSTRAP_PORT`].
+    pub fn mooncake_bootstrap_port(&self) -> u16 {
+        self.annotation(labels::MOONCAKE_BOOTSTRAP_PORT)
+            .and_then(|v| v.trim().parse::<u16>().ok())
+            .unwrap_or(DEFAULT_MOONCAKE_BOOTSTRAP_PORT)
+    }
 }
 
 /// `ip` as a URL host: IPv6 literals (anything containing `:`) get brackets

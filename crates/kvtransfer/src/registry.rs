@@ -1,9 +1,10 @@
-//! Agents by connector type: an owned [`Registry`] and a process-wide default
-//! one behind free functions mirroring upstream's package-level API.
+//! Agents by connector type: an owned [`Registry`]. There is no process-wide
+//! registry: a gateway builds its own at start-up and hands it around, so
+//! nothing can change the set of agents behind its back.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::agent::KvTransferAgent;
 use crate::agents::{MooncakeAgent, NixlAgent, SglangAgent, ShfsAgent};
@@ -186,69 +187,4 @@ fn first_sighting(value: &str) -> bool {
         return false;
     }
     warned.insert(value.to_owned())
-}
-
-fn default_registry() -> &'static RwLock<Registry> {
-    static DEFAULT: OnceLock<RwLock<Registry>> = OnceLock::new();
-    DEFAULT.get_or_init(|| RwLock::new(Registry::with_builtins()))
-}
-
-fn with_default<R>(f: impl FnOnce(&Registry) -> R) -> R {
-    // A panic while holding the lock cannot leave the map half-updated
-    // (insert is the only write), so a poisoned lock is still usable.
-    let guard = default_registry()
-        .read()
-        .unwrap_or_else(PoisonError::into_inner);
-    f(&guard)
-}
-
-/// Registers `factory` under `name` in the process-wide default registry.
-pub fn register(name: &str, factory: AgentFactory) {
-    let mut guard = default_registry()
-        .write()
-        .unwrap_or_else(PoisonError::into_inner);
-    guard.register(name, factory);
-}
-
-/// [`Registry::resolve`] on the process-wide default registry.
-///
-/// # Errors
-/// See [`Registry::resolve`].
-pub fn resolve(connector_type: &str) -> Result<Arc<dyn KvTransferAgent>, RegistryError> {
-    with_default(|r| r.resolve(connector_type))
-}
-
-/// [`Registry::valid_agent_names`] of the process-wide default registry.
-pub fn valid_agent_names() -> Vec<String> {
-    with_default(Registry::valid_agent_names)
-}
-
-/// [`Registry::validate_default`] on the process-wide default registry.
-///
-/// # Errors
-/// See [`Registry::validate_default`].
-pub fn validate_default(global_default: &str) -> Result<String, RegistryError> {
-    with_default(|r| r.validate_default(global_default))
-}
-
-/// [`Registry::resolve_connector_type`] on the process-wide default registry.
-pub fn resolve_connector_type(label_value: &str, global_default: &str) -> String {
-    with_default(|r| r.resolve_connector_type(label_value, global_default))
-}
-
-/// [`Registry::resolve_agent_for_pod`] on the process-wide default registry.
-///
-/// # Errors
-/// See [`Registry::resolve_agent_for_pod`].
-pub fn resolve_agent_for_pod(
-    pod: Option<&Pod>,
-    global_default: &str,
-) -> Result<Arc<dyn KvTransferAgent>, RegistryError> {
-    with_default(|r| r.resolve_agent_for_pod(pod, global_default))
-}
-
-/// A snapshot (clone) of the process-wide default registry, e.g. to hand an
-/// owned registry to a gateway instance.
-pub fn default_registry_snapshot() -> Registry {
-    with_default(Registry::clone)
 }

@@ -89,7 +89,7 @@ fn bad_default_fails_validation_and_resolution() {
         r.resolve_agent_for_pod(Some(&pod), "nope"),
         Err(RegistryError::Unknown { .. })
     ));
-    assert!(kvtransfer::validate_default("nope").is_err());
+    assert!(Registry::with_builtins().validate_default("nope").is_err());
 }
 
 #[test]
@@ -134,20 +134,18 @@ fn owned_registry_is_independent_of_global() {
         kvtransfer::registry::shared_factory(Arc::new(Custom)),
     );
     assert!(owned.resolve("custom-owned").is_ok());
-    assert!(kvtransfer::resolve("custom-owned").is_err());
-    // The global registry accepts registrations too (a distinct name, so other
-    // tests in this process are unaffected).
-    kvtransfer::register("custom-global", Arc::new(|| Arc::new(Custom)));
+    // Registries are owned: registering in one leaves every other unchanged.
+    assert!(Registry::with_builtins().resolve("custom-owned").is_err());
+    owned.register("custom-factory", Arc::new(|| Arc::new(Custom)));
     assert_eq!(
-        kvtransfer::resolve("custom-global")
-            .unwrap()
-            .connector_type(),
+        owned.resolve("custom-factory").unwrap().connector_type(),
         "custom-owned"
     );
     assert!(
-        kvtransfer::valid_agent_names()
+        owned
+            .valid_agent_names()
             .iter()
-            .any(|n| n == "custom-global")
+            .any(|n| n == "custom-factory")
     );
 }
 
@@ -243,7 +241,7 @@ fn mooncake_rank_choice_matches_engine_and_header() {
         let mut ctx = RoutingContext::from_parsed(format!("req-{i}"), b.clone());
         let leg = a.augment_prefill_request(&mut ctx, &pod, &b).unwrap();
         a.merge_prefill_response(&mut ctx, b"", &pod).unwrap();
-        let rank = leg.headers[0].1.clone();
+        let rank = leg.headers[0].1.to_str().unwrap().to_owned();
         let engine = json(&ctx.req_body)["kv_transfer_params"]["remote_engine_id"]
             .as_str()
             .unwrap()

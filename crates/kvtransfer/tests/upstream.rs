@@ -63,7 +63,7 @@ fn upstream_resolve_connector_type_cases() {
             "label {label:?}"
         );
         assert_eq!(
-            kvtransfer::resolve_connector_type(label, "shfs"),
+            Registry::with_builtins().resolve_connector_type(label, "shfs"),
             want,
             "global, label {label:?}"
         );
@@ -76,7 +76,7 @@ fn upstream_valid_agent_names_sorted() {
         Registry::with_builtins().valid_agent_names(),
         ["mooncake", "nixl", "sglang", "shfs"]
     );
-    let names = kvtransfer::valid_agent_names();
+    let names = Registry::with_builtins().valid_agent_names();
     let mut sorted = names.clone();
     sorted.sort();
     assert_eq!(names, sorted);
@@ -101,7 +101,10 @@ fn upstream_resolve_returns_agent_of_that_type() {
         assert_eq!(registry.resolve(&name).unwrap().connector_type(), name);
     }
     assert_eq!(
-        kvtransfer::resolve("NIXL").unwrap().connector_type(),
+        Registry::with_builtins()
+            .resolve("NIXL")
+            .unwrap()
+            .connector_type(),
         "nixl"
     );
 }
@@ -116,7 +119,11 @@ fn upstream_resolve_agent_for_pod_nil() {
         err.to_string(),
         "cannot resolve KV transfer agent: pod is nil"
     );
-    assert!(kvtransfer::resolve_agent_for_pod(None, "shfs").is_err());
+    assert!(
+        Registry::with_builtins()
+            .resolve_agent_for_pod(None, "shfs")
+            .is_err()
+    );
 }
 
 #[test]
@@ -312,7 +319,9 @@ fn upstream_mooncake_augment_sets_transfer_id() {
     assert_eq!(v["model"], "m");
     assert!(v.get("max_tokens").is_some());
     assert_eq!(ctx.transfer.transfer_id.as_deref(), Some(tid));
-    assert_eq!(leg.headers, [("x-data-parallel-rank", "0".to_owned())]);
+    assert_eq!(leg.headers.len(), 1);
+    assert_eq!(leg.headers[0].0, "x-data-parallel-rank");
+    assert_eq!(leg.headers[0].1, "0");
     assert_eq!(ctx.transfer.dp_rank, Some(0));
 }
 

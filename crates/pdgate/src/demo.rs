@@ -80,7 +80,7 @@ pub async fn start(listen: SocketAddr, latency: LatencyModel) -> Result<Demo, Er
         engines.push(engine);
     }
     let gateway = Gateway::new(config, kvtransfer::Registry::with_builtins())?;
-    let listener = crate::gateway::listen(listen).map_err(|e| Error::Bind(listen, e))?;
+    let listener = crate::run::listen(listen).map_err(|e| Error::Bind(listen, e))?;
     let pods = gateway.config.pods()?;
     let gateway = RunningGateway::start(gateway, listener, pods).await?;
     Ok(Demo { engines, gateway })

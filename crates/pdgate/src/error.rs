@@ -4,15 +4,52 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 
-/// Where a failure came from. Decides the status class and whether a retry is safe.
+/// One of the two engine requests of a PD request (a pass-through request has only a decode leg).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Leg {
+    /// The prefill engine computes the prompt's KV cache.
+    Prefill,
+    /// The decode engine streams the tokens.
+    Decode,
+}
+
+impl Leg {
+    /// A bounded label for metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Leg::Prefill => "prefill",
+            Leg::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Leg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How an engine exchange failed. Decides the status (502 or 504) and which retries are safe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UpstreamKind {
+    /// No connection could be opened: nothing was sent, any other endpoint may take the leg.
+    Connect,
+    /// The engine did not answer (head or whole prefill) within the leg's timeout.
+    Timeout,
+    /// The exchange broke on an open connection (reset, malformed answer, body cut short).
+    Broken,
+    /// A relayed stream sent nothing for longer than the idle timeout.
+    Silent,
+}
+
+/// Where a failure came from. Decides the status class, the outcome label and whether a retry
+/// is safe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
     /// The client sent something we refuse.
     Client,
-    /// The prefill leg failed.
-    Prefill,
-    /// The decode leg failed.
-    Decode,
+    /// An engine leg failed.
+    Engine(Leg),
     /// No endpoint could serve the request.
     Routing,
     /// The gateway itself.
@@ -30,8 +67,7 @@ impl Source {
     pub fn as_str(self) -> &'static str {
         match self {
             Source::Client => "client",
-            Source::Prefill => "prefill",
-            Source::Decode => "decode",
+            Source::Engine(leg) => leg.as_str(),
             Source::Routing => "routing",
             Source::Internal => "internal",
         }
@@ -61,6 +97,20 @@ pub enum GatewayError {
         /// The path asked for.
         path: String,
     },
+    /// The route exists, not for this method.
+    #[error("method {method} is not allowed on {path}")]
+    MethodNotAllowed {
+        /// The method used.
+        method: http::Method,
+        /// The path asked for.
+        path: String,
+    },
+    /// The request head is larger than the limit.
+    #[error("request headers are larger than the limit of {limit} bytes")]
+    HeadersTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
     /// No endpoint serves the requested model at all.
     #[error("The model `{model}` does not exist.")]
     ModelNotFound {
@@ -81,23 +131,23 @@ pub enum GatewayError {
         /// Seconds the client should wait.
         retry_after_secs: u64,
     },
-    /// An engine could not be reached or did not answer in time.
-    #[error("{leg} engine {endpoint} {reason}")]
+    /// An engine could not be reached, broke the exchange, or did not answer in time.
+    #[error("{leg} engine {endpoint} {detail}")]
     Upstream {
         /// Which leg failed.
-        leg: Source,
-        /// The endpoint address.
+        leg: Leg,
+        /// The endpoint name.
         endpoint: String,
-        /// What went wrong.
-        reason: String,
-        /// Whether the status should be a gateway timeout.
-        timeout: bool,
+        /// How it failed (decides status and retries; never read from `detail`).
+        kind: UpstreamKind,
+        /// Human-readable detail for the message.
+        detail: String,
     },
     /// An engine answered with an error status; relayed as it came.
     #[error("{leg} engine answered {status}")]
     UpstreamStatus {
         /// Which leg answered.
-        leg: Source,
+        leg: Leg,
         /// The engine's status.
         status: StatusCode,
         /// The engine's body, relayed unchanged.
@@ -128,12 +178,28 @@ impl GatewayError {
             GatewayError::BadRequest { .. }
             | GatewayError::PayloadTooLarge { .. }
             | GatewayError::ModelNotFound { .. }
-            | GatewayError::NotFound { .. } => Source::Client,
+            | GatewayError::NotFound { .. }
+            | GatewayError::MethodNotAllowed { .. }
+            | GatewayError::HeadersTooLarge { .. } => Source::Client,
             GatewayError::NoEndpoint { .. } | GatewayError::Overloaded { .. } => Source::Routing,
-            GatewayError::Upstream { leg, .. } | GatewayError::UpstreamStatus { leg, .. } => *leg,
-            GatewayError::Agent(_) => Source::Prefill,
+            GatewayError::Upstream { leg, .. } | GatewayError::UpstreamStatus { leg, .. } => {
+                Source::Engine(*leg)
+            }
+            GatewayError::Agent(_) => Source::Engine(Leg::Prefill),
             GatewayError::Internal(_) => Source::Internal,
         }
+    }
+
+    /// Whether nothing was sent because no connection to the engine could be opened (so another
+    /// endpoint may take the leg even where a resend would not be safe).
+    pub fn is_connect_failure(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::Upstream {
+                kind: UpstreamKind::Connect,
+                ..
+            }
+        )
     }
 
     /// Whether the failed work may be retried on another endpoint (nothing reached the client).
@@ -150,13 +216,17 @@ impl GatewayError {
         match self {
             GatewayError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            GatewayError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             GatewayError::ModelNotFound { .. } | GatewayError::NotFound { .. } => {
                 StatusCode::NOT_FOUND
             }
             GatewayError::NoEndpoint { .. } => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            GatewayError::Upstream { timeout: true, .. } => StatusCode::GATEWAY_TIMEOUT,
-            GatewayError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            GatewayError::Upstream { kind, .. } => match kind {
+                UpstreamKind::Timeout | UpstreamKind::Silent => StatusCode::GATEWAY_TIMEOUT,
+                UpstreamKind::Connect | UpstreamKind::Broken => StatusCode::BAD_GATEWAY,
+            },
             GatewayError::UpstreamStatus { status, .. } => *status,
             GatewayError::Agent(_) => StatusCode::BAD_GATEWAY,
             GatewayError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -165,9 +235,10 @@ impl GatewayError {
 
     fn error_type(&self) -> &'static str {
         match self {
-            GatewayError::BadRequest { .. } | GatewayError::PayloadTooLarge { .. } => {
-                "invalid_request_error"
-            }
+            GatewayError::BadRequest { .. }
+            | GatewayError::PayloadTooLarge { .. }
+            | GatewayError::MethodNotAllowed { .. }
+            | GatewayError::HeadersTooLarge { .. } => "invalid_request_error",
             GatewayError::ModelNotFound { .. } | GatewayError::NotFound { .. } => "NotFoundError",
             GatewayError::NoEndpoint { .. } | GatewayError::Overloaded { .. } => "overloaded_error",
             GatewayError::Upstream { .. }
@@ -219,8 +290,10 @@ impl GatewayError {
     }
 }
 
-impl IntoResponse for GatewayError {
-    fn into_response(self) -> Response {
+impl GatewayError {
+    /// The whole answer for this error. Called by the HTTP edge only (which adds the request id
+    /// and records the outcome), so every error is rendered in one place.
+    pub(crate) fn render(self) -> Response {
         if let GatewayError::UpstreamStatus {
             status,
             body,
@@ -236,20 +309,20 @@ impl IntoResponse for GatewayError {
         }
         let status = self.status();
         let mut response = (status, self.to_json()).into_response();
-        response.headers_mut().insert(
+        let headers = response.headers_mut();
+        headers.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if let GatewayError::PayloadTooLarge { .. } = self {
+        match self {
             // The unread body is still on the wire: the connection cannot carry another request.
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        if let GatewayError::Overloaded { retry_after_secs } = self {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+            GatewayError::PayloadTooLarge { .. } | GatewayError::HeadersTooLarge { .. } => {
+                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            GatewayError::Overloaded { retry_after_secs } => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+            }
+            _ => {}
         }
         response
     }
@@ -285,16 +358,31 @@ mod tests {
     #[test]
     fn timeouts_are_504_and_retryable() {
         let err = GatewayError::Upstream {
-            leg: Source::Prefill,
+            leg: Leg::Prefill,
             endpoint: "10.0.0.1:8000".into(),
-            reason: "timed out".into(),
-            timeout: true,
+            kind: UpstreamKind::Timeout,
+            detail: "timed out".into(),
         };
         assert_eq!(err.status(), StatusCode::GATEWAY_TIMEOUT);
         assert!(err.retryable());
+        assert!(!err.is_connect_failure());
+        let refused = GatewayError::Upstream {
+            leg: Leg::Decode,
+            endpoint: "10.0.0.2:8000".into(),
+            kind: UpstreamKind::Connect,
+            // The wording plays no part in the classification.
+            detail: "did not answer".into(),
+        };
+        assert!(refused.is_connect_failure() && refused.retryable());
+        assert_eq!(refused.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            refused.source_of(),
+            Source::Engine(Leg::Decode),
+            "{refused}"
+        );
         assert!(
             !GatewayError::UpstreamStatus {
-                leg: Source::Prefill,
+                leg: Leg::Prefill,
                 status: StatusCode::BAD_REQUEST,
                 body: Bytes::new(),
                 content_type: None

@@ -4,24 +4,29 @@
 //! prompt's KV cache, a *decode* engine streams the tokens. The KV cache moves between them over a
 //! transfer backend; each backend (resolved per prefill endpoint from the
 //! `model.aibrix.ai/kv-connector-type` label, with a global default) wants the legs shaped
-//! differently, which the [`kvtransfer`] agents know. pdgate owns everything around them:
+//! differently, which the [`kvtransfer`] agents know, quirks included (aborts, bootstrap
+//! lookups): pdgate never compares connector names. pdgate owns everything around them:
 //! endpoint discovery, pairing, policies, timeouts, cancellation, streaming, metrics.
 //!
-//! # Modules
-//! - [`config`]: the one configuration type (TOML), validated once, naming bad fields.
-//! - [`cli`]: flags that override the file, and the config-file watcher.
-//! - [`endpoints`]: pods -> routable [`endpoints::Snapshot`] (pure), published atomically, with
-//!   per-endpoint load counters.
-//! - [`policy`]: `round_robin`, `random`, `least_request`, `power_of_two`.
-//! - [`gateway`]: shared state, start-up, the reconciler (Mooncake bootstrap lookups), shutdown.
-//! - [`flow`]: the path of one request (sequential or concurrent legs).
-//! - [`relay`]: the decode body on its way to the client (backpressure, load release at end).
-//! - [`server`]: the HTTP routes. [`client`]: the pooled engine client.
-//! - [`error`]: one error type rendered once as an OpenAI error. [`metrics`]: Prometheus.
-//! - [`demo`]: in-process simulated engines plus a gateway.
-//! - [`health`]: active checks and passive outlier detection feeding the snapshot.
-//! - [`admission`]: the in-flight limit with a bounded queue, and the retry budget.
-//! - [`retry`]: retry targets, per-endpoint caps, SGLang aborts (also when a client leaves).
+//! # Modules, in the order a request meets them
+//! - `http`: the one edge. The accept loop, the routes, the size-limited body read, and the
+//!   one place where an error becomes an OpenAI-shaped answer with `x-request-id` and a
+//!   recorded outcome.
+//! - `pd`: one `Exchange` per request: `view` (what the request is) -> `select` (the pair,
+//!   retry targets) -> `legs` (sequential or concurrent) -> `relay` (the decode body to the
+//!   client); `abort` is the one path for engine aborts.
+//! - `engine`: engine I/O: the connection pool, one leg (typed failures, timeouts), probes.
+//! - `endpoints`: pods -> routable snapshot (pure), load counters; `policy` (round_robin,
+//!   random, least_request, power_of_two; where a cache-aware policy goes) and `health`
+//!   (active checks, passive outlier ejection).
+//! - `discovery`: the pod sources (static, the watched config file, Kubernetes via `pdkube`) and
+//!   the reconciler that does bootstrap lookups and publishes snapshots.
+//! - `limits`: admission (in-flight limit, bounded queue), the per-endpoint cap, the retry budget.
+//! - [`config`]: the one configuration type, its flags, validation. `metrics`: Prometheus.
+//!   `headers`: header names and the request id. `error`: [`GatewayError`], typed by where it
+//!   came from ([`Leg`], [`UpstreamKind`]).
+//! - `state`: [`Gateway`], the shared state. `run`: [`RunningGateway`], bind/serve/drain.
+//! - [`demo`] (cargo feature `demo`, on by default): simulated engines plus a gateway.
 //!
 //! # Example
 //! ```no_run
@@ -41,28 +46,26 @@
 //! # Ok(()) }
 //! ```
 
-pub mod admission;
-pub mod cli;
-pub mod client;
 pub mod config;
+#[cfg(feature = "demo")]
 pub mod demo;
-pub mod endpoints;
-pub mod error;
-pub mod flow;
-pub mod gateway;
-pub mod guarded;
-pub mod health;
-pub mod listener;
-pub mod metrics;
-pub mod policy;
-pub mod pool;
-pub mod relay;
-pub mod retry;
-pub mod server;
+pub(crate) mod discovery;
+pub(crate) mod endpoints;
+pub(crate) mod engine;
+pub(crate) mod error;
+pub(crate) mod headers;
+pub(crate) mod http;
+pub(crate) mod limits;
+pub(crate) mod metrics;
+pub(crate) mod pd;
+pub(crate) mod run;
+pub(crate) mod state;
 
-pub use config::{Config, ConfigError};
-pub use error::GatewayError;
-pub use gateway::{Gateway, RunningGateway};
+pub use config::{Config, ConfigError, EndpointConfig, LogFormat, RunArgs};
+pub use discovery::file::watch_config_file;
+pub use error::{GatewayError, Leg, Source, UpstreamKind};
+pub use run::{RunningGateway, listen};
+pub use state::{Gateway, PodSet};
 
 /// Start-up failures.
 #[derive(Debug, thiserror::Error)]

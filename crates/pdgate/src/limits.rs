@@ -1,3 +1,5 @@
+//! Limits: admission, the per-endpoint cap and the retry budget.
+//!
 //! Admission control: at most `max_in_flight` requests are served at once, at most `max_queue`
 //! more wait (each at most `queue_timeout`), and everything beyond is refused at once with
 //! `429 Too Many Requests` and `Retry-After`. A request holds its slot until its response body
@@ -12,8 +14,9 @@ use axum::response::Response;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::Config;
+use crate::endpoints::Endpoint;
+use crate::engine::guarded::{GuardedBody, OnEnd};
 use crate::error::GatewayError;
-use crate::guarded::{GuardedBody, OnEnd};
 use crate::metrics::Metrics;
 
 /// Seconds a refused client is told to wait.
@@ -101,9 +104,32 @@ impl Admission {
     }
 
     /// Requests waiting now.
+    #[cfg(test)]
     pub fn queued(&self) -> usize {
         self.queued.load(Ordering::Acquire)
     }
+}
+
+/// Drops candidates at `max_in_flight_per_endpoint`; all of them there is an overload (429).
+pub(crate) fn under_cap(
+    cap: usize,
+    metrics: &Metrics,
+    candidates: Vec<Arc<Endpoint>>,
+) -> Result<Vec<Arc<Endpoint>>, GatewayError> {
+    if cap == 0 || candidates.is_empty() {
+        return Ok(candidates);
+    }
+    let open: Vec<Arc<Endpoint>> = candidates
+        .into_iter()
+        .filter(|e| e.load.in_flight() < cap)
+        .collect();
+    if open.is_empty() {
+        metrics.count_rejected("endpoint_cap");
+        return Err(GatewayError::Overloaded {
+            retry_after_secs: RETRY_AFTER_SECS,
+        });
+    }
+    Ok(open)
 }
 
 /// A token bucket bounding retries: each request adds `retry_budget_ratio` of a token (up to

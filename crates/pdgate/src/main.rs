@@ -5,9 +5,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use pdgate::cli::{LogFormat, RunArgs};
 use pdgate::config::DiscoveryKind;
-use pdgate::{Gateway, RunningGateway};
+use pdgate::{Gateway, LogFormat, RunArgs, RunningGateway};
 use tracing::{error, info};
 
 /// jemalloc: glibc malloc/free took about a fifth of the gateway's user-space instructions per
@@ -34,6 +33,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    #[cfg(feature = "demo")]
     /// Start simulated prefill/decode engines (several connectors, model `demo`) and a gateway in
     /// front of them, and print ready-to-paste examples.
     Demo {
@@ -116,7 +116,7 @@ async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
     } else if args.config.is_some() {
         let tx = running.pods().clone();
         let cancel = running.cancel_token();
-        running.spawn_owned(pdgate::cli::watch_config_file(
+        running.spawn_owned(pdgate::watch_config_file(
             args.clone(),
             registry,
             tx,
@@ -134,6 +134,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.run.log_format);
     let result = match cli.command {
+        #[cfg(feature = "demo")]
         Some(Command::Demo { listen }) => pdgate::demo::run(listen, shutdown_signal()).await,
         None => serve(cli.run).await,
     };

@@ -12,7 +12,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::endpoints::Snapshot;
-use crate::error::{GatewayError, Source};
+use crate::error::{GatewayError, Leg, Source};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -240,7 +240,7 @@ impl Metrics {
     }
 
     /// Counts a retried leg.
-    pub fn count_retry(&self, leg: Source) {
+    pub fn count_retry(&self, leg: Leg) {
         self.retries
             .get_or_create(&LegLabels { leg: leg.as_str() })
             .inc();
@@ -307,8 +307,8 @@ impl Metrics {
 fn outcome_of(err: &GatewayError) -> &'static str {
     match err.source_of() {
         Source::Client => "client_error",
-        Source::Prefill => "prefill_error",
-        Source::Decode => "decode_error",
+        Source::Engine(Leg::Prefill) => "prefill_error",
+        Source::Engine(Leg::Decode) => "decode_error",
         Source::Routing => "routing_error",
         Source::Internal => "internal_error",
     }

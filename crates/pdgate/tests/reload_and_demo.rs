@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use pdgate::cli::RunArgs;
+use pdgate::RunArgs;
 use pdgate::{Gateway, RunningGateway};
 use pdsim::{Connector, LatencyModel, Role};
 use serde_json::json;
@@ -55,7 +55,7 @@ async fn editing_the_config_file_swaps_endpoints_without_dropping_requests() {
     let mut running = RunningGateway::start(gw, listener, pods).await.unwrap();
     let tx = running.pods().clone();
     let cancel = running.cancel_token();
-    running.spawn_owned(pdgate::cli::watch_config_file(
+    running.spawn_owned(pdgate::watch_config_file(
         args,
         registry,
         tx,

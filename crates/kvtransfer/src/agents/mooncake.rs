@@ -79,6 +79,11 @@ impl KvTransferAgent for MooncakeAgent {
         Dispatch::Concurrent
     }
 
+    /// The decode dials the engine id of a rank that only the prefill's bootstrap server knows.
+    fn needs_bootstrap_lookup(&self) -> bool {
+        true
+    }
+
     fn augment_prefill_request(
         &self,
         ctx: &mut RoutingContext,
@@ -107,7 +112,7 @@ impl KvTransferAgent for MooncakeAgent {
         ctx.transfer.dp_rank = Some(rank);
         Ok(PrefillRequest {
             body: body.to_bytes(),
-            headers: vec![(DATA_PARALLEL_RANK_HEADER, rank.to_string())],
+            headers: vec![(DATA_PARALLEL_RANK_HEADER, http::HeaderValue::from(rank))],
         })
     }
 

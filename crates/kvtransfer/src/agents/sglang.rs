@@ -4,7 +4,8 @@
 use serde_json::value::RawValue;
 
 use crate::agent::{
-    AgentError, Dispatch, KvTransferAgent, MergeOutcome, PrefillRequest, decode_base, require_ip,
+    AgentError, Dispatch, EngineCall, KvTransferAgent, MergeOutcome, PrefillRequest, decode_base,
+    require_ip,
 };
 use crate::body::JsonBody;
 use crate::context::RoutingContext;
@@ -80,6 +81,19 @@ impl KvTransferAgent for SglangAgent {
 
     fn supports_batch(&self) -> bool {
         true
+    }
+
+    /// SGLang keeps decoding a request whose connection closed until it is told to stop.
+    fn engine_abort(&self, request_id: &str) -> Option<EngineCall> {
+        #[derive(serde::Serialize)]
+        struct Abort<'a> {
+            rid: &'a str,
+        }
+        let body = serde_json::to_vec(&Abort { rid: request_id }).ok()?;
+        Some(EngineCall {
+            path: "/abort_request",
+            body: bytes::Bytes::from(body),
+        })
     }
 
     fn augment_prefill_request(
@@ -159,6 +173,14 @@ mod tests {
         );
         assert_eq!(sglang_batch_size(&body(r#"{"text":["a"],"n":1}"#)), Some(1));
         assert_eq!(sglang_batch_size(&body(r#"{"messages":[],"n":1}"#)), None);
+    }
+
+    #[test]
+    fn abort_names_the_request() {
+        let call = SglangAgent.engine_abort("req-\"1").unwrap();
+        assert_eq!(call.path, "/abort_request");
+        let v: serde_json::Value = serde_json::from_slice(&call.body).unwrap();
+        assert_eq!(v["rid"], "req-\"1");
     }
 
     #[test]

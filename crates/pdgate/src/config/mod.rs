@@ -1,4 +1,9 @@
-//! The one configuration type: read from TOML, overridden by flags and environment, validated once.
+//! The one configuration type: read from TOML, overridden by flags and environment
+//! ([`flags`]), validated once.
+
+mod flags;
+
+pub use flags::{LogFormat, RunArgs};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -8,10 +13,9 @@ use std::time::Duration;
 use kvtransfer::{Pod, Registry};
 use serde::{Deserialize, Deserializer};
 
-use crate::policy;
-
-/// Default listen address.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+use crate::endpoints::health::HealthConfig;
+use crate::endpoints::policy;
+use crate::engine::pool::PoolConfig;
 
 /// What to do when the prefill leg fails with a 5xx, a transport error or a timeout.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
@@ -368,6 +372,32 @@ impl Config {
         Ok(())
     }
 
+    /// The knobs of endpoint health.
+    pub(crate) fn health_section(&self) -> HealthConfig {
+        HealthConfig {
+            health_checks: self.health_checks,
+            health_check_interval: self.health_check_interval,
+            health_check_timeout: self.health_check_timeout,
+            unhealthy_threshold: self.unhealthy_threshold,
+            healthy_threshold: self.healthy_threshold,
+            consecutive_failures: self.outlier_consecutive_failures,
+            error_rate: self.outlier_error_rate,
+            min_requests: self.outlier_min_requests,
+            interval: self.outlier_interval,
+            base_ejection: self.outlier_base_ejection,
+            max_ejection: self.outlier_max_ejection,
+        }
+    }
+
+    /// The knobs of the engine connection pool.
+    pub(crate) fn pool_section(&self) -> PoolConfig {
+        PoolConfig {
+            connect_timeout: self.connect_timeout,
+            idle_timeout: std::time::Duration::from_secs(60),
+            max_idle_per_engine: 4096,
+        }
+    }
+
     /// The statically configured endpoints as pods, with roles, models and connectors as labels.
     pub fn pods(&self) -> Result<Vec<Pod>, ConfigError> {
         let mut pods = Vec::with_capacity(self.prefill.len() + self.decode.len());
@@ -422,10 +452,7 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
             .insert(kvtransfer::labels::MODEL_NAME.to_string(), model.clone());
     }
     if let Some(port) = ep.bootstrap_port {
-        for key in [
-            crate::endpoints::MOONCAKE_BOOTSTRAP_PORT_ANNOTATION,
-            kvtransfer::labels::SGLANG_BOOTSTRAP_PORT,
-        ] {
+        for key in kvtransfer::labels::BOOTSTRAP_PORTS {
             pod.annotations.insert(key.to_string(), port.to_string());
         }
     }

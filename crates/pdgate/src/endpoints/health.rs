@@ -22,9 +22,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::client::HttpClient;
-use crate::config::Config;
 use crate::endpoints::Role;
+use crate::engine::EnginePool;
+use crate::engine::probe::{ProbeError, get_ok};
 use crate::metrics::Metrics;
 
 /// What an active check requests for one endpoint.
@@ -77,17 +77,32 @@ impl Entry {
     }
 }
 
-/// Knobs, copied from [`Config`].
+/// The knobs of health checking (the config keys of the same names, `outlier_`-prefixed for
+/// the passive ones).
 #[derive(Clone, Debug)]
-struct Knobs {
-    unhealthy_threshold: u32,
-    healthy_threshold: u32,
-    consecutive_failures: u32,
-    error_rate: f64,
-    min_requests: u32,
-    interval: Duration,
-    base_ejection: Duration,
-    max_ejection: Duration,
+pub struct HealthConfig {
+    /// Active checks on.
+    pub health_checks: bool,
+    /// Time between two active checks of one endpoint.
+    pub health_check_interval: Duration,
+    /// Bound on one active check.
+    pub health_check_timeout: Duration,
+    /// Failed checks in a row that make an endpoint unhealthy.
+    pub unhealthy_threshold: u32,
+    /// Passed checks in a row that make it healthy again.
+    pub healthy_threshold: u32,
+    /// Traffic failures in a row that eject an endpoint (0: off).
+    pub consecutive_failures: u32,
+    /// Failed share within `interval` that ejects an endpoint (0: off).
+    pub error_rate: f64,
+    /// Requests within `interval` before the rate counts.
+    pub min_requests: u32,
+    /// Window of the rate.
+    pub interval: Duration,
+    /// First ejection period.
+    pub base_ejection: Duration,
+    /// Longest ejection period.
+    pub max_ejection: Duration,
 }
 
 /// Health of every known endpoint.
@@ -95,26 +110,21 @@ struct Knobs {
 pub struct Health {
     entries: Mutex<HashMap<String, Entry>>,
     changed: Notify,
-    knobs: Knobs,
+    knobs: HealthConfig,
     metrics: Arc<Metrics>,
 }
 
 impl Health {
     /// Empty table with the knobs of `config`.
-    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Self {
+    pub fn new(config: &HealthConfig, metrics: Arc<Metrics>) -> Self {
+        let mut knobs = config.clone();
+        knobs.unhealthy_threshold = knobs.unhealthy_threshold.max(1);
+        knobs.healthy_threshold = knobs.healthy_threshold.max(1);
+        knobs.min_requests = knobs.min_requests.max(1);
         Health {
             entries: Mutex::new(HashMap::new()),
             changed: Notify::new(),
-            knobs: Knobs {
-                unhealthy_threshold: config.unhealthy_threshold.max(1),
-                healthy_threshold: config.healthy_threshold.max(1),
-                consecutive_failures: config.outlier_consecutive_failures,
-                error_rate: config.outlier_error_rate,
-                min_requests: config.outlier_min_requests.max(1),
-                interval: config.outlier_interval,
-                base_ejection: config.outlier_base_ejection,
-                max_ejection: config.outlier_max_ejection,
-            },
+            knobs,
             metrics,
         }
     }
@@ -166,6 +176,7 @@ impl Health {
     }
 
     /// Whether `name` is known and healthy (unknown endpoints count as healthy).
+    #[cfg(test)]
     pub fn is_healthy(&self, name: &str) -> bool {
         self.lock().get(name).is_none_or(Entry::healthy)
     }
@@ -283,21 +294,11 @@ impl Health {
     }
 }
 
-async fn get_ok(client: &HttpClient, url: &str, limit: Duration) -> Result<(), String> {
-    // The body is drained (bounded) so the connection can be reused.
-    let (status, _) = crate::client::get(client, url, limit, 64 * 1024).await?;
-    if status.is_success() {
-        Ok(())
-    } else {
-        Err(format!("{url} answered {status}"))
-    }
-}
-
 async fn probe(
-    client: HttpClient,
+    client: EnginePool,
     target: ProbeTarget,
     limit: Duration,
-) -> (String, Result<(), String>) {
+) -> (String, Result<(), ProbeError>) {
     let mut result = get_ok(&client, &target.health_url, limit).await;
     if result.is_ok()
         && let Some(q) = &target.query_url
@@ -311,13 +312,13 @@ async fn probe(
 /// Ends when `cancel` fires.
 pub async fn run(
     health: Arc<Health>,
-    client: HttpClient,
-    config: Config,
+    client: EnginePool,
+    config: HealthConfig,
     cancel: CancellationToken,
 ) {
     let tick = config.health_check_interval.min(Duration::from_millis(250));
     let mut next_check = Instant::now();
-    let mut probes: JoinSet<(String, Result<(), String>)> = JoinSet::new();
+    let mut probes: JoinSet<(String, Result<(), ProbeError>)> = JoinSet::new();
     loop {
         let now = Instant::now();
         health.tick(now);
@@ -333,7 +334,7 @@ pub async fn run(
                 if let Ok((name, result)) = done {
                     match result {
                         Ok(()) => health.check_result(&name, true, ""),
-                        Err(why) => health.check_result(&name, false, &why),
+                        Err(why) => health.check_result(&name, false, &why.to_string()),
                     }
                 }
             }
@@ -356,16 +357,16 @@ mod tests {
     }
 
     fn health(consecutive: u32) -> Health {
-        let config = Config {
+        let config = crate::config::Config {
             outlier_consecutive_failures: consecutive,
             outlier_error_rate: 0.0,
             outlier_base_ejection: Duration::from_secs(10),
             outlier_max_ejection: Duration::from_secs(25),
             unhealthy_threshold: 2,
             healthy_threshold: 2,
-            ..Config::default()
+            ..crate::config::Config::default()
         };
-        let h = Health::new(&config, Arc::new(Metrics::new()));
+        let h = Health::new(&config.health_section(), Arc::new(Metrics::new()));
         h.sync(vec![
             target("p1", Role::Prefill),
             target("p2", Role::Prefill),
@@ -410,13 +411,13 @@ mod tests {
 
     #[test]
     fn an_error_rate_ejects_without_consecutive_failures() {
-        let config = Config {
+        let config = crate::config::Config {
             outlier_consecutive_failures: 0,
             outlier_error_rate: 0.3,
             outlier_min_requests: 10,
-            ..Config::default()
+            ..crate::config::Config::default()
         };
-        let h = Health::new(&config, Arc::new(Metrics::new()));
+        let h = Health::new(&config.health_section(), Arc::new(Metrics::new()));
         h.sync(vec![
             target("p1", Role::Prefill),
             target("p2", Role::Prefill),

@@ -2,7 +2,11 @@
 //!
 //! Discovery produces pods; [`build_snapshot`] (pure) turns them into the routable set, which the
 //! [`EndpointStore`] publishes atomically. In-flight counters live beside the snapshot, keyed by
-//! endpoint, so they survive snapshot swaps and policies read them without locks.
+//! endpoint, so they survive snapshot swaps and policies read them without locks. Choosing among
+//! endpoints is [`policy`]'s; whether they are fit to choose is [`health`]'s.
+
+pub mod health;
+pub mod policy;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -10,9 +14,6 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 use kvtransfer::{KvTransferAgent, Pod, Registry};
-
-/// Annotation (pdgate's own) carrying a prefill pod's Mooncake bootstrap port.
-pub const MOONCAKE_BOOTSTRAP_PORT_ANNOTATION: &str = "model.aibrix.ai/mooncake-bootstrap-port";
 
 /// The role an engine plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -253,13 +254,12 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 (connector, None)
             }
         };
-        if role == Role::Prefill
-            && connector.as_deref() == Some(kvtransfer::CONNECTOR_TYPE_MOONCAKE)
+        if agent.as_ref().is_some_and(|a| a.needs_bootstrap_lookup())
             && pod.mooncake_bootstrap.is_none()
         {
             snap.excluded.push((
                 pod.name.clone(),
-                "mooncake prefill without bootstrap information yet".into(),
+                "prefill without bootstrap information yet".into(),
             ));
             continue;
         }

@@ -1,4 +1,5 @@
-//! The pooled HTTP/1.1 client for engine legs.
+//! One engine leg: build the request, send it on the pool, read or stream the answer, with
+//! typed failures ([`Leg`], [`UpstreamKind`]) that the flow classifies by kind, never by text.
 
 use std::time::Duration;
 
@@ -8,54 +9,18 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 
 use crate::endpoints::Endpoint;
-use crate::error::{GatewayError, Source};
-use crate::pool::{EngineBody, EnginePool, PoolConfig, PoolError};
-
-/// Shared engine client (connection pool per engine).
-pub type HttpClient = EnginePool;
+use crate::engine::pool::{EngineBody, EnginePool, PoolError};
+use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::headers::X_REQUEST_ID;
 
 /// Largest prefill response body the gateway reads into memory.
 pub const MAX_PREFILL_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 
-/// Client headers forwarded to both legs. Everything else (hop-by-hop headers, `host`,
-/// `content-length`, `x-data-parallel-rank`, ...) is dropped.
-const FORWARDED: [HeaderName; 6] = [
-    header::AUTHORIZATION,
-    HeaderName::from_static("traceparent"),
-    HeaderName::from_static("tracestate"),
-    HeaderName::from_static("baggage"),
-    HeaderName::from_static("openai-organization"),
-    HeaderName::from_static("openai-project"),
-];
-
-/// The request id header, on both legs and on the answer.
-pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-
-/// Builds the engine client.
-pub fn build(connect_timeout: Duration) -> HttpClient {
-    EnginePool::new(PoolConfig {
-        connect_timeout,
-        idle_timeout: Duration::from_secs(60),
-        max_idle_per_engine: 4096,
-    })
-}
-
-/// The client headers worth forwarding to engines.
-pub fn forwarded_headers(incoming: &HeaderMap) -> HeaderMap {
-    let mut out = HeaderMap::new();
-    for name in &FORWARDED {
-        for v in incoming.get_all(name) {
-            out.append(name.clone(), v.clone());
-        }
-    }
-    out
-}
-
 /// One request to one engine.
 #[derive(Debug)]
-pub struct Leg<'a> {
+pub struct LegRequest<'a> {
     /// Which leg this is.
-    pub leg: Source,
+    pub leg: Leg,
     /// The engine.
     pub endpoint: &'a Endpoint,
     /// Request path, e.g. `/v1/completions`.
@@ -68,45 +33,45 @@ pub struct Leg<'a> {
     pub request_id: &'a str,
     /// Forwarded client headers.
     pub headers: &'a HeaderMap,
-    /// Agent-supplied headers.
-    pub extra: &'a [(&'static str, String)],
+    /// Agent-supplied headers (typed by the agent: nothing to check here).
+    pub extra: &'a [(HeaderName, HeaderValue)],
 }
 
-fn upstream(leg: Source, endpoint: &Endpoint, reason: String, timeout: bool) -> GatewayError {
+/// An upstream failure of `leg` on `endpoint`.
+pub fn upstream(leg: Leg, endpoint: &Endpoint, kind: UpstreamKind, detail: String) -> GatewayError {
     GatewayError::Upstream {
         leg,
         endpoint: endpoint.name.clone(),
-        reason,
-        timeout,
+        kind,
+        detail,
     }
 }
 
-/// Reason prefix of a failure to connect (nothing was sent, so any endpoint may take the leg).
-const CONNECT_FAILED: &str = "refused the connection";
-
-/// Whether `err` is a failure to connect to the engine (the request never left the gateway).
-pub fn is_connect_failure(err: &GatewayError) -> bool {
-    matches!(err, GatewayError::Upstream { reason, timeout: false, .. } if reason.starts_with(CONNECT_FAILED))
-}
-
-fn describe(err: &PoolError) -> String {
-    let prefix = if err.is_connect() {
-        CONNECT_FAILED
+/// The pool's error as an upstream failure: the kind comes from the pool's variant.
+fn from_pool(leg: Leg, endpoint: &Endpoint, err: &PoolError) -> GatewayError {
+    let kind = if err.is_connect() {
+        UpstreamKind::Connect
     } else {
-        "failed"
+        UpstreamKind::Broken
     };
-    let mut text = format!("{prefix}: {err}");
+    let mut detail = match kind {
+        UpstreamKind::Connect => format!("refused the connection: {err}"),
+        _ => format!("failed: {err}"),
+    };
     let mut source = std::error::Error::source(err);
     while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
+        detail.push_str(": ");
+        detail.push_str(&s.to_string());
         source = s.source();
     }
-    text
+    upstream(leg, endpoint, kind, detail)
 }
 
 /// Sends one leg and returns the response head (the body streams on).
-pub async fn send(client: &HttpClient, leg: Leg<'_>) -> Result<Response<EngineBody>, GatewayError> {
+pub async fn send(
+    client: &EnginePool,
+    leg: LegRequest<'_>,
+) -> Result<Response<EngineBody>, GatewayError> {
     let mut uri = String::with_capacity(leg.endpoint.base_url.len() + leg.path.len());
     uri.push_str(&leg.endpoint.base_url);
     uri.push_str(leg.path);
@@ -121,9 +86,7 @@ pub async fn send(client: &HttpClient, leg: Leg<'_>) -> Result<Response<EngineBo
             h.insert(X_REQUEST_ID, id);
         }
         for (k, v) in leg.extra {
-            if let Ok(v) = HeaderValue::from_str(v) {
-                h.insert(HeaderName::from_static(k), v);
-            }
+            h.insert(k.clone(), v.clone());
         }
     }
     let request = builder
@@ -132,7 +95,7 @@ pub async fn send(client: &HttpClient, leg: Leg<'_>) -> Result<Response<EngineBo
     client
         .request(request)
         .await
-        .map_err(|e| upstream(leg.leg, leg.endpoint, describe(&e), false))
+        .map_err(|e| from_pool(leg.leg, leg.endpoint, &e))
 }
 
 /// A fully read (bounded) engine response.
@@ -148,7 +111,7 @@ pub struct Collected {
 
 /// Reads a whole response body, at most [`MAX_PREFILL_RESPONSE_BYTES`].
 pub async fn collect(
-    leg: Source,
+    leg: Leg,
     endpoint: &Endpoint,
     response: Response<EngineBody>,
 ) -> Result<Collected, GatewayError> {
@@ -160,8 +123,8 @@ pub async fn collect(
             upstream(
                 leg,
                 endpoint,
+                UpstreamKind::Broken,
                 format!("broke its response body: {e}"),
-                false,
             )
         })?
         .to_bytes();
@@ -173,7 +136,7 @@ pub async fn collect(
 }
 
 /// Turns a non-2xx collected response into the error relayed to the client.
-pub fn status_error(leg: Source, collected: Collected) -> GatewayError {
+pub fn status_error(leg: Leg, collected: Collected) -> GatewayError {
     GatewayError::UpstreamStatus {
         leg,
         status: collected.status,
@@ -183,39 +146,23 @@ pub fn status_error(leg: Source, collected: Collected) -> GatewayError {
 }
 
 /// A timeout error for `leg` on `endpoint`.
-pub fn timed_out(leg: Source, endpoint: &Endpoint, after: Duration) -> GatewayError {
+pub fn timed_out(leg: Leg, endpoint: &Endpoint, after: Duration) -> GatewayError {
     upstream(
         leg,
         endpoint,
+        UpstreamKind::Timeout,
         format!("did not answer within {after:?}"),
-        true,
     )
 }
 
-/// A bounded GET for control-plane probes (`/health`, Mooncake `/query`): the whole exchange
-/// within `limit`, at most `max_body` bytes read (the rest is dropped with the connection).
-pub async fn get(
-    client: &HttpClient,
-    url: &str,
+/// Sends `leg` and waits for the response head within `limit`.
+pub async fn send_within(
+    client: &EnginePool,
+    leg: LegRequest<'_>,
     limit: Duration,
-    max_body: usize,
-) -> Result<(StatusCode, Bytes), String> {
-    let request = Request::builder()
-        .method(Method::GET)
-        .uri(url)
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let work = async {
-        let response = client.request(request).await.map_err(|e| e.to_string())?;
-        let status = response.status();
-        let body = Limited::new(response.into_body(), max_body)
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        Ok((status, body))
-    };
-    tokio::time::timeout(limit, work)
+) -> Result<Response<EngineBody>, GatewayError> {
+    let (which, endpoint) = (leg.leg, leg.endpoint);
+    tokio::time::timeout(limit, send(client, leg))
         .await
-        .map_err(|_| format!("{url} did not answer within {limit:?}"))?
+        .unwrap_or_else(|_| Err(timed_out(which, endpoint, limit)))
 }

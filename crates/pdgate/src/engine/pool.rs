@@ -27,7 +27,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use crate::guarded::{GuardedBody, OnEnd};
+use crate::engine::guarded::{GuardedBody, OnEnd};
 
 type Sender = http1::SendRequest<Full<Bytes>>;
 
@@ -144,6 +144,7 @@ impl EnginePool {
     }
 
     /// Idle connections kept for `authority` (`host:port`).
+    #[cfg(test)]
     pub fn idle_connections(&self, authority: &str) -> usize {
         self.inner.lock().get(authority).map_or(0, Vec::len)
     }

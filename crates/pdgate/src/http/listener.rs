@@ -26,7 +26,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// returns. A connection that sends no complete request head for `idle` (a new one before its
 /// first request, a kept-alive one between requests) is closed. Connection tasks are owned here:
 /// dropping the future ends them.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
     idle: Duration,
@@ -94,6 +94,9 @@ async fn connection(tcp: TcpStream, app: Router, idle: Duration, shutdown: Cance
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(idle)
+            // More than the edge accepts, so that the edge answers an oversized head (431 with
+            // a JSON body and a request id) rather than hyper (a bare 431).
+            .max_headers(4 * crate::http::edge::MAX_HEADERS)
             .serve_connection(io, service);
         until_shutdown(conn, &shutdown).await
     };

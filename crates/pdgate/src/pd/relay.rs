@@ -18,12 +18,17 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::endpoints::LoadGuard;
-use crate::error::{GatewayError, Source};
+use crate::engine::EngineBody;
+use crate::engine::guarded::GuardedBody;
+use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::headers;
 use crate::metrics::RequestRecord;
-use crate::pool::EngineBody;
+use crate::pd::abort::AbortOnLeave;
+use crate::pd::{Answer, Pd};
+use crate::state::Gateway;
 
 /// The outcome of a leg running beside the relayed body.
-pub type PartnerResult = Result<(), GatewayError>;
+pub(crate) type PartnerResult = Result<(), GatewayError>;
 
 pin_project! {
     /// A decode response body on its way to the client.
@@ -149,10 +154,10 @@ impl Body for RelayBody {
             }
             Poll::Ready(Some(Err(e))) => {
                 let err = GatewayError::Upstream {
-                    leg: Source::Decode,
+                    leg: Leg::Decode,
                     endpoint: this.endpoint.clone(),
-                    reason: format!("broke the response stream: {e}"),
-                    timeout: false,
+                    kind: UpstreamKind::Broken,
+                    detail: format!("broke the response stream: {e}"),
                 };
                 fail(this.done, *this.sse, this.guards, this.record, err)
             }
@@ -166,10 +171,10 @@ impl Body for RelayBody {
             Poll::Pending => {
                 ready!(this.idle.as_mut().poll(cx));
                 let err = GatewayError::Upstream {
-                    leg: Source::Decode,
+                    leg: Leg::Decode,
                     endpoint: this.endpoint.clone(),
-                    reason: format!("sent nothing for {:?}", this.idle_timeout),
-                    timeout: true,
+                    kind: UpstreamKind::Silent,
+                    detail: format!("sent nothing for {:?}", this.idle_timeout),
                 };
                 fail(this.done, *this.sse, this.guards, this.record, err)
             }
@@ -198,4 +203,42 @@ impl Body for RelayBody {
         }
         hint
     }
+}
+
+/// The client's answer: the decode's status and end-to-end headers, the serving endpoints, and
+/// the relayed body (wrapped in the agent's abort-on-leave guard when it has an abort call).
+#[allow(clippy::too_many_arguments)] // one call per flow; a struct would only rename them
+pub(crate) fn respond(
+    gw: &Gateway,
+    request_id: &str,
+    head: http::Response<EngineBody>,
+    pd: Pd,
+    decode_load: LoadGuard,
+    partner: Option<AbortOnDropHandle<PartnerResult>>,
+    prefix: Option<Frame<Bytes>>,
+    record: RequestRecord,
+) -> Answer {
+    let (parts, body) = head.into_parts();
+    let sse = headers::is_event_stream(&parts.headers);
+    let relay = RelayBody::new(
+        body,
+        gw.config.stream_idle_timeout,
+        sse,
+        vec![decode_load],
+        record,
+        pd.decode.name.clone(),
+    )
+    .with_partner(partner)
+    .with_prefix(prefix);
+    let mut body = axum::body::Body::new(relay);
+    // vLLM aborts when its connection closes; an agent with an abort call also wants to be told.
+    if let Some(guard) = AbortOnLeave::new(gw, pd.agent.as_ref(), pd.decode.clone(), request_id) {
+        body = GuardedBody::wrap(body, guard);
+    }
+    let mut response = http::Response::new(body);
+    *response.status_mut() = parts.status;
+    let out = response.headers_mut();
+    headers::copy_end_to_end(&parts.headers, out);
+    pd.served.apply(request_id, out);
+    response
 }

@@ -1,0 +1,80 @@
+//! The static source: the config file, watched. Its endpoint set is republished whenever the
+//! file changes and validates; a reload that changes other keys logs which ones it cannot apply
+//! to a running gateway.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use kvtransfer::Registry;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::config::RunArgs;
+use crate::state::PodSet;
+
+/// How long the config file must stay unchanged before it is read.
+const SETTLE: Duration = Duration::from_millis(100);
+
+fn stamp(path: &PathBuf) -> Option<(SystemTime, u64)> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok()?, meta.len()))
+}
+
+/// Polls the config file and publishes its endpoint set whenever it changes and validates.
+/// A bad edit is logged and ignored: the last good set keeps serving. Ends on `cancel`.
+pub async fn watch_config_file(
+    args: RunArgs,
+    registry: Registry,
+    tx: watch::Sender<PodSet>,
+    cancel: CancellationToken,
+    interval: Duration,
+) {
+    let Some(path) = args.config.clone() else {
+        return;
+    };
+    let mut last = stamp(&path);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let now = stamp(&path);
+        if now == last {
+            continue;
+        }
+        // Editors and `echo >` write in several steps: read the file only once it has held
+        // still for a moment, so a half-written file is never taken for the new endpoint set.
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(SETTLE) => {}
+        }
+        if stamp(&path) != now {
+            continue;
+        }
+        last = now;
+        let loaded = args
+            .load()
+            .and_then(|c| c.validate(&registry).map(|_| c))
+            .and_then(|c| c.pods());
+        match loaded {
+            Ok(pods) => {
+                let changed = tx.send_if_modified(|current| {
+                    if current.as_slice() == pods.as_slice() {
+                        false
+                    } else {
+                        *current = Arc::new(pods);
+                        true
+                    }
+                });
+                if changed {
+                    info!(file = %path.display(), "config reloaded: endpoint set changed");
+                }
+            }
+            Err(e) => {
+                warn!(file = %path.display(), error = %e, "config reload rejected; keeping the last good endpoint set")
+            }
+        }
+    }
+}

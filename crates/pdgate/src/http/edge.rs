@@ -1,0 +1,99 @@
+//! The edge of the gateway: what every request passes on its way in (head checks, the
+//! size-limited body read) and every answer on its way out. [`finish`] is the one place where an
+//! error becomes an answer: rendered OpenAI-shaped, stamped with `x-request-id`, its outcome
+//! recorded in `pdgate_requests_total`.
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use bytes::Bytes;
+use http::header::{self, HeaderMap};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use std::sync::Arc;
+use tracing::debug;
+
+use crate::error::GatewayError;
+use crate::headers;
+use crate::pd::{Answer, Exchange};
+use crate::state::Gateway;
+
+/// Largest request head (names and values) answered with more than a 431.
+pub(crate) const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Most header fields in a request head. hyper is configured to parse more, so that the edge,
+/// not hyper, refuses a head with a proper answer.
+pub(crate) const MAX_HEADERS: usize = 100;
+
+/// Refuses a request head larger than [`MAX_HEADER_BYTES`] or with more than [`MAX_HEADERS`]
+/// fields.
+pub(crate) fn check_head(_gw: &Gateway, headers: &HeaderMap) -> Result<(), GatewayError> {
+    if headers.len() > MAX_HEADERS {
+        return Err(GatewayError::HeadersTooLarge {
+            limit: MAX_HEADER_BYTES,
+        });
+    }
+    let size: usize = headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len())
+        .sum();
+    if size > MAX_HEADER_BYTES {
+        return Err(GatewayError::HeadersTooLarge {
+            limit: MAX_HEADER_BYTES,
+        });
+    }
+    Ok(())
+}
+
+/// Reads a request body once, refusing more than `limit` bytes with 413.
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<Bytes, GatewayError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(GatewayError::PayloadTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(GatewayError::PayloadTooLarge { limit })
+        }
+        Err(e) => Err(GatewayError::bad_request(
+            format!("could not read the request body: {e}"),
+            None,
+        )),
+    }
+}
+
+/// The end of every exchange: an answer passes (the flow already named the request and handed
+/// its record to the body); an error is recorded, rendered and stamped here, once.
+pub(crate) fn finish(mut ex: Exchange, result: Result<Answer, GatewayError>) -> Answer {
+    match result {
+        Ok(answer) => answer,
+        Err(err) => {
+            if let Ok(mut record) = ex.take_record() {
+                record.finish_error(&err);
+            }
+            debug!(id = %ex.request_id, error = %err, "request failed");
+            let mut answer = err.render();
+            headers::stamp_request_id(answer.headers_mut(), &ex.request_id);
+            answer
+        }
+    }
+}
+
+/// An error outside any flow (unknown path, wrong method): recorded under route `other`.
+pub(crate) fn refuse(gw: Arc<Gateway>, headers: &HeaderMap, err: GatewayError) -> Answer {
+    finish(Exchange::new(gw, "other", headers), Err(err))
+}
+
+/// A known path asked with a method it does not serve.
+pub(crate) async fn method_not_allowed(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
+    let err = GatewayError::MethodNotAllowed {
+        method: request.method().clone(),
+        path: request.uri().path().to_string(),
+    };
+    refuse(gw, request.headers(), err)
+}

@@ -1,0 +1,61 @@
+//! The operational routes: `/v1/models`, `/health`, `/ready`, `/metrics`. They answer from the
+//! snapshot and the metrics without touching an engine.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::IntoResponse;
+use http::StatusCode;
+use http::header::{self, HeaderValue};
+
+use crate::pd::Answer;
+use crate::state::Gateway;
+
+pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Answer {
+    let snap = gw.store.load();
+    let data: Vec<_> = snap
+        .models
+        .iter()
+        .map(|m| {
+            serde_json::json!({
+                "id": m, "object": "model", "created": 0, "owned_by": "pdgate", "root": m, "parent": null
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "object": "list", "data": data })).into_response()
+}
+
+pub(crate) async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
+    let snap = gw.store.load();
+    let draining = gw.is_draining();
+    let ready = snap.has_routable_pair() && !draining;
+    let body = serde_json::json!({
+        "ready": ready,
+        "draining": draining,
+        "prefill": snap.prefill.iter().map(|e| &e.name).collect::<Vec<_>>(),
+        "decode": snap.decode.iter().map(|e| &e.name).collect::<Vec<_>>(),
+        "excluded": snap.excluded.iter().map(|(n, why)| serde_json::json!({"endpoint": n, "reason": why})).collect::<Vec<_>>(),
+    });
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
+    let text = gw.metrics.render(&gw.store.load());
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        text,
+    )
+        .into_response()
+}

@@ -1,0 +1,401 @@
+//! The two legs, scheduled as the prefill's agent wants them ([`kvtransfer::Dispatch`]):
+//! [`sequential`] (prefill, merge its answer, then decode) or [`concurrent`] (both at once; a
+//! prefill failing before the decode's first byte restarts both on another prefill). Both end at
+//! the decode's response head and hand over to the relay.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::OptionFuture;
+use http::{Method, Response};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use kvtransfer::MergeOutcome;
+use tokio::time::timeout;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{Instrument, info_span, warn};
+
+use crate::config::PrefillFailurePolicy;
+use crate::endpoints::{Endpoint, LoadGuard};
+use crate::engine::EngineBody;
+use crate::engine::client::{self, Collected, LegRequest};
+use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::pd::relay::{self, PartnerResult};
+use crate::pd::{Answer, Exchange, Pd, abort, select};
+use crate::state::Gateway;
+
+/// The prefill leg, owned, so it can run on its own task beside the decode leg.
+struct PrefillJob {
+    endpoint: Arc<Endpoint>,
+    path: &'static str,
+    request_id: String,
+    forwarded: http::HeaderMap,
+    body: Bytes,
+    extra: Vec<(http::HeaderName, http::HeaderValue)>,
+}
+
+impl PrefillJob {
+    fn new(pd: &Pd, request_id: &str, request: kvtransfer::PrefillRequest) -> Self {
+        PrefillJob {
+            endpoint: pd.prefill.clone(),
+            path: pd.route.path(),
+            request_id: request_id.to_string(),
+            forwarded: pd.forwarded.clone(),
+            body: request.body,
+            extra: request.headers,
+        }
+    }
+}
+
+/// A decode's response head with the endpoint that sent it and the load it holds.
+type DecodeHead = (Response<EngineBody>, Arc<Endpoint>, LoadGuard);
+
+/// Sends the prefill leg and reads its whole (bounded) answer within the prefill timeout.
+/// The outcome feeds passive health (a 4xx is the client's fault, not the engine's).
+async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, GatewayError> {
+    let _load = LoadGuard::acquire(&job.endpoint.load);
+    let leg = LegRequest {
+        leg: Leg::Prefill,
+        endpoint: &job.endpoint,
+        path: job.path,
+        method: Method::POST,
+        body: job.body,
+        request_id: &job.request_id,
+        headers: &job.forwarded,
+        extra: &job.extra,
+    };
+    let work = async {
+        let head = client::send(&gw.client, leg).await?;
+        client::collect(Leg::Prefill, &job.endpoint, head).await
+    };
+    let limit = gw.config.prefill_timeout;
+    let result = timeout(limit, work)
+        .await
+        .unwrap_or_else(|_| Err(client::timed_out(Leg::Prefill, &job.endpoint, limit)));
+    let healthy = matches!(&result, Ok(c) if !c.status.is_server_error());
+    gw.health.observe(&job.endpoint.name, healthy);
+    result
+}
+
+/// Prefill, merge, decode. A failed prefill is retried on another prefill, then (by policy)
+/// either fails the request or lets the decode serve it alone.
+pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
+    let mut tried = vec![pd.prefill.name.clone()];
+    let collected = loop {
+        let prefill_request =
+            pd.agent
+                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+        let collected = prefill_leg(&gw, PrefillJob::new(&pd, &ex.request_id, prefill_request))
+            .instrument(info_span!("prefill", endpoint = %pd.prefill.name))
+            .await;
+        let retryable = match &collected {
+            Ok(c) => c.status.is_server_error(),
+            Err(e) => e.retryable(),
+        };
+        if retryable
+            && let Some(next) = select::retry_target(
+                &gw,
+                Leg::Prefill,
+                pd.model.as_deref(),
+                &pd.prefill,
+                &pd.decode,
+                &tried,
+            )
+        {
+            warn!(id = %ex.request_id, from = %pd.prefill.name, to = %next.name, "prefill failed; retrying on another prefill");
+            tried.push(next.name.clone());
+            pd.switch_prefill(&ex.request_id, next)?;
+            continue;
+        }
+        break collected;
+    };
+    if let Some(r) = ex.record() {
+        r.prefill_done();
+    }
+    let merged = match collected {
+        Ok(c) if c.status.is_success() => pd
+            .agent
+            .merge_prefill_response(&mut pd.ctx, &c.body, &pd.prefill.pod)
+            .map_err(GatewayError::from),
+        Ok(c) if c.status.is_client_error() => {
+            return Err(client::status_error(Leg::Prefill, c));
+        }
+        Ok(c) => Err(client::status_error(Leg::Prefill, c)),
+        Err(e) => Err(e),
+    };
+    let decode_body = match merged {
+        Ok(MergeOutcome::KvAttached) => pd.ctx.req_body.clone(),
+        Ok(MergeOutcome::Recompute) => {
+            warn!(
+                id = %ex.request_id,
+                prefill = %pd.prefill.name,
+                "prefill answered without KV-transfer parameters; the decode recomputes the prompt"
+            );
+            gw.metrics.count_recompute(pd.served.connector);
+            pd.ctx.req_body.clone()
+        }
+        Err(err) => match gw.config.on_prefill_failure {
+            PrefillFailurePolicy::Fail => return Err(err),
+            PrefillFailurePolicy::Fallback => {
+                warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
+                gw.metrics.count_fallback(pd.served.connector);
+                pd.served.fallback = true;
+                pd.clean.to_bytes()
+            }
+        },
+    };
+    let (head, decode, decode_load) = decode_head(&gw, &pd, &ex.request_id, decode_body)
+        .instrument(info_span!("decode", endpoint = %pd.decode.name))
+        .await?;
+    pd.switch_decode(decode);
+    let record = ex.take_record()?;
+    Ok(relay::respond(
+        &gw,
+        &ex.request_id,
+        head,
+        pd,
+        decode_load,
+        None,
+        None,
+        record,
+    ))
+}
+
+/// Sends the decode leg and waits for its response head within the decode timeout. A
+/// connection failure (nothing was sent) is retried on another decode endpoint.
+async fn decode_head(
+    gw: &Gateway,
+    pd: &Pd,
+    request_id: &str,
+    body: Bytes,
+) -> Result<DecodeHead, GatewayError> {
+    let mut endpoint = pd.decode.clone();
+    let mut tried = vec![endpoint.name.clone()];
+    loop {
+        let load = LoadGuard::acquire(&endpoint.load);
+        let leg = LegRequest {
+            leg: Leg::Decode,
+            endpoint: &endpoint,
+            path: pd.route.path(),
+            method: Method::POST,
+            body: body.clone(),
+            request_id,
+            headers: &pd.forwarded,
+            extra: &[],
+        };
+        match client::send_within(&gw.client, leg, gw.config.decode_timeout).await {
+            Ok(head) => {
+                gw.health
+                    .observe(&endpoint.name, !head.status().is_server_error());
+                return Ok((head, endpoint, load));
+            }
+            Err(err) => {
+                gw.health.observe(&endpoint.name, false);
+                if err.is_connect_failure()
+                    && let Some(next) = select::retry_target(
+                        gw,
+                        Leg::Decode,
+                        pd.model.as_deref(),
+                        &pd.prefill,
+                        &endpoint,
+                        &tried,
+                    )
+                {
+                    warn!(id = %request_id, from = %endpoint.name, to = %next.name, "decode unreachable; retrying on another decode");
+                    tried.push(next.name.clone());
+                    endpoint = next;
+                    continue;
+                }
+                return Err(err);
+            }
+        }
+    }
+}
+
+/// What came first while a concurrent prefill was still running: the decode's first frame, or
+/// the prefill's end.
+#[derive(Debug)]
+enum FirstByte {
+    /// The decode's first frame (`None`: its body was empty); the prefill still runs.
+    Frame(Option<Frame<Bytes>>),
+    /// The prefill succeeded first.
+    PrefillDone,
+    /// The prefill failed first: nothing reached the client, a retry is safe.
+    PrefillFailed(GatewayError),
+    /// The decode broke or stayed silent past `idle`.
+    DecodeFailed(GatewayError),
+}
+
+/// Waits for the decode's first frame or the prefill's end, whichever comes first.
+async fn first_byte(
+    body: &mut EngineBody,
+    prefill: &mut AbortOnDropHandle<PartnerResult>,
+    idle: Duration,
+    decode: &Endpoint,
+) -> FirstByte {
+    tokio::select! {
+        biased;
+        done = prefill => match done {
+            Ok(Ok(())) => FirstByte::PrefillDone,
+            Ok(Err(e)) => FirstByte::PrefillFailed(e),
+            Err(join) => FirstByte::PrefillFailed(GatewayError::Internal(format!("prefill task ended: {join}"))),
+        },
+        frame = timeout(idle, body.frame()) => match frame {
+            Ok(None) => FirstByte::Frame(None),
+            Ok(Some(Ok(frame))) => FirstByte::Frame(Some(frame)),
+            Ok(Some(Err(e))) => FirstByte::DecodeFailed(client::upstream(
+                Leg::Decode,
+                decode,
+                UpstreamKind::Broken,
+                format!("broke the response stream: {e}"),
+            )),
+            Err(_) => FirstByte::DecodeFailed(client::upstream(
+                Leg::Decode,
+                decode,
+                UpstreamKind::Silent,
+                format!("sent nothing for {idle:?}"),
+            )),
+        },
+    }
+}
+
+/// Both legs at once. The response head is held until the decode's first byte or the
+/// prefill's end, so a prefill failing meanwhile can still be retried (the client has nothing).
+pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
+    enum Step {
+        Prefill(Result<PartnerResult, tokio::task::JoinError>),
+        Decode(Result<DecodeHead, GatewayError>),
+    }
+    let gw = ex.gw.clone();
+    let mut tried = vec![pd.prefill.name.clone()];
+    loop {
+        let prefill_request =
+            pd.agent
+                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+        pd.agent
+            .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
+        let prefill_task: AbortOnDropHandle<PartnerResult> = {
+            let gw = gw.clone();
+            let job = PrefillJob::new(&pd, &ex.request_id, prefill_request);
+            let span = info_span!("prefill", endpoint = %pd.prefill.name);
+            AbortOnDropHandle::new(tokio::spawn(
+                async move {
+                    let c = prefill_leg(&gw, job).await?;
+                    if c.status.is_success() {
+                        Ok(())
+                    } else {
+                        Err(client::status_error(Leg::Prefill, c))
+                    }
+                }
+                .instrument(span),
+            ))
+        };
+        let mut partner = Some(prefill_task);
+        let step = {
+            let decode = decode_head(&gw, &pd, &ex.request_id, pd.ctx.req_body.clone())
+                .instrument(info_span!("decode", endpoint = %pd.decode.name));
+            tokio::pin!(decode);
+            loop {
+                let step = tokio::select! {
+                    biased;
+                    Some(done) = OptionFuture::from(partner.as_mut()) => Step::Prefill(done),
+                    head = &mut decode => Step::Decode(head),
+                };
+                match step {
+                    Step::Prefill(Ok(Ok(()))) => partner = None,
+                    other => break other,
+                }
+            }
+        };
+        let head = match step {
+            Step::Decode(head) => head,
+            Step::Prefill(done) => {
+                // The decode future is dropped (its connection closed).
+                let err = match done {
+                    Ok(Err(e)) => e,
+                    Ok(Ok(())) => GatewayError::Internal("prefill outcome lost".into()),
+                    Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
+                };
+                retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await?;
+                continue;
+            }
+        };
+        let (head, decode, decode_load) = match head {
+            Ok(head) => head,
+            Err(err) => {
+                abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
+                return Err(err);
+            }
+        };
+        pd.switch_decode(decode);
+        let (parts, mut body) = head.into_parts();
+        let mut prefix = None;
+        if let Some(task) = partner.as_mut() {
+            let idle = gw.config.stream_idle_timeout;
+            match first_byte(&mut body, task, idle, &pd.decode).await {
+                FirstByte::Frame(frame) => prefix = frame,
+                FirstByte::PrefillDone => partner = None,
+                FirstByte::PrefillFailed(err) => {
+                    drop((body, decode_load));
+                    retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await?;
+                    continue;
+                }
+                FirstByte::DecodeFailed(err) => {
+                    abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
+                    return Err(err);
+                }
+            }
+        }
+        if partner.is_none()
+            && let Some(r) = ex.record()
+        {
+            r.prefill_done();
+        }
+        let head = Response::from_parts(parts, body);
+        let record = ex.take_record()?;
+        return Ok(relay::respond(
+            &gw,
+            &ex.request_id,
+            head,
+            pd,
+            decode_load,
+            partner,
+            prefix,
+            record,
+        ));
+    }
+}
+
+/// A concurrent prefill failed before any decode byte reached the client: moves `pd` to
+/// another prefill (the caller restarts both legs), or gives the error back.
+async fn retry_both_legs(
+    gw: &Gateway,
+    pd: &mut Pd,
+    request_id: &str,
+    tried: &mut Vec<String>,
+    err: GatewayError,
+) -> Result<(), GatewayError> {
+    let next = if err.retryable() {
+        select::retry_target(
+            gw,
+            Leg::Prefill,
+            pd.model.as_deref(),
+            &pd.prefill,
+            &pd.decode,
+            tried,
+        )
+    } else {
+        None
+    };
+    let Some(next) = next else {
+        abort::abort_later(gw, pd.agent.as_ref(), &pd.decode, request_id);
+        return Err(err);
+    };
+    warn!(id = %request_id, from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
+    // The decode must drop the request before the retry reuses its id.
+    abort::abort_now(gw, pd.agent.as_ref(), &pd.decode, request_id).await;
+    tried.push(next.name.clone());
+    pd.switch_prefill(request_id, next)
+}

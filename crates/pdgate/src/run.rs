@@ -1,0 +1,163 @@
+//! A running gateway: bind, serve, follow discovery, drain.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvtransfer::Pod;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::state::{Gateway, PodSet};
+
+/// Pending-connection backlog of the listening socket: bursts of thousands of new client
+/// connections (stream soaks, reconnect storms) must not overflow the kernel's accept queue.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds `addr` with [`LISTEN_BACKLOG`] and `SO_REUSEADDR`.
+pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// A gateway serving on a socket, with the tasks it owns.
+#[derive(Debug)]
+pub struct RunningGateway {
+    addr: SocketAddr,
+    gateway: Arc<Gateway>,
+    cancel: CancellationToken,
+    tasks: JoinSet<()>,
+    pods: watch::Sender<PodSet>,
+}
+
+impl RunningGateway {
+    /// Starts serving on `listener` with endpoints from `pods` (a discovery source keeps
+    /// sending new sets; see [`RunningGateway::pods`]).
+    pub async fn start(
+        gateway: Arc<Gateway>,
+        listener: TcpListener,
+        pods: Vec<Pod>,
+    ) -> std::io::Result<RunningGateway> {
+        let addr = listener.local_addr()?;
+        let cancel = CancellationToken::new();
+        let (tx, rx) = watch::channel(Arc::new(pods));
+        let mut tasks = JoinSet::new();
+        // Publish the first snapshot before accepting traffic (static pods need no lookups).
+        let initial: Vec<Pod> = rx.borrow().iter().cloned().collect();
+        gateway.publish(&initial, &BTreeSet::new());
+        tasks.spawn(crate::discovery::reconcile(
+            gateway.clone(),
+            rx,
+            cancel.clone(),
+        ));
+        tasks.spawn(crate::endpoints::health::run(
+            gateway.health.clone(),
+            gateway.client.clone(),
+            gateway.config.health_section(),
+            cancel.clone(),
+        ));
+        let app = crate::http::router(gateway.clone());
+        let idle = gateway.config.client_idle_timeout;
+        tasks.spawn(crate::http::listener::serve(
+            listener,
+            app,
+            idle,
+            cancel.clone(),
+        ));
+        Ok(RunningGateway {
+            addr,
+            gateway,
+            cancel,
+            tasks,
+            pods: tx,
+        })
+    }
+
+    /// Binds `config.listen` and starts with the configured static endpoints.
+    pub async fn bind(gateway: Arc<Gateway>) -> Result<RunningGateway, crate::Error> {
+        let pods = gateway.config.pods()?;
+        let listener = listen(gateway.config.listen)
+            .map_err(|e| crate::Error::Bind(gateway.config.listen, e))?;
+        Ok(RunningGateway::start(gateway, listener, pods).await?)
+    }
+
+    /// The address served.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://addr`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The shared state.
+    pub fn gateway(&self) -> &Arc<Gateway> {
+        &self.gateway
+    }
+
+    /// Where discovery sends new pod sets.
+    pub fn pods(&self) -> &watch::Sender<PodSet> {
+        &self.pods
+    }
+
+    /// Spawns a task owned by this gateway (ended at shutdown).
+    pub fn spawn_owned<F>(&mut self, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.tasks.spawn(task);
+    }
+
+    /// A token that fires when the gateway shuts down.
+    pub fn cancel_token(&self) -> CancellationToken {
+        self.cancel.clone()
+    }
+
+    /// Drains: `/ready` answers 503 at once while requests are still served for
+    /// `config.drain_delay` (load balancers stop sending), then stops accepting, lets in-flight
+    /// requests finish up to `deadline`, then ends every task.
+    pub async fn shutdown(mut self, deadline: Duration) {
+        self.gateway.start_draining();
+        info!(delay = ?self.gateway.config.drain_delay, "draining: /ready now answers 503");
+        tokio::time::sleep(self.gateway.config.drain_delay).await;
+        self.cancel.cancel();
+        let drain = async {
+            while self.tasks.join_next().await.is_some() {}
+            self.gateway.tasks.close();
+            self.gateway.tasks.wait().await;
+        };
+        if tokio::time::timeout(deadline, drain).await.is_err() {
+            warn!("shutdown deadline reached; aborting remaining work");
+        }
+        self.tasks.abort_all();
+    }
+
+    /// Runs until `signal` completes, then shuts down gracefully.
+    pub async fn run_until<F: std::future::Future<Output = ()>>(
+        self,
+        signal: F,
+        deadline: Duration,
+    ) {
+        signal.await;
+        info!("shutting down");
+        self.shutdown(deadline).await;
+    }
+}
+
+impl Drop for RunningGateway {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        self.tasks.abort_all();
+    }
+}
