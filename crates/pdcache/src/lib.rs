@@ -4,5 +4,7 @@ pub mod events;
 pub mod index;
 pub mod keys;
 mod msgpack;
+#[cfg(feature = "subscriber")]
+pub mod subscribe;
 pub mod tokenizer;
 pub mod vllm_hash;
