@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -206,6 +207,14 @@ pub struct Faults {
     /// the remote fields answers 500 "EngineCore encountered an issue..." and the engine dies
     /// for good (`/health` 503, every later generation request 500). Off: that request alone fails.
     pub crash_on_bad_kv_params: bool,
+    /// KV events: probability in `[0, 1]` that a batch is lost on the wire (its sequence number
+    /// is used, so subscribers see a gap; replay still has it, as after a ZMQ HWM drop).
+    pub kv_events_drop_rate: f64,
+    /// KV events: sequence numbers skipped before every batch (0 = none).
+    pub kv_events_skip_seq: u64,
+    /// KV events: the publisher stops sending; batches queue (bounded by `hwm`, then dropped
+    /// and counted) and go out when the stall ends.
+    pub kv_events_stall: bool,
 }
 
 impl Default for Faults {
@@ -219,6 +228,9 @@ impl Default for Faults {
             dead: false,
             refuse_kv: false,
             crash_on_bad_kv_params: false,
+            kv_events_drop_rate: 0.0,
+            kv_events_skip_seq: 0,
+            kv_events_stall: false,
         }
     }
 }
@@ -230,6 +242,82 @@ impl Faults {
             || self.hang
             || self.first_byte_delay_ms > 0
             || self.drop_after_chunks.is_some()
+    }
+}
+
+/// vLLM's `--kv-events-config` (`vllm/config/kv_events.py`), same field names and defaults.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// Publish KV-cache events at all.
+    pub enable_kv_cache_events: bool,
+    /// `"zmq"` (or `"null"`: publish nothing).
+    pub publisher: String,
+    /// The PUB socket: binds when it contains `*` or `::` or is `ipc://`/`inproc://`,
+    /// otherwise connects (the subscriber binds), as vLLM decides.
+    pub endpoint: String,
+    /// The replay ROUTER socket (always binds); none = no replay.
+    pub replay_endpoint: Option<String>,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// Send high-water mark: batches queued for the socket before new ones are dropped.
+    pub hwm: usize,
+    /// Topic frame of every message.
+    pub topic: String,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        KvEventsConfig {
+            enable_kv_cache_events: false,
+            publisher: "zmq".to_owned(),
+            endpoint: "tcp://*:5557".to_owned(),
+            replay_endpoint: None,
+            buffer_steps: 10_000,
+            hwm: 100_000,
+            topic: String::new(),
+        }
+    }
+}
+
+impl KvEventsConfig {
+    /// Whether events are published (enabled and a zmq publisher).
+    pub fn publishes(&self) -> bool {
+        self.enable_kv_cache_events && self.publisher == "zmq"
+    }
+
+    /// vLLM's rule: the PUB socket binds for wildcard, IPv6-any, ipc and inproc endpoints.
+    pub fn binds(&self) -> bool {
+        let e = &self.endpoint;
+        e.contains('*') || e.contains("::") || e.starts_with("ipc://") || e.starts_with("inproc://")
+    }
+}
+
+/// The engine's prefix cache (vLLM's `--block-size`, `--enable-prefix-caching`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Tokens per KV block (default 16).
+    pub block_size: u32,
+    /// Cached blocks kept; unreferenced ones are evicted LRU (default 65536).
+    pub kv_cache_blocks: usize,
+    /// Reuse cached prefixes (default on).
+    pub enable_prefix_caching: bool,
+    /// A Hugging Face `tokenizer.json` (its chat template from `tokenizer_config.json`
+    /// beside it); none = the deterministic word tokenizer.
+    pub tokenizer: Option<PathBuf>,
+    /// Report `usage.prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`).
+    pub enable_prompt_tokens_details: bool,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            block_size: 16,
+            kv_cache_blocks: 65_536,
+            enable_prefix_caching: true,
+            tokenizer: None,
+            enable_prompt_tokens_details: true,
+        }
     }
 }
 
@@ -260,6 +348,10 @@ pub struct SimConfig {
     pub faults: Faults,
     /// Engine id advertised to decodes (default random).
     pub engine_id: Option<String>,
+    /// Prefix cache and tokenizer (library default: details in `usage` on).
+    pub cache: CacheConfig,
+    /// KV-cache events (default off).
+    pub kv_events: KvEventsConfig,
 }
 
 impl SimConfig {
@@ -279,6 +371,8 @@ impl SimConfig {
             latency: LatencyModel::default(),
             faults: Faults::default(),
             engine_id: None,
+            cache: CacheConfig::default(),
+            kv_events: KvEventsConfig::default(),
         }
     }
 }
@@ -319,6 +413,32 @@ mod tests {
         assert_eq!("ShFs".parse::<Connector>(), Ok(Connector::Shfs));
         assert!("nope".parse::<Connector>().is_err());
         assert!("".parse::<Role>().is_err());
+    }
+
+    #[test]
+    fn kv_events_config_takes_vllm_fields_and_bind_rule() {
+        let c: KvEventsConfig = serde_json::from_str(
+            r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557","topic":"kv"}"#,
+        )
+        .unwrap();
+        assert!(c.publishes() && !c.binds());
+        assert_eq!(c.buffer_steps, 10_000);
+        assert!(KvEventsConfig::default().binds());
+        for (e, binds) in [
+            ("tcp://*:1", true),
+            ("tcp://[::]:1", true),
+            ("ipc:///tmp/x", true),
+            ("inproc://x", true),
+            ("tcp://10.0.0.1:1", false),
+        ] {
+            let c = KvEventsConfig {
+                endpoint: e.into(),
+                ..KvEventsConfig::default()
+            };
+            assert_eq!(c.binds(), binds, "{e}");
+        }
+        assert!(!KvEventsConfig::default().publishes());
+        assert!(serde_json::from_str::<KvEventsConfig>(r#"{"endpont":"x"}"#).is_err());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The engine: state shared by every request and listener of one engine.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
@@ -9,24 +9,25 @@ use arc_swap::ArcSwap;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+use pdcache::events::KvEvent;
+
 use crate::config::{Connector, Faults, SimConfig};
 use crate::error::ApiError;
+use crate::kv_events::EventSink;
 use crate::kv_pull::PullClient;
 use crate::kv_store::KvStore;
 use crate::plan::PlanInput;
+use crate::prefix_cache::PrefixCache;
 use crate::stats::{Counters, Recent, SimStats};
-
-/// vLLM's KV block size; used for block ids and prefix-cache granularity.
-pub(crate) const BLOCK_SIZE: u32 = 16;
+use crate::tokens::Tok;
 /// Context window of the simulated model.
 pub(crate) const MAX_MODEL_LEN: u32 = 32_768;
-const PREFIX_CACHE_CAPACITY: usize = 4096;
 
 /// State shared by every request and listener of one engine.
 pub(crate) struct Engine {
     pub cfg: SimConfig,
     pub engine_id: String,
-    pub faults: ArcSwap<Faults>,
+    pub faults: Arc<ArcSwap<Faults>>,
     pub counters: Counters,
     pub recent: Recent,
     pub kv: KvStore,
@@ -41,21 +42,42 @@ pub(crate) struct Engine {
     /// Cancelled when the engine core dies (fault `crash_on_bad_kv_params`); never reset.
     pub dead: CancellationToken,
     last_kv_error: Mutex<Option<String>>,
-    prefix_cache: Mutex<HashSet<u64>>,
     pub next_block: AtomicU64,
+    /// The tokenizer prompts go through.
+    pub tok: Tok,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// `None` with `--no-enable-prefix-caching`.
+    pub cache: Option<Mutex<PrefixCache>>,
+    /// The KV-event publisher, when events are on.
+    pub events: Option<EventSink>,
 }
 
 impl Engine {
     pub fn new(
         cfg: SimConfig,
         engine_id: String,
-        side_channel_port: Option<u16>,
-        bootstrap_port: Option<u16>,
+        ports: (Option<u16>, Option<u16>),
+        faults: Arc<ArcSwap<Faults>>,
+        tok: Tok,
+        events: Option<EventSink>,
     ) -> Self {
+        let (side_channel_port, bootstrap_port) = ports;
         let slots = (cfg.latency.slots > 0).then(|| Arc::new(Semaphore::new(cfg.latency.slots)));
+        let block_size = cfg.cache.block_size.max(1);
+        let cache = cfg.cache.enable_prefix_caching.then(|| {
+            Mutex::new(PrefixCache::new(
+                block_size as usize,
+                cfg.cache.kv_cache_blocks,
+            ))
+        });
         Engine {
             engine_id,
-            faults: ArcSwap::from_pointee(cfg.faults.clone()),
+            faults,
+            tok,
+            block_size,
+            cache,
+            events,
             counters: Counters::default(),
             recent: Recent::default(),
             kv: KvStore::new(cfg.kv_lease),
@@ -68,7 +90,6 @@ impl Engine {
             aborts: Mutex::new(HashMap::new()),
             dead: CancellationToken::new(),
             last_kv_error: Mutex::new(None),
-            prefix_cache: Mutex::new(HashSet::new()),
             next_block: AtomicU64::new(1),
             cfg,
         }
@@ -117,19 +138,35 @@ impl Engine {
         ApiError::EngineDead
     }
 
-    /// Prefix-cache hit for a prompt computed here: whole blocks, never the last token.
-    pub fn cached_tokens(&self, digest: u64, count: u32) -> u32 {
-        let Ok(mut seen) = self.prefix_cache.lock() else {
-            return 0;
-        };
-        if seen.contains(&digest) {
-            return count.saturating_sub(1) / BLOCK_SIZE * BLOCK_SIZE;
+    /// Hands cache changes to the event publisher (nothing when events are off).
+    pub fn publish(&self, events: Vec<KvEvent>) {
+        if let Some(sink) = &self.events {
+            sink.send(events);
         }
-        if seen.len() >= PREFIX_CACHE_CAPACITY {
-            seen.clear();
+    }
+
+    /// `POST /reset_prefix_cache`: every block goes; subscribers get `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&self) {
+        if let Some(cache) = &self.cache
+            && let Ok(mut c) = cache.lock()
+        {
+            c.clear();
         }
-        seen.insert(digest);
-        0
+        self.counters.cache_resets.fetch_add(1, Relaxed);
+        self.publish(vec![KvEvent::AllBlocksCleared]);
+    }
+
+    /// As after an engine crash and restart: cache empty and event sequence back to 0,
+    /// without `AllBlocksCleared` (a crashed engine sends nothing).
+    pub fn restart(&self) {
+        if let Some(cache) = &self.cache
+            && let Ok(mut c) = cache.lock()
+        {
+            c.clear();
+        }
+        if let Some(sink) = &self.events {
+            sink.restart();
+        }
     }
 
     /// The engine facts a request's plan depends on.
@@ -152,6 +189,17 @@ impl Engine {
         );
         s.last_kv_error = self.last_kv_error();
         s.engine_dead = self.is_dead();
+        if let Some(cache) = &self.cache
+            && let Ok(c) = cache.lock()
+        {
+            s.cached_blocks = c.len() as u64;
+        }
+        if let Some(sink) = &self.events {
+            let e = &sink.counters;
+            s.kv_event_batches_published = e.batches_published.load(Relaxed);
+            s.kv_event_batches_dropped = e.batches_dropped.load(Relaxed);
+            s.kv_events_published = e.events_published.load(Relaxed);
+        }
         s
     }
 }

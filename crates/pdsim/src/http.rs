@@ -22,7 +22,7 @@ use crate::engine::{Engine, MAX_MODEL_LEN};
 use crate::error::ApiError;
 use crate::job::{InFlight, Job};
 use crate::plan::plan;
-use crate::request::{Endpoint, parse};
+use crate::request::{Endpoint, parse_with};
 use crate::respond::{self, ChoiceOut, Head, Usage};
 use crate::stats::Recorded;
 
@@ -37,6 +37,9 @@ pub(crate) fn router(engine: Arc<Engine>) -> Router {
         .route("/abort_request", post(abort_request))
         .route("/sim/faults", get(get_faults).post(set_faults))
         .route("/sim/stats", get(stats))
+        .route("/sim/restart", post(restart))
+        .route("/tokenize", post(tokenize))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(not_found)
         .with_state(engine)
 }
@@ -174,7 +177,7 @@ async fn run(
     mut guard: InFlight,
     drop_after: Option<u32>,
 ) -> Response {
-    let prepared = parse(endpoint, body, &engine.cfg.model).and_then(|req| {
+    let prepared = parse_with(endpoint, body, &engine.cfg.model, &engine.tok).and_then(|req| {
         let total = u64::from(req.prompt.count) + u64::from(req.max_tokens);
         if total > u64::from(MAX_MODEL_LEN) {
             return Err(ApiError::BadRequest {
@@ -252,7 +255,12 @@ fn usage(job: &Job, choices: &[ChoiceOut]) -> Usage {
     Usage {
         prompt: job.req.prompt.count,
         completion: choices.iter().map(|c| c.words.len() as u32).sum(),
-        cached: job.cached,
+        cached: job
+            .engine
+            .cfg
+            .cache
+            .enable_prompt_tokens_details
+            .then_some(job.cached),
     }
 }
 
@@ -486,6 +494,44 @@ async fn set_faults(State(engine): State<Arc<Engine>>, body: Bytes) -> Response 
 
 async fn stats(State(engine): State<Arc<Engine>>) -> Response {
     axum::Json(engine.snapshot()).into_response()
+}
+
+async fn restart(State(engine): State<Arc<Engine>>) -> StatusCode {
+    engine.restart();
+    StatusCode::OK
+}
+
+async fn reset_prefix_cache(State(engine): State<Arc<Engine>>) -> StatusCode {
+    engine.reset_prefix_cache();
+    StatusCode::OK
+}
+
+#[derive(serde::Deserialize)]
+struct TokenizeBody<'a> {
+    #[serde(borrow, default)]
+    prompt: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a serde_json::value::RawValue>,
+}
+
+/// vLLM's `POST /tokenize`: `prompt` or `messages` (chat template applied) to token ids.
+async fn tokenize(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let parsed = serde_json::from_slice::<TokenizeBody<'_>>(&body)
+        .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
+        .and_then(|b| match b.messages {
+            Some(m) => crate::request::tokenize_messages(Some(m), &engine.tok),
+            None => crate::request::tokenize_prompt(b.prompt, &engine.tok),
+        });
+    match parsed {
+        Ok(p) => axum::Json(serde_json::json!({
+            "count": p.count,
+            "max_model_len": MAX_MODEL_LEN,
+            "tokens": p.ids,
+            "token_strs": null,
+        }))
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn not_found() -> Response {

@@ -11,11 +11,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Connector;
-use crate::engine::{BLOCK_SIZE, Engine};
+use crate::engine::Engine;
 use crate::error::ApiError;
 use crate::kv_pull::{PullError, mooncake_worker, seg};
 use crate::kv_store::KvWire;
 use crate::plan::{Consume, Plan, Produce, kv_fail};
+use crate::prefix_cache::{BlockChain, Pins};
 use crate::request::{Endpoint, GenRequest};
 use crate::respond::ChoiceOut;
 use crate::tokens::word;
@@ -89,6 +90,18 @@ impl Drop for AbortReg {
     }
 }
 
+/// Caches the full blocks of `tokens` from block `from` on (pinned for the request) and
+/// publishes the change.
+fn store(engine: &Engine, chain: &mut BlockChain, pins: &mut Pins, tokens: &[u32], from: usize) {
+    let Some(cache) = &engine.cache else { return };
+    chain.extend(tokens, engine.block_size as usize);
+    let mut events = Vec::new();
+    if let Ok(mut c) = cache.lock() {
+        c.insert(&chain.values, tokens, from, pins, &mut events);
+    }
+    engine.publish(events);
+}
+
 /// One generation request from plan to last byte.
 pub(crate) struct Job {
     pub engine: Arc<Engine>,
@@ -105,6 +118,10 @@ pub(crate) struct Job {
     /// Cached tokens reported in usage.
     pub cached: u32,
     sglang_published: bool,
+    /// The prompt's full-block hashes (empty without prefix caching).
+    chain: BlockChain,
+    /// Cache blocks this request holds until it ends.
+    pins: Pins,
 }
 
 fn now_unix() -> u64 {
@@ -157,6 +174,8 @@ impl Job {
             permit: None,
             cached: 0,
             sglang_published: false,
+            chain: BlockChain::default(),
+            pins: Pins::default(),
         }
     }
 
@@ -220,17 +239,14 @@ impl Job {
             }
             p => self.plan.produce = p,
         }
-        let prompt = self.req.prompt;
-        let compute = match std::mem::replace(&mut self.plan.consume, Consume::Local) {
-            Consume::Local => {
-                self.cached = engine.cached_tokens(prompt.digest, prompt.count);
-                prompt.count - self.cached
-            }
+        let count = self.req.prompt.count;
+        let local_hit = self.lookup();
+        let (compute, cached) = match std::mem::replace(&mut self.plan.consume, Consume::Local) {
+            Consume::Local => (count - local_hit, local_hit),
             Consume::Recompute => {
                 engine.counters.recomputed.fetch_add(1, Relaxed);
                 tracing::debug!(request_id = %self.id, "decode without KV params: recomputing the prompt");
-                self.cached = engine.cached_tokens(prompt.digest, prompt.count);
-                prompt.count - self.cached
+                (count - local_hit, local_hit)
             }
             Consume::Fail(e) => return Err(engine.kv_load_failed(&self.id, e)),
             Consume::Crash(e) => return Err(engine.die(&self.id, &e)),
@@ -240,12 +256,40 @@ impl Job {
                     .await
                     .map_err(|e| engine.kv_load_failed(&self.id, e))?;
                 engine.counters.transfers_pulled.fetch_add(1, Relaxed);
-                self.cached = wire.cached_tokens;
-                0
+                // The prefill's own hits travel with its KV; a local hit is reported when larger.
+                (0, wire.cached_tokens.max(local_hit))
             }
         };
+        self.cached = cached;
+        engine
+            .counters
+            .record_prompt(count, local_hit, count - compute);
         let lat = &engine.cfg.latency;
-        self.delay(lat.prefill_per_token * compute + lat.ttft).await
+        self.delay(lat.prefill_per_token * compute + lat.ttft)
+            .await?;
+        // The prompt's KV now exists here, computed or received: cache its full blocks.
+        let from = local_hit as usize / self.engine.block_size as usize;
+        store(
+            &self.engine,
+            &mut self.chain,
+            &mut self.pins,
+            &self.req.prompt.ids,
+            from,
+        );
+        Ok(())
+    }
+
+    /// Looks the prompt up in the prefix cache and pins the hit; the hit in tokens, capped
+    /// at `prompt_tokens - 1` like vLLM (a whole cached prompt recomputes its last block).
+    fn lookup(&mut self) -> u32 {
+        let engine = &self.engine;
+        let Some(cache) = &engine.cache else { return 0 };
+        let bs = engine.block_size;
+        self.chain = BlockChain::of(&self.req.prompt.ids, bs as usize);
+        let max = (self.req.prompt.count.saturating_sub(1) / bs) as usize;
+        let Ok(mut c) = cache.lock() else { return 0 };
+        let hit = c.lookup(&self.chain.values, max, &mut self.pins);
+        hit as u32 * bs
     }
 
     async fn pull(&self, consume: Consume) -> Result<KvWire, ApiError> {
@@ -329,8 +373,8 @@ impl Job {
     pub fn finish(&mut self, choices: &[ChoiceOut]) -> Option<String> {
         let engine = self.engine.clone();
         let c = &engine.counters;
-        let prompt = self.req.prompt;
-        c.prompt_tokens.fetch_add(u64::from(prompt.count), Relaxed);
+        c.prompt_tokens
+            .fetch_add(u64::from(self.req.prompt.count), Relaxed);
         for ch in choices {
             c.generation_tokens
                 .fetch_add(ch.words.len() as u64, Relaxed);
@@ -339,6 +383,21 @@ impl Job {
                 _ => c.finished_length.fetch_add(1, Relaxed),
             };
         }
+        if engine.cache.is_some()
+            && let Some(first) = choices.first()
+            && first.words.len() > 1
+        {
+            // The KV of every generated token but the last exists now (vLLM caches it too).
+            let mut tokens = self.req.prompt.ids.clone();
+            tokens.extend(
+                engine
+                    .tok
+                    .generated_ids(&first.words[..first.words.len() - 1]),
+            );
+            let from = self.chain.values.len();
+            store(&engine, &mut self.chain, &mut self.pins, &tokens, from);
+        }
+        let prompt = &self.req.prompt;
         let entry = || engine.kv.entry(prompt.digest, prompt.count, self.cached);
         match std::mem::replace(&mut self.plan.produce, Produce::Nothing) {
             Produce::Params => {
@@ -350,7 +409,7 @@ impl Job {
                     }
                     Endpoint::Chat => format!("{}-{:08x}", self.id, rand::random::<u32>()),
                 };
-                let blocks = prompt.count.div_ceil(BLOCK_SIZE);
+                let blocks = prompt.count.div_ceil(engine.block_size);
                 let first = engine
                     .next_block
                     .fetch_add(u64::from(blocks), Ordering::Relaxed);
@@ -397,6 +456,11 @@ impl Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
+        if let Some(cache) = &self.engine.cache
+            && let Ok(mut c) = cache.lock()
+        {
+            c.release(&mut self.pins);
+        }
         if let Produce::Sglang(room) = self.plan.produce
             && !self.sglang_published
         {

@@ -10,6 +10,9 @@
 //! - `plan`: which handoff a request performs (a pure function of body, role, connector).
 //! - `job`: runs one request: slot, handoff, compute, generation, KV hand-over.
 //! - `engine`: state shared by every request and listener of one engine.
+//! - `prefix_cache`: vLLM-like block cache (chained `sha256_cbor` hashes, LRU of unreferenced
+//!   blocks); `kv_events`: its changes published as vLLM's ZMQ KV events, with replay.
+//! - `tokens`: the deterministic word tokenizer, or a Hugging Face one (`pdcache::tokenizer`).
 //! - `kv_store`: the prefill's KV kept for its decode; `kv_servers`: the side channel and
 //!   bootstrap servers that serve it; `kv_pull`: the decode's pull client.
 //! - [`stats`]: [`SimStats`], also rendered as Prometheus text on `/metrics`.
@@ -33,10 +36,12 @@ mod engine;
 mod error;
 mod http;
 mod job;
+mod kv_events;
 mod kv_pull;
 mod kv_servers;
 mod kv_store;
 mod plan;
+mod prefix_cache;
 mod request;
 mod respond;
 pub mod stats;
@@ -53,12 +58,16 @@ use tokio::task::JoinSet;
 
 pub use config::{
     CONNECTOR_TYPE_MOONCAKE, CONNECTOR_TYPE_NIXL, CONNECTOR_TYPE_NONE, CONNECTOR_TYPE_SGLANG,
-    CONNECTOR_TYPE_SHFS, Connector, Faults, LatencyModel, ParseEnumError, Role, SimConfig,
+    CONNECTOR_TYPE_SHFS, CacheConfig, Connector, Faults, KvEventsConfig, LatencyModel,
+    ParseEnumError, Role, SimConfig,
 };
 pub use error::ApiError;
 pub use stats::{EndpointCounts, RecentRequest, SimStats};
 
+use arc_swap::ArcSwap;
 use engine::Engine;
+pub use kv_events::EventsError;
+use tokens::Tok;
 
 /// How long [`SimHandle::shutdown`] waits for connections to drain.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
@@ -117,8 +126,39 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
         .engine_id
         .clone()
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-    let engine = Arc::new(Engine::new(config, engine_id, side_port, boot_port));
+    let tok = match &config.cache.tokenizer {
+        None => Tok::Words,
+        Some(path) => Tok::Hf(Arc::new(
+            pdcache::tokenizer::HfTokenizer::load(path).map_err(std::io::Error::other)?,
+        )),
+    };
+    let faults = Arc::new(ArcSwap::from_pointee(config.faults.clone()));
+    let shutdown = tokio_util::sync::CancellationToken::new();
     let mut tasks = JoinSet::new();
+    let events = if config.kv_events.publishes() && config.cache.enable_prefix_caching {
+        Some(
+            kv_events::start(
+                &config.kv_events,
+                faults.clone(),
+                shutdown.clone(),
+                &mut tasks,
+            )
+            .await
+            .map_err(std::io::Error::other)?,
+        )
+    } else {
+        None
+    };
+    let mut engine = Engine::new(
+        config,
+        engine_id,
+        (side_port, boot_port),
+        faults,
+        tok,
+        events,
+    );
+    engine.shutdown = shutdown;
+    let engine = Arc::new(engine);
     serve(&mut tasks, listener, http::router(engine.clone()), &engine);
     if let Some(l) = side {
         serve(
@@ -191,6 +231,27 @@ impl SimHandle {
     /// Replaces the active faults (same as `POST /sim/faults`).
     pub fn set_faults(&self, faults: Faults) {
         self.engine.faults.store(Arc::new(faults));
+    }
+
+    /// The PUB endpoint actually bound, when the KV-event publisher binds (vLLM's rule).
+    pub fn kv_events_endpoint(&self) -> Option<&str> {
+        self.engine.events.as_ref()?.bound.as_deref()
+    }
+
+    /// The replay ROUTER endpoint actually bound, if replay is configured.
+    pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
+        self.engine.events.as_ref()?.replay_bound.as_deref()
+    }
+
+    /// Empties the prefix cache and publishes `AllBlocksCleared` (same as `POST /reset_prefix_cache`).
+    pub fn reset_prefix_cache(&self) {
+        self.engine.reset_prefix_cache();
+    }
+
+    /// Simulates an engine restart for the cache and its events: cache empty, event sequence
+    /// back to 0, no `AllBlocksCleared` (same as `POST /sim/restart`).
+    pub fn restart(&self) {
+        self.engine.restart();
     }
 
     /// Stops accepting, ends in-flight work, waits (bounded) for connections to close.

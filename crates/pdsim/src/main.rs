@@ -1,10 +1,11 @@
 //! `pdsim`: run one simulated vLLM-like engine. See `pdsim --help` and the crate README.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use pdsim::{Connector, Faults, LatencyModel, Role, SimConfig};
+use pdsim::{CacheConfig, Connector, Faults, KvEventsConfig, LatencyModel, Role, SimConfig};
 
 /// jemalloc, as in pdgate: a benchmark engine (or load generator) that spends less CPU per request
 /// leaves more of a shared core to what is being measured.
@@ -14,8 +15,10 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// A vLLM 0.33-like engine simulator that verifies prefill/decode KV handoffs.
 ///
 /// Serves POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-/// GET /metrics, POST /abort_request {"rid":...}, GET|POST /sim/faults (JSON, see the
-/// --fault-* flags for fields) and GET /sim/stats (JSON counters and the last request bodies).
+/// GET /metrics, POST /tokenize, POST /reset_prefix_cache, POST /abort_request {"rid":...},
+/// GET|POST /sim/faults (JSON, see the --fault-* flags for fields), GET /sim/stats (JSON
+/// counters and the last request bodies) and POST /sim/restart (cache and event sequence reset
+/// as after a crash).
 #[derive(Debug, Parser)]
 #[command(name = "pdsim", version, about, long_about, after_long_help = AFTER_HELP)]
 struct Args {
@@ -94,6 +97,40 @@ struct Args {
     /// engine (500 "EngineCore encountered an issue...", then /health 503 and every request 500), like vLLM 0.32.
     #[arg(long, env = "PDSIM_FAULT_CRASH_ON_BAD_KV_PARAMS")]
     fault_crash_on_bad_kv_params: bool,
+    /// Fault: probability in [0,1] that a KV-event batch is lost on the wire (replay keeps it).
+    #[arg(long, env = "PDSIM_FAULT_KV_EVENTS_DROP_RATE", default_value_t = 0.0)]
+    fault_kv_events_drop_rate: f64,
+    /// Fault: KV-event sequence numbers skipped before every batch.
+    #[arg(long, env = "PDSIM_FAULT_KV_EVENTS_SKIP_SEQ", default_value_t = 0)]
+    fault_kv_events_skip_seq: u64,
+    /// Fault: the KV-event publisher stalls (batches queue up to hwm, then drop).
+    #[arg(long, env = "PDSIM_FAULT_KV_EVENTS_STALL")]
+    fault_kv_events_stall: bool,
+    /// Hugging Face tokenizer.json (chat template from tokenizer_config.json beside it); default:
+    /// the deterministic word tokenizer (one token per whitespace-separated word, plus BOS).
+    #[arg(long, env = "PDSIM_TOKENIZER")]
+    tokenizer: Option<PathBuf>,
+    /// Tokens per KV block (prefix-cache granularity and block ids).
+    #[arg(long, env = "PDSIM_BLOCK_SIZE", default_value_t = 16)]
+    block_size: u32,
+    /// Prefix-cache capacity in blocks; unreferenced blocks are evicted least recently used first.
+    #[arg(long, env = "PDSIM_KV_CACHE_BLOCKS", default_value_t = 65_536)]
+    kv_cache_blocks: usize,
+    /// Reuse cached prompt prefixes (vLLM's default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    enable_prefix_caching: bool,
+    /// Turn the prefix cache off: every prompt token is computed, no KV events.
+    #[arg(long, env = "PDSIM_NO_ENABLE_PREFIX_CACHING")]
+    no_enable_prefix_caching: bool,
+    /// Report usage.prompt_tokens_details.cached_tokens (otherwise prompt_tokens_details is null).
+    #[arg(long, env = "PDSIM_ENABLE_PROMPT_TOKENS_DETAILS")]
+    enable_prompt_tokens_details: bool,
+    /// vLLM's KV-events config as JSON, e.g. {"enable_kv_cache_events":true,"publisher":"zmq",
+    /// "endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv","buffer_steps":10000,
+    /// "hwm":100000}. The PUB socket binds when the endpoint has * or :: or is ipc:// or inproc://,
+    /// otherwise it connects to a subscriber that binds.
+    #[arg(long, env = "PDSIM_KV_EVENTS_CONFIG")]
+    kv_events_config: Option<String>,
     /// Tokio worker threads (default: one per available core).
     #[arg(long, env = "PDSIM_WORKER_THREADS")]
     worker_threads: Option<usize>,
@@ -115,20 +152,34 @@ Handoffs (a wrong one fails like the real engine: 500 JSON error, or 200 then a 
 
 Faults JSON (POST /sim/faults; missing fields take these defaults, unknown fields are rejected):
   {\"error_rate\":0.0,\"error_status\":500,\"hang\":false,\"first_byte_delay_ms\":0,
-   \"drop_after_chunks\":null,\"dead\":false,\"refuse_kv\":false,\"crash_on_bad_kv_params\":false}
+   \"drop_after_chunks\":null,\"dead\":false,\"refuse_kv\":false,\"crash_on_bad_kv_params\":false,
+   \"kv_events_drop_rate\":0.0,\"kv_events_skip_seq\":0,\"kv_events_stall\":false}
+
+Prefix cache (like vLLM's): full blocks of --block-size tokens, chained sha256_cbor hashes; hits capped
+at prompt_tokens-1 (floor((n-1)/block)*block); prefill time = uncached tokens x --prefill-ms-per-token.
+A prefill caches what it computed; a decode caches the KV it pulled plus its generated tokens.
 
 Every flag can also be set through the environment variable shown next to it.
 ";
 
-fn secs(v: f64, name: &str) -> anyhow::Result<Duration> {
-    Duration::try_from_secs_f64(v).map_err(|e| anyhow::anyhow!("--{name}: {e}"))
+/// Why pdsim did not start.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("--{0}: {1}")]
+    Flag(&'static str, String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
 }
 
-fn ms(v: f64, name: &str) -> anyhow::Result<Duration> {
+fn secs(v: f64, name: &'static str) -> Result<Duration, StartError> {
+    Duration::try_from_secs_f64(v).map_err(|e| StartError::Flag(name, e.to_string()))
+}
+
+fn ms(v: f64, name: &'static str) -> Result<Duration, StartError> {
     secs(v / 1000.0, name)
 }
 
-fn config(a: &Args) -> anyhow::Result<SimConfig> {
+fn config(a: &Args) -> Result<SimConfig, StartError> {
     let mut c = SimConfig::new(a.role, a.connector);
     c.model = a.model.clone();
     c.listen = a.listen;
@@ -151,8 +202,27 @@ fn config(a: &Args) -> anyhow::Result<SimConfig> {
             slots: a.slots,
         }
     };
-    if !(0.0..=1.0).contains(&a.fault_error_rate) {
-        anyhow::bail!("--fault-error-rate must be within [0, 1]");
+    for (name, v) in [
+        ("fault-error-rate", a.fault_error_rate),
+        ("fault-kv-events-drop-rate", a.fault_kv_events_drop_rate),
+    ] {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(StartError::Flag(name, "must be within [0, 1]".into()));
+        }
+    }
+    if a.block_size == 0 {
+        return Err(StartError::Flag("block-size", "must be at least 1".into()));
+    }
+    c.cache = CacheConfig {
+        block_size: a.block_size,
+        kv_cache_blocks: a.kv_cache_blocks,
+        enable_prefix_caching: !a.no_enable_prefix_caching,
+        tokenizer: a.tokenizer.clone(),
+        enable_prompt_tokens_details: a.enable_prompt_tokens_details,
+    };
+    if let Some(json) = &a.kv_events_config {
+        c.kv_events = serde_json::from_str::<KvEventsConfig>(json)
+            .map_err(|e| StartError::Flag("kv-events-config", e.to_string()))?;
     }
     c.faults = Faults {
         error_rate: a.fault_error_rate,
@@ -163,11 +233,14 @@ fn config(a: &Args) -> anyhow::Result<SimConfig> {
         dead: a.fault_dead,
         refuse_kv: a.fault_refuse_kv,
         crash_on_bad_kv_params: a.fault_crash_on_bad_kv_params,
+        kv_events_drop_rate: a.fault_kv_events_drop_rate,
+        kv_events_skip_seq: a.fault_kv_events_skip_seq,
+        kv_events_stall: a.fault_kv_events_stall,
     };
     Ok(c)
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> Result<(), StartError> {
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -193,6 +266,12 @@ fn main() -> anyhow::Result<()> {
             handle.side_channel_port(),
             handle.bootstrap_port()
         );
+        if let Some(ep) = handle.kv_events_endpoint() {
+            println!("kv events published on {ep}");
+        }
+        if let Some(ep) = handle.kv_events_replay_endpoint() {
+            println!("kv events replay on {ep}");
+        }
         shutdown_signal().await;
         handle.shutdown().await;
         Ok(())

@@ -7,7 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
-use crate::tokens::{PromptTokens, Tokenizer};
+use crate::tokens::{PromptTokens, Tok, Tokenizer};
 
 /// Which OpenAI endpoint a request came through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,8 +105,20 @@ fn bad_json(e: &serde_json::Error) -> ApiError {
     ApiError::bad(format!("JSON decode error: {e}"))
 }
 
-/// Parses and validates `body` for `endpoint` against the served `model`.
+/// Parses and validates `body` for `endpoint` against the served `model`, with the
+/// deterministic tokenizer.
+#[cfg(test)]
 pub(crate) fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<GenRequest, ApiError> {
+    parse_with(endpoint, body, model, &Tok::Words)
+}
+
+/// Parses and validates `body` for `endpoint` against the served `model`.
+pub(crate) fn parse_with(
+    endpoint: Endpoint,
+    body: &[u8],
+    model: &str,
+    tok: &Tok,
+) -> Result<GenRequest, ApiError> {
     let w: Wire<'_> = serde_json::from_slice(body).map_err(|e| bad_json(&e))?;
     if let Some(m) = &w.model
         && m.as_ref() != model
@@ -132,8 +144,8 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<GenR
         .unwrap_or(false);
 
     let prompt = match endpoint {
-        Endpoint::Completions => tokenize_prompt(w.prompt)?,
-        Endpoint::Chat => tokenize_messages(w.messages)?,
+        Endpoint::Completions => tokenize_prompt(w.prompt, tok)?,
+        Endpoint::Chat => tokenize_messages(w.messages, tok)?,
     };
 
     let max = match endpoint {
@@ -221,7 +233,33 @@ fn missing_prompt() -> ApiError {
     }
 }
 
-fn tokenize_prompt(raw: Option<&RawValue>) -> Result<PromptTokens, ApiError> {
+fn tokenizer_error(e: &pdcache::tokenizer::TokenizerError) -> ApiError {
+    ApiError::bad(e.to_string())
+}
+
+/// Text through the engine's tokenizer.
+fn text_tokens(text: &str, tok: &Tok) -> Result<PromptTokens, ApiError> {
+    match tok {
+        Tok::Words => {
+            let mut t = Tokenizer::new();
+            t.push_text(text);
+            Ok(t.finish())
+        }
+        Tok::Hf(h) => {
+            let ids = h.encode_prompt(text).map_err(|e| tokenizer_error(&e))?;
+            Ok(id_tokens(&ids))
+        }
+    }
+}
+
+/// Token ids as given (the digest is over the ids, whatever the tokenizer).
+fn id_tokens(ids: &[u32]) -> PromptTokens {
+    let mut t = Tokenizer::empty();
+    ids.iter().for_each(|&id| t.push_id(u64::from(id)));
+    t.finish()
+}
+
+pub(crate) fn tokenize_prompt(raw: Option<&RawValue>, tok: &Tok) -> Result<PromptTokens, ApiError> {
     let raw = raw.ok_or_else(missing_prompt)?;
     let s = raw.get();
     let mut t = Tokenizer::new();
@@ -230,23 +268,23 @@ fn tokenize_prompt(raw: Option<&RawValue>) -> Result<PromptTokens, ApiError> {
         if text.is_empty() {
             return Err(missing_prompt());
         }
-        t.push_text(&text);
-        return Ok(t.finish());
+        return text_tokens(&text, tok);
     }
     if s.starts_with('[') {
         if let Ok(ids) = serde_json::from_str::<Vec<u64>>(s) {
             if ids.is_empty() {
                 return Err(missing_prompt());
             }
+            if let Tok::Hf(_) = tok {
+                // vLLM passes token-id prompts through untouched: no BOS added.
+                t = Tokenizer::empty();
+            }
             ids.into_iter().for_each(|id| t.push_id(id));
             return Ok(t.finish());
         }
         if let Ok(texts) = serde_json::from_str::<Vec<Cow<'_, str>>>(s) {
             return match texts.as_slice() {
-                [one] if !one.is_empty() => {
-                    t.push_text(one);
-                    Ok(t.finish())
-                }
+                [one] if !one.is_empty() => text_tokens(one, tok),
                 [_] | [] => Err(missing_prompt()),
                 _ => Err(ApiError::BadRequest {
                     message:
@@ -284,11 +322,22 @@ struct Part<'a> {
     text: Option<Cow<'a, str>>,
 }
 
-fn tokenize_messages(raw: Option<&RawValue>) -> Result<PromptTokens, ApiError> {
+pub(crate) fn tokenize_messages(
+    raw: Option<&RawValue>,
+    tok: &Tok,
+) -> Result<PromptTokens, ApiError> {
     let raw = raw.ok_or_else(|| ApiError::BadRequest {
         message: "Field required: messages".into(),
         param: Some("messages"),
     })?;
+    if let Tok::Hf(h) = tok {
+        let messages: serde_json::Value =
+            serde_json::from_str(raw.get()).map_err(|e| bad_json(&e))?;
+        let ids = h
+            .encode_chat(&messages, true)
+            .map_err(|e| tokenizer_error(&e))?;
+        return Ok(id_tokens(&ids));
+    }
     let messages: Vec<Message<'_>> = serde_json::from_str(raw.get()).map_err(|e| bad_json(&e))?;
     let mut t = Tokenizer::new();
     for m in &messages {

@@ -28,7 +28,8 @@ pub(crate) struct Head<'a> {
 pub(crate) struct Usage {
     pub prompt: u32,
     pub completion: u32,
-    pub cached: u32,
+    /// `None`: `prompt_tokens_details` is null (vLLM without `--enable-prompt-tokens-details`).
+    pub cached: Option<u32>,
 }
 
 pub(crate) fn json_str(s: &str) -> String {
@@ -42,12 +43,17 @@ fn stop_reason_json(s: &Option<String>) -> String {
 fn push_usage(out: &mut String, u: Usage) {
     let _ = write!(
         out,
-        "{{\"prompt_tokens\":{},\"total_tokens\":{},\"completion_tokens\":{},\"prompt_tokens_details\":{{\"cached_tokens\":{}}}}}",
+        "{{\"prompt_tokens\":{},\"total_tokens\":{},\"completion_tokens\":{},\"prompt_tokens_details\":",
         u.prompt,
         u64::from(u.prompt) + u64::from(u.completion),
         u.completion,
-        u.cached
     );
+    match u.cached {
+        Some(c) => {
+            let _ = write!(out, "{{\"cached_tokens\":{c}}}}}");
+        }
+        None => out.push_str("null}"),
+    }
 }
 
 fn push_text(out: &mut String, words: &[&str]) {
@@ -215,7 +221,7 @@ mod tests {
         let u = Usage {
             prompt: 3,
             completion: 2,
-            cached: 0,
+            cached: Some(0),
         };
         for ep in [Endpoint::Completions, Endpoint::Chat] {
             let body = full_body(&head(ep), std::slice::from_ref(&c), u, Some("{\"k\":1}"));

@@ -38,6 +38,39 @@ pub(crate) struct Counters {
     pub finished_length: AtomicU64,
     pub finished_stop: AtomicU64,
     pub finished_abort: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache (vLLM counts every prompt token).
+    pub prefix_queries: AtomicU64,
+    /// Prompt tokens found in this engine's own prefix cache.
+    pub prefix_hits: AtomicU64,
+    /// Prompt tokens not computed here: local hits plus KV that arrived from a prefill.
+    pub prompt_tokens_cached: AtomicU64,
+    /// Prompt tokens computed here.
+    pub computed_tokens: AtomicU64,
+    /// `vllm:request_prefill_kv_computed_tokens` buckets (cumulative at render time).
+    pub computed_hist: [AtomicU64; COMPUTED_BUCKETS.len()],
+    /// Requests above the last bucket.
+    pub computed_overflow: AtomicU64,
+    /// Prefix cache resets (`/reset_prefix_cache`).
+    pub cache_resets: AtomicU64,
+}
+
+/// Upper bounds of the computed-tokens histogram (vLLM's token-count buckets).
+pub(crate) const COMPUTED_BUCKETS: [u64; 11] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192];
+
+impl Counters {
+    /// Records one request's prompt accounting.
+    pub fn record_prompt(&self, prompt: u32, local_hit: u32, cached: u32) {
+        let computed = u64::from(prompt.saturating_sub(cached));
+        self.prefix_queries.fetch_add(u64::from(prompt), Relaxed);
+        self.prefix_hits.fetch_add(u64::from(local_hit), Relaxed);
+        self.prompt_tokens_cached
+            .fetch_add(u64::from(cached), Relaxed);
+        self.computed_tokens.fetch_add(computed, Relaxed);
+        match COMPUTED_BUCKETS.iter().position(|&b| computed <= b) {
+            Some(i) => self.computed_hist[i].fetch_add(1, Relaxed),
+            None => self.computed_overflow.fetch_add(1, Relaxed),
+        };
+    }
 }
 
 /// One request as received, kept in a bounded ring.
@@ -163,6 +196,33 @@ pub struct SimStats {
     /// The engine core died (fault `crash_on_bad_kv_params`): `/health` is 503, requests fail.
     #[serde(default)]
     pub engine_dead: bool,
+    /// Prompt tokens looked up in the prefix cache.
+    #[serde(default)]
+    pub prefix_cache_queries: u64,
+    /// Prompt tokens found in this engine's prefix cache.
+    #[serde(default)]
+    pub prefix_cache_hits: u64,
+    /// Prompt tokens not computed here (local hits plus KV received from a prefill).
+    #[serde(default)]
+    pub prompt_tokens_cached: u64,
+    /// Prompt tokens computed here.
+    #[serde(default)]
+    pub computed_tokens: u64,
+    /// Blocks in the prefix cache now.
+    #[serde(default)]
+    pub cached_blocks: u64,
+    /// KV-event batches sent on the PUB socket.
+    #[serde(default)]
+    pub kv_event_batches_published: u64,
+    /// KV-event batches lost: the queue was full, the socket failed or a fault dropped them.
+    #[serde(default)]
+    pub kv_event_batches_dropped: u64,
+    /// KV events sent (a batch holds one or more).
+    #[serde(default)]
+    pub kv_events_published: u64,
+    /// Prefix cache resets.
+    #[serde(default)]
+    pub prefix_cache_resets: u64,
 }
 
 impl Counters {
@@ -203,7 +263,25 @@ impl Counters {
             recent_requests: recent.snapshot(),
             last_kv_error: None,
             engine_dead: false,
+            prefix_cache_queries: self.prefix_queries.load(Relaxed),
+            prefix_cache_hits: self.prefix_hits.load(Relaxed),
+            prompt_tokens_cached: self.prompt_tokens_cached.load(Relaxed),
+            computed_tokens: self.computed_tokens.load(Relaxed),
+            cached_blocks: 0,
+            kv_event_batches_published: 0,
+            kv_event_batches_dropped: 0,
+            kv_events_published: 0,
+            prefix_cache_resets: self.cache_resets.load(Relaxed),
         }
+    }
+
+    /// Requests recorded by [`Counters::record_prompt`].
+    fn prefix_queries_count(&self) -> u64 {
+        self.computed_hist
+            .iter()
+            .map(|c| c.load(Relaxed))
+            .sum::<u64>()
+            + self.computed_overflow.load(Relaxed)
     }
 
     /// Prometheus text exposition with a few vLLM-named series.
@@ -278,6 +356,45 @@ impl Counters {
                 v.load(Relaxed)
             );
         }
+        g(
+            &mut out,
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            self.prefix_queries.load(Relaxed),
+        );
+        g(
+            &mut out,
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            self.prefix_hits.load(Relaxed),
+        );
+        g(
+            &mut out,
+            "vllm:prompt_tokens_cached_total",
+            "counter",
+            "Number of cached prompt tokens (local prefix cache and KV transfer).",
+            self.prompt_tokens_cached.load(Relaxed),
+        );
+        let name = "vllm:request_prefill_kv_computed_tokens";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Number of prompt tokens computed per request (not cached).\n# TYPE {name} histogram"
+        );
+        let mut cum = 0;
+        for (b, c) in COMPUTED_BUCKETS.iter().zip(&self.computed_hist) {
+            cum += c.load(Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{l},le=\"{b}.0\"}} {cum}");
+        }
+        let count = self.prefix_queries_count();
+        let _ = writeln!(out, "{name}_bucket{{{l},le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            out,
+            "{name}_sum{{{l}}} {}",
+            self.computed_tokens.load(Relaxed)
+        );
+        let _ = writeln!(out, "{name}_count{{{l}}} {count}");
         g(
             &mut out,
             "pdsim_client_disconnects_total",

@@ -1,36 +1,90 @@
-//! A tiny deterministic tokenizer and text generator.
+//! A tiny deterministic tokenizer and text generator, or a Hugging Face one.
 //!
 //! Every role uses the same functions, so a decode recomputes exactly the
-//! prompt token count and digest its prefill saw.
+//! prompt token ids, count and digest its prefill saw.
 
-/// Running digest and length of a token sequence (FNV-1a over token bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+use std::sync::Arc;
+
+use pdcache::tokenizer::HfTokenizer;
+
+/// The token ids, length and digest of a prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PromptTokens {
     /// Number of tokens, including one begin-of-sequence token.
     pub count: u32,
     /// Digest of the token sequence; stands in for the prompt's KV.
     pub digest: u64,
+    /// The token ids (what the prefix cache hashes).
+    pub ids: Vec<u32>,
+}
+
+/// The begin-of-sequence id of the deterministic tokenizer.
+const BOS_ID: u32 = 1;
+/// Ids below this are reserved for special tokens.
+const FIRST_WORD_ID: u32 = 16;
+/// Vocabulary size of the deterministic tokenizer (word ids are hashed into it).
+const VOCAB: u32 = 65_536;
+
+/// The deterministic tokenizer's id for a word: a hash into the vocabulary, so the same word
+/// always gets the same id and generated text re-tokenizes to the ids it was made from.
+pub(crate) fn word_id(word: &[u8]) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for &b in word {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    FIRST_WORD_ID + h % (VOCAB - FIRST_WORD_ID)
+}
+
+/// Which tokenizer an engine uses.
+#[derive(Debug, Clone)]
+pub(crate) enum Tok {
+    /// Whitespace-separated words, one id each (the default).
+    Words,
+    /// A Hugging Face `tokenizer.json` with its chat template.
+    Hf(Arc<HfTokenizer>),
+}
+
+impl Tok {
+    /// Token ids of generated words (the text a response carries, re-tokenized).
+    pub fn generated_ids(&self, words: &[&str]) -> Vec<u32> {
+        match self {
+            Tok::Words => words.iter().map(|w| word_id(w.as_bytes())).collect(),
+            Tok::Hf(t) => {
+                let text: String = words.iter().flat_map(|w| [" ", w]).collect();
+                t.encode_text(&text).unwrap_or_default()
+            }
+        }
+    }
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 /// Accumulates tokens from text pieces or token ids.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Tokenizer {
     count: u32,
     digest: u64,
+    ids: Vec<u32>,
 }
 
 impl Tokenizer {
     /// A sequence holding only the begin-of-sequence token.
     pub fn new() -> Self {
-        let mut t = Tokenizer {
+        let mut t = Tokenizer::empty();
+        t.push_bytes(b"<s>");
+        t.ids.push(BOS_ID);
+        t
+    }
+
+    /// A sequence with no tokens at all (a Hugging Face tokenizer adds its own BOS).
+    pub fn empty() -> Self {
+        Tokenizer {
             count: 0,
             digest: FNV_OFFSET,
-        };
-        t.push_bytes(b"<s>");
-        t
+            ids: Vec::new(),
+        }
     }
 
     fn push_bytes(&mut self, token: &[u8]) {
@@ -49,12 +103,14 @@ impl Tokenizer {
     pub fn push_text(&mut self, text: &str) {
         for word in text.split_ascii_whitespace() {
             self.push_bytes(word.as_bytes());
+            self.ids.push(word_id(word.as_bytes()));
         }
     }
 
     /// A token id is one token.
     pub fn push_id(&mut self, id: u64) {
         self.push_bytes(&id.to_le_bytes());
+        self.ids.push(u32::try_from(id).unwrap_or(u32::MAX));
     }
 
     /// The finished sequence.
@@ -62,6 +118,7 @@ impl Tokenizer {
         PromptTokens {
             count: self.count,
             digest: self.digest,
+            ids: self.ids,
         }
     }
 }
@@ -104,6 +161,21 @@ mod tests {
         assert_eq!(text("a b").digest, text(" a  b ").digest);
         assert_ne!(text("ab c").digest, text("a bc").digest);
         assert_ne!(text("a b").digest, text("b a").digest);
+    }
+
+    #[test]
+    fn ids_follow_words_and_generated_text_retokenizes() {
+        let p = text("hello world hello");
+        assert_eq!(p.ids.len(), 4);
+        assert_eq!(p.ids[0], BOS_ID);
+        assert_eq!(p.ids[1], p.ids[3]);
+        assert_ne!(p.ids[1], p.ids[2]);
+        assert!(
+            p.ids[1..]
+                .iter()
+                .all(|&i| (FIRST_WORD_ID..VOCAB).contains(&i))
+        );
+        assert_eq!(Tok::Words.generated_ids(&["hello", "world"]), p.ids[1..3]);
     }
 
     #[test]
