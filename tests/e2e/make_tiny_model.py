@@ -4,7 +4,11 @@ Used by the pdgate real-engine e2e test (tests/e2e/vllm_cpu.sh) so that vLLM
 can run on CPU with nothing downloaded from a model hub. Deterministic: the same
 seed gives the same weights and tokenizer, so outputs are comparable across runs.
 
-Usage: python make_tiny_model.py OUT_DIR
+Usage: python make_tiny_model.py OUT_DIR [--size tiny|bench]
+
+``tiny`` (default) is the e2e model. ``bench`` is a bigger random Llama (hidden
+768, 6 layers, ~37M parameters) whose prefill is slow enough on CPU for prefix
+cache hits to show in TTFT (bench/cache.sh); same tokenizer, same seed.
 """
 
 import json
@@ -12,16 +16,30 @@ import random
 import sys
 from pathlib import Path
 
-# Shape chosen for vLLM's CPU attention backend: head_dim must be one of the
-# supported sizes (32 works), and num_heads must be a multiple of num_kv_heads.
-HIDDEN = 128
-LAYERS = 2
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = 32
-INTERMEDIATE = 256
+# Shapes chosen for vLLM's CPU attention backend: head_dim must be one of the
+# supported sizes (32 and 64 work), and num_heads must be a multiple of num_kv_heads.
+SIZES = {
+    "tiny": {
+        "hidden": 128,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "intermediate": 256,
+        "max_pos": 512,
+    },
+    # ~37.5M parameters; KV per token in float32 = 2 * 6 * 4 * 64 * 4 B = 12 KiB.
+    "bench": {
+        "hidden": 768,
+        "layers": 6,
+        "heads": 12,
+        "kv_heads": 4,
+        "head_dim": 64,
+        "intermediate": 1920,
+        "max_pos": 4096,
+    },
+}
 VOCAB = 1024
-MAX_POS = 512
 SEED = 1234
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -46,7 +64,7 @@ def corpus(n_lines: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) for _ in range(n_lines)]
 
 
-def build_tokenizer(out: Path) -> int:
+def build_tokenizer(out: Path, max_pos: int) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,25 +87,25 @@ def build_tokenizer(out: Path) -> int:
         additional_special_tokens=SPECIALS[3:],
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = MAX_POS
+    fast.model_max_length = max_pos
     fast.save_pretrained(out)
     return len(fast)
 
 
-def build_model(out: Path, vocab: int) -> None:
+def build_model(out: Path, vocab: int, shape: dict) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
     cfg = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POS,
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=shape["max_pos"],
         # Wider than the default 0.02 so greedy decoding has clear winners
         # (near-ties could flip between code paths and make comparisons flaky).
         initializer_range=0.2,
@@ -100,20 +118,28 @@ def build_model(out: Path, vocab: int) -> None:
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    size = "tiny"
+    if len(args) == 3 and args[1] == "--size" and args[2] in SIZES:
+        size = args[2]
+        args = args[:1]
+    if len(args) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    out = Path(sys.argv[1])
+    shape = SIZES[size]
+    out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out)
-    build_model(out, vocab)
-    (out / "pdgate-tiny-model.json").write_text(
-        json.dumps({"seed": SEED, "hidden": HIDDEN, "layers": LAYERS, "vocab": vocab}) + "\n"
-    )
-    print(f"tiny model written to {out} (vocab {vocab})")
+    vocab = build_tokenizer(out, shape["max_pos"])
+    params = build_model(out, vocab, shape)
+    stamp = {"seed": SEED, "hidden": shape["hidden"], "layers": shape["layers"], "vocab": vocab}
+    if size != "tiny":  # the tiny stamp stays byte-identical so cached tiny models are reused
+        stamp.update(size=size, params=params)
+    (out / "pdgate-tiny-model.json").write_text(json.dumps(stamp) + "\n")
+    print(f"{size} model written to {out} (vocab {vocab}, {params} parameters)")
     return 0
 
 
