@@ -216,7 +216,7 @@ mod tests {
         drop(first);
         let again = a.admit().await.unwrap();
         drop(again);
-        let text = metrics.render(&crate::endpoints::Snapshot::default());
+        let text = metrics.render();
         assert!(
             text.contains(r#"pdgate_admission_rejected_total{reason="queue_full"} 1"#),
             "{text}"

@@ -11,7 +11,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::endpoints::Snapshot;
 use crate::error::{GatewayError, Leg, Source};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -279,22 +278,31 @@ impl Metrics {
         self.rejected.get_or_create(&ReasonLabels { reason }).inc();
     }
 
-    /// Renders the text exposition, refreshing fleet gauges from `snapshot`.
-    pub fn render(&self, snapshot: &Snapshot) -> String {
+    /// Sets the fleet gauges: routable endpoints per role, and each one's requests in flight
+    /// (`fleet`: role, endpoint names with their in-flight counts). Endpoints not named are
+    /// dropped from the in-flight family.
+    pub fn set_fleet<'a>(
+        &self,
+        fleet: impl IntoIterator<Item = (&'static str, Vec<(&'a str, usize)>)>,
+    ) {
         self.in_flight.clear();
-        for (role, list) in [("prefill", &snapshot.prefill), ("decode", &snapshot.decode)] {
+        for (role, list) in fleet {
             self.endpoints
                 .get_or_create(&RoleLabels { role })
                 .set(list.len() as i64);
-            for ep in list.iter() {
+            for (name, n) in list {
                 self.in_flight
                     .get_or_create(&EndpointLabels {
                         role,
-                        endpoint: ep.name.clone(),
+                        endpoint: name.to_string(),
                     })
-                    .set(ep.load.in_flight() as i64);
+                    .set(n as i64);
             }
         }
+    }
+
+    /// Renders the text exposition.
+    pub fn render(&self) -> String {
         let mut out = String::with_capacity(8192);
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();
@@ -431,7 +439,7 @@ mod tests {
         r.finish_ok();
         drop(r);
         drop(RequestRecord::start(m.clone(), "chat"));
-        let text = m.render(&Snapshot::default());
+        let text = m.render();
         assert!(
             text.contains(
                 r#"pdgate_requests_total{route="completions",connector="shfs",outcome="success",model=""} 1"#

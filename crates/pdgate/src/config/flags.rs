@@ -1,12 +1,17 @@
 //! Command-line flags and environment variables, which override the config file.
+//!
+//! Every scalar key of [`Config`] is a flag of the same name with dashes
+//! (`health_check_interval` <-> `--health-check-interval`), generated from [`KEYS`] with its
+//! default read from [`Config::default`]: nothing is written twice. `--set KEY=VALUE` overrides
+//! any key, nested ones too (`--set kubernetes.debounce_ms=500`); a key may be prefixed by its
+//! section (`--set limits.max_in_flight=0`). Values are merged into the file's TOML table and
+//! parsed once with it, so a bad value names its key whichever way it came.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
-use crate::config::{
-    Config, ConfigError, DiscoveryKind, EndpointConfig, PrefillFailurePolicy, parse_duration,
-};
+use clap::{Arg, ArgMatches, Command};
+
+use crate::config::{Config, ConfigError};
 
 /// Log output format.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -18,263 +23,443 @@ pub enum LogFormat {
     Json,
 }
 
-/// Flags of `pdgate` (serve). Every flag overrides the same field of `--config`.
+/// A key of the configuration file: its section (a documentation group, also accepted as a
+/// prefix by `--set`), its name, and the help shown by `--help`.
+#[derive(Clone, Copy, Debug)]
+pub struct Key {
+    /// `http`, `legs`, `policy`, `health`, `limits`, `pool`, `discovery`, `shutdown`.
+    pub section: &'static str,
+    /// The key, as written in the file.
+    pub name: &'static str,
+    /// One line of help.
+    pub help: &'static str,
+}
+
+const fn key(section: &'static str, name: &'static str, help: &'static str) -> Key {
+    Key {
+        section,
+        name,
+        help,
+    }
+}
+
+/// Every scalar key, with a flag each. (`prefill`, `decode`, `models` and `[kubernetes]` have
+/// their own flags below.) A test checks this list against [`Config`]'s keys.
+pub const KEYS: &[Key] = &[
+    key("http", "listen", "Address to serve on"),
+    key(
+        "http",
+        "client_idle_timeout",
+        "A client connection without a request head for this long is closed",
+    ),
+    key(
+        "http",
+        "max_body_bytes",
+        "Largest accepted request body in bytes",
+    ),
+    key(
+        "discovery",
+        "kv_connector",
+        "Global default KV connector for endpoints without a `model.aibrix.ai/kv-connector-type` label (shfs, nixl, mooncake, sglang)",
+    ),
+    key(
+        "discovery",
+        "discovery",
+        "Endpoint discovery: static or kubernetes",
+    ),
+    key(
+        "discovery",
+        "bootstrap_refresh",
+        "How often bootstrap (/query) answers are refreshed",
+    ),
+    key(
+        "policy",
+        "prefill_policy",
+        "Prefill policy: round_robin, random, least_request, power_of_two",
+    ),
+    key(
+        "policy",
+        "decode_policy",
+        "Decode policy: round_robin, random, least_request, power_of_two",
+    ),
+    key("legs", "prefill_timeout", "Bound on the whole prefill leg"),
+    key(
+        "legs",
+        "decode_timeout",
+        "Bound on waiting for the decode response head",
+    ),
+    key(
+        "legs",
+        "stream_idle_timeout",
+        "Bound on silence between two relayed chunks",
+    ),
+    key(
+        "legs",
+        "on_prefill_failure",
+        "When the prefill fails (5xx, transport error, timeout): `fallback` sends the request to the decode alone and marks the response `x-pdgate-fallback`; `fail` answers the error",
+    ),
+    key(
+        "legs",
+        "max_retries",
+        "Retries of a failed leg on another endpoint; 0 disables",
+    ),
+    key(
+        "pool",
+        "connect_timeout",
+        "Bound on connecting to an engine",
+    ),
+    key(
+        "pool",
+        "pool_max_idle_per_engine",
+        "Idle connections kept per engine for reuse",
+    ),
+    key(
+        "pool",
+        "pool_idle_timeout",
+        "An idle engine connection older than this is closed",
+    ),
+    key(
+        "health",
+        "health_checks",
+        "Active health checks of every endpoint: true or false",
+    ),
+    key(
+        "health",
+        "health_check_interval",
+        "Time between two active checks of one endpoint",
+    ),
+    key(
+        "health",
+        "health_check_timeout",
+        "Bound on one active check",
+    ),
+    key(
+        "health",
+        "unhealthy_threshold",
+        "Consecutive failed checks that make an endpoint unhealthy",
+    ),
+    key(
+        "health",
+        "healthy_threshold",
+        "Consecutive passed checks that make it healthy again",
+    ),
+    key(
+        "health",
+        "outlier_consecutive_failures",
+        "Consecutive failures on real traffic that eject an endpoint; 0 disables",
+    ),
+    key(
+        "health",
+        "outlier_error_rate",
+        "Share of failed requests within one outlier interval that ejects an endpoint; 0 disables",
+    ),
+    key(
+        "health",
+        "outlier_min_requests",
+        "Requests needed within the interval before the error rate counts",
+    ),
+    key(
+        "health",
+        "outlier_interval",
+        "Window of the error-rate detection",
+    ),
+    key(
+        "health",
+        "outlier_base_ejection",
+        "First ejection period, doubled on each repeat",
+    ),
+    key("health", "outlier_max_ejection", "Longest ejection period"),
+    key(
+        "limits",
+        "retry_budget_ratio",
+        "Retries per request allowed on average",
+    ),
+    key(
+        "limits",
+        "retry_budget_min",
+        "Retry tokens available at start and minimum bucket size",
+    ),
+    key(
+        "limits",
+        "max_in_flight",
+        "Requests served at once; 0 means unlimited",
+    ),
+    key(
+        "limits",
+        "max_queue",
+        "Requests waiting beyond max-in-flight; more are refused with 429",
+    ),
+    key(
+        "limits",
+        "queue_timeout",
+        "Longest wait in the queue before a 429",
+    ),
+    key(
+        "limits",
+        "max_in_flight_per_endpoint",
+        "Requests one endpoint holds at once; 0 means unlimited",
+    ),
+    key(
+        "shutdown",
+        "drain_delay",
+        "After SIGTERM, time /ready answers 503 before the listener closes",
+    ),
+    key(
+        "shutdown",
+        "shutdown_timeout",
+        "Bound on waiting for in-flight requests after the listener closes",
+    ),
+];
+
+/// Environment variables that set a key (as the flag would; a flag wins).
+const ENV: &[(&str, &str)] = &[("kv_connector", "AIBRIX_KV_CONNECTOR_TYPE")];
+
+/// Values given on the command line (or environment) for [`KEYS`], in the order of [`KEYS`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KeyFlags(pub Vec<(&'static str, String)>);
+
+fn flag_name(key: &str) -> &'static str {
+    // clap wants `&'static str` names (its `string` feature is off); the key flags are built
+    // once per parse, at start-up.
+    Box::leak(key.replace('_', "-").into_boxed_str())
+}
+
+/// How the default of `key` is written in help and docs (`none` for an empty list).
+pub(crate) fn default_text(defaults: &toml::Table, key: &str) -> String {
+    match defaults.get(key) {
+        Some(toml::Value::String(s)) => s.clone(),
+        Some(toml::Value::Array(a)) if a.is_empty() => "none".into(),
+        Some(v) => v.to_string(),
+        None => "none".into(),
+    }
+}
+
+impl clap::Args for KeyFlags {
+    fn augment_args(cmd: Command) -> Command {
+        let defaults = Config::default().to_table();
+        KEYS.iter().fold(cmd, |cmd, k| {
+            let mut arg = Arg::new(k.name)
+                .long(flag_name(k.name))
+                .value_name("VALUE")
+                .help(format!(
+                    "{} [default: {}]",
+                    k.help,
+                    default_text(&defaults, k.name)
+                ));
+            if let Some((_, var)) = ENV.iter().find(|(name, _)| *name == k.name) {
+                arg = arg.env(*var);
+            }
+            cmd.arg(arg)
+        })
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl clap::FromArgMatches for KeyFlags {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let mut given = Vec::new();
+        for k in KEYS {
+            if let Some(v) = matches.get_one::<String>(k.name) {
+                given.push((k.name, v.clone()));
+            }
+        }
+        Ok(KeyFlags(given))
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+/// Flags of `pdgate` (serve). Every flag overrides the same key of `--config`.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct RunArgs {
     /// TOML configuration file; watched, and its endpoint set reloaded on change.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Address to serve on [default: 127.0.0.1:8080].
-    #[arg(long, value_name = "ADDR")]
-    pub listen: Option<SocketAddr>,
     /// A prefill engine base URL (repeatable). Replaces the file's [[prefill]] list.
     #[arg(long = "prefill", value_name = "URL")]
     pub prefill: Vec<String>,
     /// A decode engine base URL (repeatable). Replaces the file's [[decode]] list.
     #[arg(long = "decode", value_name = "URL")]
     pub decode: Vec<String>,
-    /// Global default KV connector for endpoints without a `model.aibrix.ai/kv-connector-type`
-    /// label (shfs, nixl, mooncake, sglang) [default: shfs].
-    #[arg(long, env = "AIBRIX_KV_CONNECTOR_TYPE", value_name = "NAME")]
-    pub kv_connector: Option<String>,
     /// Model served by endpoints that declare none (repeatable).
     #[arg(long = "model", value_name = "NAME")]
     pub models: Vec<String>,
-    /// Prefill policy: round_robin, random, least_request, power_of_two [default: round_robin].
-    #[arg(long, value_name = "POLICY")]
-    pub prefill_policy: Option<String>,
-    /// Decode policy: round_robin, random, least_request, power_of_two [default: least_request].
-    #[arg(long, value_name = "POLICY")]
-    pub decode_policy: Option<String>,
-    /// Bound on the whole prefill leg [default: 30s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub prefill_timeout: Option<Duration>,
-    /// Bound on waiting for the decode response head [default: 300s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub decode_timeout: Option<Duration>,
-    /// Bound on silence between two relayed chunks [default: 120s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub stream_idle_timeout: Option<Duration>,
-    /// A client connection without a request head for this long is closed [default: 620s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub client_idle_timeout: Option<Duration>,
-    /// Bound on connecting to an engine [default: 5s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub connect_timeout: Option<Duration>,
-    /// When the prefill fails (5xx, transport error, timeout): `fallback` sends the request to
-    /// the decode alone and marks the response `x-pdgate-fallback`; `fail` answers the error
-    /// [default: fallback].
-    #[arg(long, value_enum, value_name = "POLICY")]
-    pub on_prefill_failure: Option<PrefillFailurePolicy>,
-    /// Largest accepted request body in bytes [default: 33554432].
-    #[arg(long, value_name = "BYTES")]
-    pub max_body_bytes: Option<usize>,
-    /// Endpoint discovery [default: static].
-    #[arg(long, value_enum, value_name = "KIND")]
-    pub discovery: Option<DiscoveryKind>,
     /// Kubernetes discovery: namespace to watch ('*' for all) [default: the gateway's own].
     #[arg(long, value_name = "NS")]
     pub namespace: Option<String>,
     /// Kubernetes discovery: label selector, e.g. `model.aibrix.ai/name=llama,app=engine`.
     #[arg(long, value_name = "SELECTOR")]
     pub selector: Option<String>,
-    /// Active health checks of every endpoint: true or false [default: true].
-    #[arg(long, value_name = "VALUE")]
-    pub health_checks: Option<bool>,
-    /// Time between two active checks of one endpoint [default: 5s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub health_check_interval: Option<Duration>,
-    /// Bound on one active check [default: 2s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub health_check_timeout: Option<Duration>,
-    /// Consecutive failed checks that make an endpoint unhealthy [default: 3].
-    #[arg(long, value_name = "N")]
-    pub unhealthy_threshold: Option<u32>,
-    /// Consecutive passed checks that make it healthy again [default: 2].
-    #[arg(long, value_name = "N")]
-    pub healthy_threshold: Option<u32>,
-    /// Consecutive failures on real traffic that eject an endpoint; 0 disables [default: 5].
-    #[arg(long, value_name = "N")]
-    pub outlier_consecutive_failures: Option<u32>,
-    /// Share of failed requests within one outlier interval that ejects an endpoint; 0 disables [default: 0.5].
-    #[arg(long, value_name = "RATIO")]
-    pub outlier_error_rate: Option<f64>,
-    /// Requests needed within the interval before the error rate counts [default: 20].
-    #[arg(long, value_name = "N")]
-    pub outlier_min_requests: Option<u32>,
-    /// Window of the error-rate detection [default: 10s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub outlier_interval: Option<Duration>,
-    /// First ejection period, doubled on each repeat [default: 10s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub outlier_base_ejection: Option<Duration>,
-    /// Longest ejection period [default: 300s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub outlier_max_ejection: Option<Duration>,
-    /// Retries of a failed leg on another endpoint; 0 disables [default: 1].
-    #[arg(long, value_name = "N")]
-    pub max_retries: Option<u32>,
-    /// Retries per request allowed on average [default: 0.2].
-    #[arg(long, value_name = "RATIO")]
-    pub retry_budget_ratio: Option<f64>,
-    /// Retry tokens available at start and minimum bucket size [default: 10].
-    #[arg(long, value_name = "N")]
-    pub retry_budget_min: Option<u32>,
-    /// Requests served at once; 0 means unlimited [default: 1024].
-    #[arg(long, value_name = "N")]
-    pub max_in_flight: Option<usize>,
-    /// Requests waiting beyond max-in-flight; more are refused with 429 [default: 1024].
-    #[arg(long, value_name = "N")]
-    pub max_queue: Option<usize>,
-    /// Longest wait in the queue before a 429 [default: 5s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub queue_timeout: Option<Duration>,
-    /// Requests one endpoint holds at once; 0 means unlimited [default: 0].
-    #[arg(long, value_name = "N")]
-    pub max_in_flight_per_endpoint: Option<usize>,
-    /// After SIGTERM, time /ready answers 503 before the listener closes [default: 5s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub drain_delay: Option<Duration>,
-    /// Bound on waiting for in-flight requests after the listener closes [default: 30s].
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
-    pub shutdown_timeout: Option<Duration>,
+    /// Any key, e.g. `--set limits.max_in_flight=0` or `--set kubernetes.debounce_ms=500`
+    /// (repeatable; applied after the other flags).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub keys: KeyFlags,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 }
 
-fn endpoints(urls: &[String]) -> Vec<EndpointConfig> {
-    urls.iter()
-        .map(|url| EndpointConfig {
-            url: url.clone(),
-            ..EndpointConfig::default()
-        })
-        .collect()
+fn field_error(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Field {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// `raw` as the TOML value of a key whose default is `like`: a string key takes the text as it
+/// is (durations, addresses, names), others parse it as TOML (numbers, booleans, arrays).
+fn value_like(
+    like: Option<&toml::Value>,
+    key: &str,
+    raw: &str,
+) -> Result<toml::Value, ConfigError> {
+    if matches!(like, Some(toml::Value::String(_))) {
+        return Ok(toml::Value::String(raw.to_string()));
+    }
+    let doc: toml::Table = toml::from_str(&format!("v = {raw}"))
+        .or_else(|_| toml::from_str(&format!("v = {}", toml::Value::String(raw.to_string()))))
+        .map_err(|e| field_error(key, format!("{raw:?} is not a value: {e}")))?;
+    doc.get("v")
+        .cloned()
+        .ok_or_else(|| field_error(key, format!("{raw:?} is not a value")))
+}
+
+/// Sets the dotted `path` in `table` (creating tables on the way); a leading section name is
+/// dropped.
+fn set_path(
+    table: &mut toml::Table,
+    defaults: &toml::Table,
+    path: &str,
+    raw: &str,
+) -> Result<(), ConfigError> {
+    let mut parts: Vec<&str> = path.split('.').map(str::trim).collect();
+    if parts.len() > 1
+        && let Some(k) = KEYS.iter().find(|k| k.name == parts[1])
+    {
+        if k.section != parts[0] {
+            return Err(field_error(
+                path,
+                format!("`{}` is in section `{}`", k.name, k.section),
+            ));
+        }
+        parts.remove(0);
+    }
+    let Some((last, parents)) = parts.split_last() else {
+        return Err(field_error(path, "empty key"));
+    };
+    let like = if parents.is_empty() {
+        defaults.get(*last)
+    } else {
+        None
+    };
+    let value = value_like(like, path, raw)?;
+    let mut at = table;
+    for p in parents {
+        let next = at
+            .entry((*p).to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        at = match next {
+            toml::Value::Table(t) => t,
+            _ => return Err(field_error(path, format!("`{p}` is not a table"))),
+        };
+    }
+    at.insert((*last).to_string(), value);
+    Ok(())
+}
+
+fn endpoints(urls: &[String]) -> toml::Value {
+    toml::Value::Array(
+        urls.iter()
+            .map(|url| {
+                let mut t = toml::Table::new();
+                t.insert("url".into(), toml::Value::String(url.clone()));
+                toml::Value::Table(t)
+            })
+            .collect(),
+    )
 }
 
 impl RunArgs {
     /// The file (if any) with every given flag applied on top.
     pub fn load(&self) -> Result<Config, ConfigError> {
-        let mut config = match &self.config {
-            Some(path) => Config::from_file(path)?,
-            None => Config::default(),
+        let (text, path) = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+                (text, path.display().to_string())
+            }
+            None => (String::new(), "<flags>".to_string()),
         };
-        self.apply(&mut config);
-        Ok(config)
+        if self.is_plain() {
+            // Nothing to merge: parse the text itself, so errors point at its lines.
+            return Config::from_toml(&text).map_err(|e| e.in_file(&path));
+        }
+        let mut table: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        self.apply(&mut table)?;
+        Config::from_table(table, &path)
     }
 
-    fn apply(&self, c: &mut Config) {
-        if let Some(v) = self.listen {
-            c.listen = v;
-        }
+    fn is_plain(&self) -> bool {
+        self.prefill.is_empty()
+            && self.decode.is_empty()
+            && self.models.is_empty()
+            && self.namespace.is_none()
+            && self.selector.is_none()
+            && self.set.is_empty()
+            && self.keys.0.is_empty()
+    }
+
+    fn apply(&self, table: &mut toml::Table) -> Result<(), ConfigError> {
+        let defaults = Config::default().to_table();
         if !self.prefill.is_empty() {
-            c.prefill = endpoints(&self.prefill);
+            table.insert("prefill".into(), endpoints(&self.prefill));
         }
         if !self.decode.is_empty() {
-            c.decode = endpoints(&self.decode);
-        }
-        if let Some(v) = &self.kv_connector {
-            c.kv_connector = v.clone();
+            table.insert("decode".into(), endpoints(&self.decode));
         }
         if !self.models.is_empty() {
-            c.models = self.models.clone();
+            let models = self
+                .models
+                .iter()
+                .cloned()
+                .map(toml::Value::String)
+                .collect();
+            table.insert("models".into(), toml::Value::Array(models));
         }
-        if let Some(v) = &self.prefill_policy {
-            c.prefill_policy = v.clone();
+        for (key, v) in [("namespace", &self.namespace), ("selector", &self.selector)] {
+            if let Some(v) = v {
+                let kube = table
+                    .entry("kubernetes")
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                if let toml::Value::Table(kube) = kube {
+                    kube.insert(key.into(), toml::Value::String(v.clone()));
+                }
+            }
         }
-        if let Some(v) = &self.decode_policy {
-            c.decode_policy = v.clone();
+        for (key, raw) in &self.keys.0 {
+            set_path(table, &defaults, key, raw)?;
         }
-        if let Some(v) = self.prefill_timeout {
-            c.prefill_timeout = v;
+        for item in &self.set {
+            let (path, raw) = item
+                .split_once('=')
+                .ok_or_else(|| field_error(item.as_str(), "--set wants KEY=VALUE"))?;
+            set_path(table, &defaults, path, raw)?;
         }
-        if let Some(v) = self.decode_timeout {
-            c.decode_timeout = v;
-        }
-        if let Some(v) = self.stream_idle_timeout {
-            c.stream_idle_timeout = v;
-        }
-        if let Some(v) = self.client_idle_timeout {
-            c.client_idle_timeout = v;
-        }
-        if let Some(v) = self.connect_timeout {
-            c.connect_timeout = v;
-        }
-        if let Some(v) = self.on_prefill_failure {
-            c.on_prefill_failure = v;
-        }
-        if let Some(v) = self.max_body_bytes {
-            c.max_body_bytes = v;
-        }
-        if let Some(v) = self.discovery {
-            c.discovery = v;
-        }
-        if let Some(v) = &self.namespace {
-            c.kubernetes.namespace = Some(v.clone());
-        }
-        if let Some(v) = &self.selector {
-            c.kubernetes.selector = Some(v.clone());
-        }
-        if let Some(v) = self.health_checks {
-            c.health_checks = v;
-        }
-        if let Some(v) = self.health_check_interval {
-            c.health_check_interval = v;
-        }
-        if let Some(v) = self.health_check_timeout {
-            c.health_check_timeout = v;
-        }
-        if let Some(v) = self.unhealthy_threshold {
-            c.unhealthy_threshold = v;
-        }
-        if let Some(v) = self.healthy_threshold {
-            c.healthy_threshold = v;
-        }
-        if let Some(v) = self.outlier_consecutive_failures {
-            c.outlier_consecutive_failures = v;
-        }
-        if let Some(v) = self.outlier_error_rate {
-            c.outlier_error_rate = v;
-        }
-        if let Some(v) = self.outlier_min_requests {
-            c.outlier_min_requests = v;
-        }
-        if let Some(v) = self.outlier_interval {
-            c.outlier_interval = v;
-        }
-        if let Some(v) = self.outlier_base_ejection {
-            c.outlier_base_ejection = v;
-        }
-        if let Some(v) = self.outlier_max_ejection {
-            c.outlier_max_ejection = v;
-        }
-        if let Some(v) = self.max_retries {
-            c.max_retries = v;
-        }
-        if let Some(v) = self.retry_budget_ratio {
-            c.retry_budget_ratio = v;
-        }
-        if let Some(v) = self.retry_budget_min {
-            c.retry_budget_min = v;
-        }
-        if let Some(v) = self.max_in_flight {
-            c.max_in_flight = v;
-        }
-        if let Some(v) = self.max_queue {
-            c.max_queue = v;
-        }
-        if let Some(v) = self.queue_timeout {
-            c.queue_timeout = v;
-        }
-        if let Some(v) = self.max_in_flight_per_endpoint {
-            c.max_in_flight_per_endpoint = v;
-        }
-        if let Some(v) = self.drain_delay {
-            c.drain_delay = v;
-        }
-        if let Some(v) = self.shutdown_timeout {
-            c.shutdown_timeout = v;
-        }
+        Ok(())
     }
 }
 
@@ -283,11 +468,53 @@ mod tests {
     use super::*;
     use clap::Parser;
     use kvtransfer::Registry;
+    use std::time::Duration;
 
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
         run: RunArgs,
+    }
+
+    #[test]
+    fn every_key_has_a_flag_and_a_section() {
+        let mut keys: Vec<String> = Config::default().to_table().keys().cloned().collect();
+        keys.retain(|k| !["prefill", "decode", "models"].contains(&k.as_str()));
+        keys.sort();
+        let mut flagged: Vec<String> = KEYS.iter().map(|k| k.name.to_string()).collect();
+        flagged.sort();
+        assert_eq!(keys, flagged);
+    }
+
+    #[test]
+    fn set_overrides_any_key_with_or_without_its_section() {
+        let cli = Cli::parse_from([
+            "pdgate",
+            "--max-in-flight",
+            "8",
+            "--set",
+            "limits.max_in_flight=0",
+            "--set",
+            "pool_idle_timeout=2s",
+            "--set",
+            "kubernetes.debounce_ms=500",
+            "--namespace",
+            "ns",
+        ]);
+        let c = cli.run.load().unwrap();
+        assert_eq!(c.max_in_flight, 0, "--set is applied after the flags");
+        assert_eq!(c.pool_idle_timeout, Duration::from_secs(2));
+        assert_eq!(c.kubernetes.namespace.as_deref(), Some("ns"));
+        assert_eq!(c.kubernetes.debounce, Duration::from_millis(500));
+        for bad in [
+            "health.max_in_flight=1",
+            "max_in_flight",
+            "max_in_flight=lots",
+        ] {
+            let cli = Cli::parse_from(["pdgate", "--set", bad]);
+            let err = cli.run.load().unwrap_err().to_string();
+            assert!(err.contains("max_in_flight"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -11,14 +11,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use kvtransfer::{Pod, Registry};
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::endpoints::health::HealthConfig;
 use crate::endpoints::policy;
 use crate::engine::pool::PoolConfig;
 
 /// What to do when the prefill leg fails with a 5xx, a transport error or a timeout.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PrefillFailurePolicy {
     /// Send the original request to the decode engine alone (it recomputes the prompt) and mark the response.
@@ -29,7 +29,7 @@ pub enum PrefillFailurePolicy {
 }
 
 /// Where endpoints come from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DiscoveryKind {
     /// The `--prefill`/`--decode` flags and the config file's `[[prefill]]`/`[[decode]]` tables
@@ -41,7 +41,7 @@ pub enum DiscoveryKind {
 }
 
 /// One statically configured engine.
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointConfig {
     /// Base URL, e.g. `http://10.0.0.5:8000`.
@@ -65,7 +65,7 @@ pub struct EndpointConfig {
 }
 
 /// The whole gateway configuration.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// Address to serve the OpenAI API on.
@@ -83,20 +83,20 @@ pub struct Config {
     /// Decode selection policy.
     pub decode_policy: String,
     /// Bound on the whole prefill leg.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub prefill_timeout: Duration,
     /// Bound on waiting for the decode engine's response head.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub decode_timeout: Duration,
     /// Bound on the silence between two chunks of a relayed body.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub stream_idle_timeout: Duration,
     /// Bound on establishing a TCP connection to an engine.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub connect_timeout: Duration,
     /// A client connection that sends no (complete) request head for this long is closed: a new
     /// one before its first request, a kept-alive one between requests.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub client_idle_timeout: Duration,
     /// What to do when the prefill leg fails.
     pub on_prefill_failure: PrefillFailurePolicy,
@@ -105,15 +105,15 @@ pub struct Config {
     /// Where endpoints come from.
     pub discovery: DiscoveryKind,
     /// How often Mooncake bootstrap information is refreshed.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub bootstrap_refresh: Duration,
     /// Active health checks (`GET /health`, plus `/query` for Mooncake prefills) on every endpoint.
     pub health_checks: bool,
     /// Time between two active checks of one endpoint.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub health_check_interval: Duration,
     /// Bound on one active check.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub health_check_timeout: Duration,
     /// Consecutive failed checks that make an endpoint unhealthy.
     pub unhealthy_threshold: u32,
@@ -126,13 +126,13 @@ pub struct Config {
     /// Requests an endpoint must have served within the interval before its error rate counts.
     pub outlier_min_requests: u32,
     /// Window of the error-rate detection.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub outlier_interval: Duration,
     /// First ejection period; doubled on each repeated ejection, up to `outlier_max_ejection`.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub outlier_base_ejection: Duration,
     /// Longest ejection period.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub outlier_max_ejection: Duration,
     /// Retries of a failed leg on another endpoint (0 disables retries).
     pub max_retries: u32,
@@ -145,17 +145,24 @@ pub struct Config {
     /// Requests waiting for a slot beyond `max_in_flight`; more are refused at once.
     pub max_queue: usize,
     /// Longest wait in the queue before a request is refused.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub queue_timeout: Duration,
     /// Requests one endpoint holds at once; 0 means unlimited.
     pub max_in_flight_per_endpoint: usize,
     /// After SIGTERM, time `/ready` answers 503 while still serving, before the listener closes.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub drain_delay: Duration,
     /// After the listener closes, bound on waiting for in-flight requests to finish.
-    #[serde(deserialize_with = "de_duration")]
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub shutdown_timeout: Duration,
+    /// Connections to one engine kept open while idle, for reuse.
+    pub pool_max_idle_per_engine: usize,
+    /// An idle engine connection older than this is closed instead of reused.
+    #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
+    pub pool_idle_timeout: Duration,
     /// Kubernetes discovery (`discovery = "kubernetes"`): namespace, selector, label keys.
+    /// (pdkube's type has no `Serialize`: the table is left out of [`Config::to_table`].)
+    #[serde(skip_serializing)]
     pub kubernetes: pdkube::KubeDiscoveryConfig,
 }
 
@@ -200,6 +207,9 @@ impl Default for Config {
             max_in_flight_per_endpoint: 0,
             drain_delay: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(30),
+            pool_max_idle_per_engine: 4096,
+            // The engines' own keep-alive timeouts (vLLM's uvicorn: 5 s) usually close first.
+            pool_idle_timeout: Duration::from_secs(60),
             kubernetes: pdkube::KubeDiscoveryConfig::default(),
         }
     }
@@ -234,6 +244,19 @@ pub enum ConfigError {
     },
 }
 
+impl ConfigError {
+    /// The same error, naming `path` as the file parsed.
+    pub(crate) fn in_file(self, path: &str) -> ConfigError {
+        match self {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.to_string(),
+                message,
+            },
+            other => other,
+        }
+    }
+}
+
 fn field_error(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Field {
         field: field.into(),
@@ -251,6 +274,21 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err(format!("{text:?} is not a valid duration"));
     }
     humantime::parse_duration(text).map_err(|e| format!("{text:?} is not a valid duration: {e}"))
+}
+
+/// Writes a duration the way the docs and flags spell it: `250ms`, `30s`.
+pub(crate) fn format_duration(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else if d.subsec_nanos().is_multiple_of(1_000_000) {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{}s", d.as_secs_f64())
+    }
+}
+
+fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format_duration(*d))
 }
 
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
@@ -276,13 +314,7 @@ impl Config {
             path: path.display().to_string(),
             source,
         })?;
-        Config::from_toml(&text).map_err(|e| match e {
-            ConfigError::Parse { message, .. } => ConfigError::Parse {
-                path: path.display().to_string(),
-                message,
-            },
-            other => other,
-        })
+        Config::from_toml(&text).map_err(|e| e.in_file(&path.display().to_string()))
     }
 
     /// Parses TOML text.
@@ -291,6 +323,41 @@ impl Config {
             path: "<inline>".into(),
             message: e.to_string(),
         })
+    }
+
+    /// Parses a TOML table (the file with flag overrides merged in). Re-parsed from text so that
+    /// errors name the key and show it in context, as for the file itself.
+    pub(crate) fn from_table(table: toml::Table, path: &str) -> Result<Config, ConfigError> {
+        let text = toml::to_string(&table).map_err(|e| ConfigError::Parse {
+            path: path.to_string(),
+            message: e.to_string(),
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Every key as it is written in a file, with its value (without the `[kubernetes]` table).
+    pub(crate) fn to_table(&self) -> toml::Table {
+        toml::Table::try_from(self).unwrap_or_default()
+    }
+
+    /// Keys whose values differ between `self` and `other` (with `kubernetes` for that table).
+    pub(crate) fn changed_keys(&self, other: &Config) -> Vec<String> {
+        let (a, b) = (self.to_table(), other.to_table());
+        let mut keys: Vec<String> = a
+            .keys()
+            .chain(b.keys())
+            .filter(|k| a.get(*k) != b.get(*k))
+            .cloned()
+            .collect();
+        if self.kubernetes != other.kubernetes {
+            keys.push("kubernetes".into());
+        }
+        keys.sort();
+        keys.dedup();
+        keys
     }
 
     /// Checks every field once, at start-up (and on each reload), naming the field at fault.
@@ -323,6 +390,7 @@ impl Config {
             ("outlier_base_ejection", self.outlier_base_ejection),
             ("outlier_interval", self.outlier_interval),
             ("queue_timeout", self.queue_timeout),
+            ("pool_idle_timeout", self.pool_idle_timeout),
             ("shutdown_timeout", self.shutdown_timeout),
         ] {
             if d.is_zero() {
@@ -393,8 +461,8 @@ impl Config {
     pub(crate) fn pool_section(&self) -> PoolConfig {
         PoolConfig {
             connect_timeout: self.connect_timeout,
-            idle_timeout: std::time::Duration::from_secs(60),
-            max_idle_per_engine: 4096,
+            idle_timeout: self.pool_idle_timeout,
+            max_idle_per_engine: self.pool_max_idle_per_engine,
         }
     }
 
@@ -508,6 +576,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("prefill_timeout"), "{err}");
+    }
+
+    #[test]
+    fn operations_doc_lists_every_key_with_its_default() {
+        let doc = include_str!("../../../../docs/operations.md");
+        let defaults = Config::default().to_table();
+        for key in flags::KEYS {
+            let row = doc
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{}`", key.name)))
+                .unwrap_or_else(|| panic!("docs/operations.md has no row for `{}`", key.name));
+            let default = flags::default_text(&defaults, key.name);
+            assert!(
+                row.contains(&format!("| `{default}`")),
+                "docs/operations.md: `{}` should default to `{default}`: {row}",
+                key.name
+            );
+        }
+    }
+
+    #[test]
+    fn reload_names_the_keys_that_changed() {
+        let a = Config::default();
+        let mut b = a.clone();
+        b.max_in_flight = 1;
+        b.prefill_timeout = Duration::from_secs(1);
+        b.kubernetes.roleset_pairing = !b.kubernetes.roleset_pairing;
+        assert_eq!(
+            a.changed_keys(&b),
+            ["kubernetes", "max_in_flight", "prefill_timeout"]
+        );
+        assert!(a.changed_keys(&a).is_empty());
     }
 
     #[test]

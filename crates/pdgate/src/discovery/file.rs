@@ -14,6 +14,9 @@ use tracing::{info, warn};
 use crate::config::RunArgs;
 use crate::state::PodSet;
 
+/// Keys a reload applies to the running gateway: the endpoint set.
+const LIVE_KEYS: [&str; 2] = ["prefill", "decode"];
+
 /// How long the config file must stay unchanged before it is read.
 const SETTLE: Duration = Duration::from_millis(100);
 
@@ -35,6 +38,8 @@ pub async fn watch_config_file(
         return;
     };
     let mut last = stamp(&path);
+    // What the gateway runs with; a reload applies its endpoint set only.
+    let mut running = args.load().ok();
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -57,9 +62,20 @@ pub async fn watch_config_file(
         let loaded = args
             .load()
             .and_then(|c| c.validate(&registry).map(|_| c))
-            .and_then(|c| c.pods());
+            .and_then(|c| c.pods().map(|pods| (c, pods)));
         match loaded {
-            Ok(pods) => {
+            Ok((config, pods)) => {
+                if let Some(before) = &running {
+                    let fixed: Vec<String> = before
+                        .changed_keys(&config)
+                        .into_iter()
+                        .filter(|k| !LIVE_KEYS.contains(&k.as_str()))
+                        .collect();
+                    if !fixed.is_empty() {
+                        warn!(file = %path.display(), keys = ?fixed, "config reload: these keys changed but take effect only at restart");
+                    }
+                }
+                running = Some(config);
                 let changed = tx.send_if_modified(|current| {
                     if current.as_slice() == pods.as_slice() {
                         false

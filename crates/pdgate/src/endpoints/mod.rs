@@ -95,6 +95,14 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
+    /// Where engine I/O sends a leg for this endpoint.
+    pub(crate) fn target(&self) -> crate::engine::client::Target<'_> {
+        crate::engine::client::Target {
+            name: &self.name,
+            base_url: &self.base_url,
+        }
+    }
+
     /// Whether this endpoint serves `model` (`None`: the client named none).
     pub fn serves(&self, model: Option<&str>) -> bool {
         match model {

@@ -8,7 +8,6 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 
-use crate::endpoints::Endpoint;
 use crate::engine::pool::{EngineBody, EnginePool, PoolError};
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::headers::X_REQUEST_ID;
@@ -16,13 +15,23 @@ use crate::headers::X_REQUEST_ID;
 /// Largest prefill response body the gateway reads into memory.
 pub const MAX_PREFILL_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 
+/// The engine a leg goes to: its name (for errors) and base URL. Borrowed from whatever the
+/// caller routes with, so engine I/O knows nothing of endpoints.
+#[derive(Clone, Copy, Debug)]
+pub struct Target<'a> {
+    /// Name used in errors and logs.
+    pub name: &'a str,
+    /// `http://host:port`.
+    pub base_url: &'a str,
+}
+
 /// One request to one engine.
 #[derive(Debug)]
 pub struct LegRequest<'a> {
     /// Which leg this is.
     pub leg: Leg,
     /// The engine.
-    pub endpoint: &'a Endpoint,
+    pub endpoint: Target<'a>,
     /// Request path, e.g. `/v1/completions`.
     pub path: &'a str,
     /// HTTP method.
@@ -38,17 +47,22 @@ pub struct LegRequest<'a> {
 }
 
 /// An upstream failure of `leg` on `endpoint`.
-pub fn upstream(leg: Leg, endpoint: &Endpoint, kind: UpstreamKind, detail: String) -> GatewayError {
+pub fn upstream(
+    leg: Leg,
+    endpoint: Target<'_>,
+    kind: UpstreamKind,
+    detail: String,
+) -> GatewayError {
     GatewayError::Upstream {
         leg,
-        endpoint: endpoint.name.clone(),
+        endpoint: endpoint.name.to_string(),
         kind,
         detail,
     }
 }
 
 /// The pool's error as an upstream failure: the kind comes from the pool's variant.
-fn from_pool(leg: Leg, endpoint: &Endpoint, err: &PoolError) -> GatewayError {
+fn from_pool(leg: Leg, endpoint: Target<'_>, err: &PoolError) -> GatewayError {
     let kind = if err.is_connect() {
         UpstreamKind::Connect
     } else {
@@ -73,7 +87,7 @@ pub async fn send(
     leg: LegRequest<'_>,
 ) -> Result<Response<EngineBody>, GatewayError> {
     let mut uri = String::with_capacity(leg.endpoint.base_url.len() + leg.path.len());
-    uri.push_str(&leg.endpoint.base_url);
+    uri.push_str(leg.endpoint.base_url);
     uri.push_str(leg.path);
     let mut builder = Request::builder().method(leg.method).uri(uri);
     if let Some(h) = builder.headers_mut() {
@@ -112,7 +126,7 @@ pub struct Collected {
 /// Reads a whole response body, at most [`MAX_PREFILL_RESPONSE_BYTES`].
 pub async fn collect(
     leg: Leg,
-    endpoint: &Endpoint,
+    endpoint: Target<'_>,
     response: Response<EngineBody>,
 ) -> Result<Collected, GatewayError> {
     let (parts, body) = response.into_parts();
@@ -146,7 +160,7 @@ pub fn status_error(leg: Leg, collected: Collected) -> GatewayError {
 }
 
 /// A timeout error for `leg` on `endpoint`.
-pub fn timed_out(leg: Leg, endpoint: &Endpoint, after: Duration) -> GatewayError {
+pub fn timed_out(leg: Leg, endpoint: Target<'_>, after: Duration) -> GatewayError {
     upstream(
         leg,
         endpoint,

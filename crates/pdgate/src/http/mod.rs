@@ -41,7 +41,9 @@ pub(crate) fn router(gw: Arc<Gateway>) -> Router {
 /// Admission, body, PD flow; every error answered by the edge.
 async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
     let mut ex = Exchange::new(gw, route.label(), request.headers());
-    let span = tracing::info_span!("request", id = %ex.request_id, route = route.label());
+    // debug: three enabled spans per request cost ~10% of the gateway's instructions at `info`
+    // (docs/operations.md, Tracing); `RUST_LOG=pdgate=debug` turns them on.
+    let span = tracing::debug_span!("request", id = %ex.request_id, route = route.label());
     let result = async {
         edge::check_head(&ex.gw, request.headers())?;
         let slot = ex.gw.admission.admit().await?;

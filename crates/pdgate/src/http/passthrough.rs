@@ -67,7 +67,7 @@ async fn forward(ex: &mut Exchange, request: Request) -> Result<Answer, GatewayE
     let load = LoadGuard::acquire(&decode.load);
     let leg = LegRequest {
         leg: Leg::Decode,
-        endpoint: decode,
+        endpoint: decode.target(),
         path: &path_and_query,
         method: parts.method,
         body,

@@ -49,7 +49,12 @@ pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
 }
 
 pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
-    let text = gw.metrics.render(&gw.store.load());
+    let snap = gw.store.load();
+    gw.metrics.set_fleet([
+        ("prefill", in_flight(&snap.prefill)),
+        ("decode", in_flight(&snap.decode)),
+    ]);
+    let text = gw.metrics.render();
     (
         [(
             header::CONTENT_TYPE,
@@ -58,4 +63,10 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
         text,
     )
         .into_response()
+}
+
+fn in_flight(list: &[Arc<crate::endpoints::Endpoint>]) -> Vec<(&str, usize)> {
+    list.iter()
+        .map(|e| (e.name.as_str(), e.load.in_flight()))
+        .collect()
 }

@@ -25,7 +25,7 @@ const ABORT_TIMEOUT: Duration = Duration::from_secs(2);
 async fn send(client: &EnginePool, endpoint: &Endpoint, request_id: &str, call: EngineCall) {
     let leg = LegRequest {
         leg: Leg::Decode,
-        endpoint,
+        endpoint: endpoint.target(),
         path: call.path,
         method: Method::POST,
         body: call.body,

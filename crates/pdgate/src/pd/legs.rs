@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use kvtransfer::MergeOutcome;
 use tokio::time::timeout;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{Instrument, info_span, warn};
+use tracing::{Instrument, debug_span, warn};
 
 use crate::config::PrefillFailurePolicy;
 use crate::endpoints::{Endpoint, LoadGuard};
@@ -57,7 +57,7 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
     let _load = LoadGuard::acquire(&job.endpoint.load);
     let leg = LegRequest {
         leg: Leg::Prefill,
-        endpoint: &job.endpoint,
+        endpoint: job.endpoint.target(),
         path: job.path,
         method: Method::POST,
         body: job.body,
@@ -67,12 +67,16 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
     };
     let work = async {
         let head = client::send(&gw.client, leg).await?;
-        client::collect(Leg::Prefill, &job.endpoint, head).await
+        client::collect(Leg::Prefill, job.endpoint.target(), head).await
     };
     let limit = gw.config.prefill_timeout;
-    let result = timeout(limit, work)
-        .await
-        .unwrap_or_else(|_| Err(client::timed_out(Leg::Prefill, &job.endpoint, limit)));
+    let result = timeout(limit, work).await.unwrap_or_else(|_| {
+        Err(client::timed_out(
+            Leg::Prefill,
+            job.endpoint.target(),
+            limit,
+        ))
+    });
     let healthy = matches!(&result, Ok(c) if !c.status.is_server_error());
     gw.health.observe(&job.endpoint.name, healthy);
     result
@@ -88,7 +92,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             pd.agent
                 .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
         let collected = prefill_leg(&gw, PrefillJob::new(&pd, &ex.request_id, prefill_request))
-            .instrument(info_span!("prefill", endpoint = %pd.prefill.name))
+            .instrument(debug_span!("prefill", id = %ex.request_id, endpoint = %pd.prefill.name))
             .await;
         let retryable = match &collected {
             Ok(c) => c.status.is_server_error(),
@@ -147,7 +151,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         },
     };
     let (head, decode, decode_load) = decode_head(&gw, &pd, &ex.request_id, decode_body)
-        .instrument(info_span!("decode", endpoint = %pd.decode.name))
+        .instrument(debug_span!("decode", id = %ex.request_id, endpoint = %pd.decode.name))
         .await?;
     pd.switch_decode(decode);
     let record = ex.take_record()?;
@@ -177,7 +181,7 @@ async fn decode_head(
         let load = LoadGuard::acquire(&endpoint.load);
         let leg = LegRequest {
             leg: Leg::Decode,
-            endpoint: &endpoint,
+            endpoint: endpoint.target(),
             path: pd.route.path(),
             method: Method::POST,
             body: body.clone(),
@@ -247,13 +251,13 @@ async fn first_byte(
             Ok(Some(Ok(frame))) => FirstByte::Frame(Some(frame)),
             Ok(Some(Err(e))) => FirstByte::DecodeFailed(client::upstream(
                 Leg::Decode,
-                decode,
+                decode.target(),
                 UpstreamKind::Broken,
                 format!("broke the response stream: {e}"),
             )),
             Err(_) => FirstByte::DecodeFailed(client::upstream(
                 Leg::Decode,
-                decode,
+                decode.target(),
                 UpstreamKind::Silent,
                 format!("sent nothing for {idle:?}"),
             )),
@@ -279,7 +283,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         let prefill_task: AbortOnDropHandle<PartnerResult> = {
             let gw = gw.clone();
             let job = PrefillJob::new(&pd, &ex.request_id, prefill_request);
-            let span = info_span!("prefill", endpoint = %pd.prefill.name);
+            let span = debug_span!("prefill", id = %ex.request_id, endpoint = %pd.prefill.name);
             AbortOnDropHandle::new(tokio::spawn(
                 async move {
                     let c = prefill_leg(&gw, job).await?;
@@ -295,7 +299,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         let mut partner = Some(prefill_task);
         let step = {
             let decode = decode_head(&gw, &pd, &ex.request_id, pd.ctx.req_body.clone())
-                .instrument(info_span!("decode", endpoint = %pd.decode.name));
+                .instrument(debug_span!("decode", id = %ex.request_id, endpoint = %pd.decode.name));
             tokio::pin!(decode);
             loop {
                 let step = tokio::select! {
