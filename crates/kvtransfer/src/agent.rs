@@ -147,6 +147,15 @@ pub trait KvTransferAgent: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Whether a decode engine of this connector can serve a plain request alone (no prefill
+    /// leg, no transfer fields) when it already holds most of the prompt in its own cache
+    /// (cache-aware "decode-only" serving). True for vLLM's connectors, whose consumers compute
+    /// what they were not sent; a connector whose decode servers refuse requests without a
+    /// transfer handshake says false.
+    fn allows_decode_only(&self) -> bool {
+        true
+    }
+
     /// Whether a prefill pod needs bootstrap facts looked up by discovery
     /// ([`Pod::mooncake_bootstrap`], from the pod's bootstrap server) before it can be routed to.
     /// Discovery does the I/O; the agent only says it needs it.

@@ -13,6 +13,14 @@ pub const CONNECTOR_HEADER: &str = "x-pdgate-connector";
 /// Response header present when the decode served the request alone after a prefill failure.
 pub const FALLBACK_HEADER: &str = "x-pdgate-fallback";
 
+/// Response header present when the decode served the request alone because it already held
+/// (almost) all of the prompt in its cache (cache-aware routing).
+pub const DECODE_ONLY_HEADER: &str = "x-pdgate-decode-only";
+
+/// Response header with the prompt tokens cache-aware routing predicted cached where the prompt
+/// is computed (the prefill, or the decode alone).
+pub const PREDICTED_CACHED_HEADER: &str = "x-pdgate-predicted-cached-tokens";
+
 /// Client headers forwarded to engine legs. Everything else (hop-by-hop headers, `host`,
 /// `content-length`, `x-data-parallel-rank`, ...) is dropped.
 const FORWARDED: [HeaderName; 6] = [
@@ -104,6 +112,10 @@ pub struct Served {
     pub connector: &'static str,
     /// The decode served the request alone after a prefill failure.
     pub fallback: bool,
+    /// The decode served the request alone by choice (it held the prompt's prefix).
+    pub decode_only: bool,
+    /// Prompt tokens predicted cached (cache-aware routing only).
+    pub predicted_cached: Option<u32>,
 }
 
 impl Served {
@@ -117,6 +129,10 @@ impl Served {
         ];
         let values = [request_id, &self.prefill, &self.decode, self.connector];
         for (name, v) in NAMES.into_iter().zip(values) {
+            // An empty value: no prefill served (decode-only).
+            if v.is_empty() {
+                continue;
+            }
             if let Ok(v) = HeaderValue::from_str(v) {
                 headers.insert(name, v);
             }
@@ -125,6 +141,18 @@ impl Served {
             headers.insert(
                 HeaderName::from_static(FALLBACK_HEADER),
                 HeaderValue::from_static("prefill-failed"),
+            );
+        }
+        if self.decode_only {
+            headers.insert(
+                HeaderName::from_static(DECODE_ONLY_HEADER),
+                HeaderValue::from_static("cache-hit"),
+            );
+        }
+        if let Some(n) = self.predicted_cached {
+            headers.insert(
+                HeaderName::from_static(PREDICTED_CACHED_HEADER),
+                HeaderValue::from(n),
             );
         }
     }
@@ -152,12 +180,28 @@ mod tests {
             decode: "d:2".into(),
             connector: "shfs",
             fallback: true,
+            decode_only: false,
+            predicted_cached: None,
         }
         .apply("id-1", &mut h);
         assert_eq!(h["x-request-id"], "id-1");
         assert_eq!(h["prefill-target-pod"], "p:1");
         assert_eq!(h["target-pod"], "d:2");
         assert_eq!(h["x-pdgate-fallback"], "prefill-failed");
+        assert!(h.get(DECODE_ONLY_HEADER).is_none());
+        let mut h = HeaderMap::new();
+        Served {
+            prefill: String::new(),
+            decode: "d:2".into(),
+            connector: "shfs",
+            fallback: false,
+            decode_only: true,
+            predicted_cached: Some(48),
+        }
+        .apply("id-2", &mut h);
+        assert!(h.get(PREFILL_TARGET_HEADER).is_none());
+        assert_eq!(h[DECODE_ONLY_HEADER], "cache-hit");
+        assert_eq!(h[PREDICTED_CACHED_HEADER], "48");
         assert!(is_hop_header(&header::CONTENT_LENGTH) && !is_hop_header(&header::CONTENT_TYPE));
     }
 }

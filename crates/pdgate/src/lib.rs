@@ -16,6 +16,9 @@
 //!   retry targets) -> `legs` (sequential or concurrent) -> `relay` (the decode body to the
 //!   client); `abort` is the one path for engine aborts.
 //! - `engine`: engine I/O: the connection pool, one leg (typed failures, timeouts), probes.
+//! - `cache`: cache-aware routing: the request's prefix view (block keys), a cache index per
+//!   model (`pdcache`), the `[cache]` config section, its metrics; `pd::select` consults it
+//!   when a policy is `cache_aware`.
 //! - `endpoints`: pods -> routable snapshot (pure), load counters; `policy` (round_robin,
 //!   random, least_request, power_of_two; where a cache-aware policy goes) and `health`
 //!   (active checks, passive outlier ejection).
@@ -46,6 +49,7 @@
 //! # Ok(()) }
 //! ```
 
+pub(crate) mod cache;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
@@ -61,6 +65,7 @@ pub(crate) mod pd;
 pub(crate) mod run;
 pub(crate) mod state;
 
+pub use cache::{CacheConfig, ModelCacheConfig};
 pub use config::{Config, ConfigError, EndpointConfig, LogFormat, RunArgs};
 pub use discovery::file::watch_config_file;
 pub use error::{GatewayError, Leg, Source, UpstreamKind};

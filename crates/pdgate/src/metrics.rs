@@ -278,6 +278,11 @@ impl Metrics {
         self.rejected.get_or_create(&ReasonLabels { reason }).inc();
     }
 
+    /// The registry, for metrics families owned by other modules (`cache`).
+    pub(crate) fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
     /// Sets the fleet gauges: routable endpoints per role, and each one's requests in flight
     /// (`fleet`: role, endpoint names with their in-flight counts). Endpoints not named are
     /// dropped from the in-flight family.

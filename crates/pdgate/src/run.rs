@@ -141,6 +141,9 @@ impl RunningGateway {
             warn!("shutdown deadline reached; aborting remaining work");
         }
         self.tasks.abort_all();
+        if let Some(cache) = &self.gateway.cache {
+            cache.stop();
+        }
     }
 
     /// Runs until `signal` completes, then shuts down gracefully.
@@ -159,5 +162,8 @@ impl Drop for RunningGateway {
     fn drop(&mut self) {
         self.cancel.cancel();
         self.tasks.abort_all();
+        if let Some(cache) = &self.gateway.cache {
+            cache.stop();
+        }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use kvtransfer::{Pod, Registry};
 use tokio_util::task::TaskTracker;
 
+use crate::cache::{Cache, CacheMetrics};
 use crate::config::{Config, ConfigError};
 use crate::endpoints::health::Health;
 use crate::endpoints::policy::{self, Policy};
@@ -48,6 +49,8 @@ pub struct Gateway {
     pub(crate) retry_budget: RetryBudget,
     /// Set at the start of a graceful shutdown: `/ready` answers 503 from then on.
     pub(crate) draining: AtomicBool,
+    /// Cache-aware routing state, when a policy is `cache_aware`.
+    pub(crate) cache: Option<Arc<Cache>>,
 }
 
 impl Gateway {
@@ -73,12 +76,24 @@ impl Gateway {
             decode = decode_policy.name(),
             "policies"
         );
-        let metrics = Arc::new(Metrics::new());
+        let mut metrics = Metrics::new();
+        let cache = if prefill_policy.cache_aware() || decode_policy.cache_aware() {
+            let cache_metrics = CacheMetrics::new(metrics.registry_mut());
+            Some(Arc::new(Cache::new(
+                &config.cache,
+                &config.models,
+                cache_metrics,
+            )?))
+        } else {
+            None
+        };
+        let metrics = Arc::new(metrics);
         Ok(Arc::new(Gateway {
             health: Arc::new(Health::new(&config.health_section(), metrics.clone())),
             admission: Admission::new(&config, metrics.clone()),
             retry_budget: RetryBudget::new(&config),
             draining: AtomicBool::new(false),
+            cache,
             prefill_policy,
             decode_policy,
             client: EnginePool::new(config.pool_section()),
@@ -100,7 +115,11 @@ impl Gateway {
             unhealthy,
             roleset_pairing: self.config.kubernetes.roleset_pairing,
         };
-        self.store.publish(pods, &inputs)
+        let snapshot = self.store.publish(pods, &inputs);
+        if let Some(cache) = &self.cache {
+            cache.retain(&snapshot);
+        }
+        snapshot
     }
 
     /// Whether a graceful shutdown has begun.

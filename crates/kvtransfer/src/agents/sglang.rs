@@ -79,6 +79,12 @@ impl KvTransferAgent for SglangAgent {
         Dispatch::Concurrent
     }
 
+    /// SGLang decode servers in disaggregation mode wait for a bootstrap room: a plain request
+    /// would never be served.
+    fn allows_decode_only(&self) -> bool {
+        false
+    }
+
     fn supports_batch(&self) -> bool {
         true
     }

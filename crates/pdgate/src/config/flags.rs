@@ -75,12 +75,12 @@ pub const KEYS: &[Key] = &[
     key(
         "policy",
         "prefill_policy",
-        "Prefill policy: round_robin, random, least_request, power_of_two",
+        "Prefill policy: round_robin, random, least_request, power_of_two, cache_aware",
     ),
     key(
         "policy",
         "decode_policy",
-        "Decode policy: round_robin, random, least_request, power_of_two",
+        "Decode policy: round_robin, random, least_request, power_of_two, cache_aware",
     ),
     key("legs", "prefill_timeout", "Bound on the whole prefill leg"),
     key(
@@ -296,6 +296,17 @@ pub struct RunArgs {
     /// Kubernetes discovery: label selector, e.g. `model.aibrix.ai/name=llama,app=engine`.
     #[arg(long, value_name = "SELECTOR")]
     pub selector: Option<String>,
+    /// cache_aware: the engines' KV block size in tokens (`cache.block_size`) [default: 16].
+    #[arg(long, value_name = "TOKENS")]
+    pub block_size: Option<usize>,
+    /// cache_aware: a tokenizer.json (chat template from tokenizer_config.json beside it), so
+    /// requests are keyed by token blocks as the engines' caches are (`cache.tokenizer`).
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// cache_aware decode policy: serve on the decode alone when at most this many prompt tokens
+    /// are uncached there; 0 disables (`cache.decode_only_below_tokens`) [default: 0].
+    #[arg(long, value_name = "TOKENS")]
+    pub decode_only_below_tokens: Option<u32>,
     /// Any key, e.g. `--set limits.max_in_flight=0` or `--set kubernetes.debounce_ms=500`
     /// (repeatable; applied after the other flags).
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -419,6 +430,9 @@ impl RunArgs {
             && self.models.is_empty()
             && self.namespace.is_none()
             && self.selector.is_none()
+            && self.block_size.is_none()
+            && self.tokenizer.is_none()
+            && self.decode_only_below_tokens.is_none()
             && self.set.is_empty()
             && self.keys.0.is_empty()
     }
@@ -447,6 +461,33 @@ impl RunArgs {
                     .or_insert_with(|| toml::Value::Table(toml::Table::new()));
                 if let toml::Value::Table(kube) = kube {
                     kube.insert(key.into(), toml::Value::String(v.clone()));
+                }
+            }
+        }
+        let cache = [
+            (
+                "block_size",
+                self.block_size.map(|v| toml::Value::Integer(v as i64)),
+            ),
+            (
+                "tokenizer",
+                self.tokenizer
+                    .as_ref()
+                    .map(|p| toml::Value::String(p.display().to_string())),
+            ),
+            (
+                "decode_only_below_tokens",
+                self.decode_only_below_tokens
+                    .map(|v| toml::Value::Integer(i64::from(v))),
+            ),
+        ];
+        for (key, v) in cache {
+            if let Some(v) = v {
+                let section = table
+                    .entry("cache")
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                if let toml::Value::Table(section) = section {
+                    section.insert(key.into(), v);
                 }
             }
         }
@@ -484,6 +525,28 @@ mod tests {
         let mut flagged: Vec<String> = KEYS.iter().map(|k| k.name.to_string()).collect();
         flagged.sort();
         assert_eq!(keys, flagged);
+    }
+
+    #[test]
+    fn cache_flags_and_set_reach_the_cache_section() {
+        let cli = Cli::parse_from([
+            "pdgate",
+            "--block-size",
+            "32",
+            "--decode-only-below-tokens",
+            "128",
+            "--set",
+            "cache.approximate_ttl=30s",
+            "--set",
+            "cache.load_weight=64",
+        ]);
+        let c = cli.run.load().unwrap();
+        assert_eq!(c.cache.block_size, 32);
+        assert_eq!(c.cache.decode_only_below_tokens, 128);
+        assert_eq!(c.cache.approximate_ttl, Duration::from_secs(30));
+        assert_eq!(c.cache.load_weight, 64.0);
+        let cli = Cli::parse_from(["pdgate", "--set", "cache.block_sise=3"]);
+        assert!(cli.run.load().is_err());
     }
 
     #[test]

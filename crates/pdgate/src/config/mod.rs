@@ -62,6 +62,13 @@ pub struct EndpointConfig {
     /// server (default 8998 for both).
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
+    /// Where the engine publishes its vLLM KV events (`tcp://host:port`), for `cache_aware`'s
+    /// precise mode (shortcut for the `pdgate.io/kv-events` annotation).
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// The engine's KV-event replay socket (`pdgate.io/kv-events-replay`).
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 /// The whole gateway configuration.
@@ -164,6 +171,10 @@ pub struct Config {
     /// (pdkube's type has no `Serialize`: the table is left out of [`Config::to_table`].)
     #[serde(skip_serializing)]
     pub kubernetes: pdkube::KubeDiscoveryConfig,
+    /// Cache-aware routing (`[cache]`): block size, tokenizers, weights, decode-only. (Its own
+    /// flags and `--set cache.KEY=VALUE`; left out of [`Config::to_table`].)
+    #[serde(skip_serializing)]
+    pub cache: crate::cache::CacheConfig,
 }
 
 impl Default for Config {
@@ -211,6 +222,7 @@ impl Default for Config {
             // The engines' own keep-alive timeouts (vLLM's uvicorn: 5 s) usually close first.
             pool_idle_timeout: Duration::from_secs(60),
             kubernetes: pdkube::KubeDiscoveryConfig::default(),
+            cache: crate::cache::CacheConfig::default(),
         }
     }
 }
@@ -287,11 +299,11 @@ pub(crate) fn format_duration(d: Duration) -> String {
     }
 }
 
-fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&format_duration(*d))
 }
 
-fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+pub(crate) fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Raw {
@@ -365,6 +377,7 @@ impl Config {
         registry
             .validate_default(&self.kv_connector)
             .map_err(|e| field_error("kv_connector", e.to_string()))?;
+        self.cache.validate()?;
         for (field, name) in [
             ("prefill_policy", &self.prefill_policy),
             ("decode_policy", &self.decode_policy),
@@ -522,6 +535,17 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
     if let Some(port) = ep.bootstrap_port {
         for key in kvtransfer::labels::BOOTSTRAP_PORTS {
             pod.annotations.insert(key.to_string(), port.to_string());
+        }
+    }
+    for (key, v) in [
+        (crate::cache::KV_EVENTS_ANNOTATION, &ep.kv_events),
+        (
+            crate::cache::KV_EVENTS_REPLAY_ANNOTATION,
+            &ep.kv_events_replay,
+        ),
+    ] {
+        if let Some(v) = v {
+            pod.annotations.insert(key.to_string(), v.clone());
         }
     }
     Ok(pod)

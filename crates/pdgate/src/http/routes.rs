@@ -49,6 +49,9 @@ pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
 }
 
 pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
+    if let Some(cache) = &gw.cache {
+        cache.refresh_gauges();
+    }
     let snap = gw.store.load();
     gw.metrics.set_fleet([
         ("prefill", in_flight(&snap.prefill)),

@@ -167,6 +167,28 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     ))
 }
 
+/// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
+/// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
+pub(crate) async fn decode_only(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
+    let body = pd.clean.to_bytes();
+    let (head, decode, decode_load) = decode_head(&gw, &pd, &ex.request_id, body)
+        .instrument(info_span!("decode", endpoint = %pd.decode.name, decode_only = true))
+        .await?;
+    pd.switch_decode(decode);
+    let record = ex.take_record()?;
+    Ok(relay::respond(
+        &gw,
+        &ex.request_id,
+        head,
+        pd,
+        decode_load,
+        None,
+        None,
+        record,
+    ))
+}
+
 /// Sends the decode leg and waits for its response head within the decode timeout. A
 /// connection failure (nothing was sent) is retried on another decode endpoint.
 async fn decode_head(

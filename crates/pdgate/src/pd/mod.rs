@@ -130,7 +130,19 @@ pub(crate) async fn serve(
     debug!(model = ?view.model, stream = view.stream, "request read");
     gw.retry_budget.deposit();
     let snapshot = gw.store.load();
-    let (prefill, decode) = select::pair(&gw, &snapshot, view.model.as_deref())?;
+    let prefix = gw.cache.as_ref().map(|c| {
+        c.model(view.model.as_deref(), &snapshot)
+            .view(&clean, route)
+    });
+    let select::Pair {
+        prefill,
+        decode,
+        decode_only,
+        predicted_cached,
+    } = select::pair(&gw, &snapshot, view.model.as_deref(), prefix.as_ref())?;
+    if let Some(cached) = predicted_cached {
+        debug!(cached, decode_only, "cache-aware decision");
+    }
     let agent = prefill
         .agent
         .clone()
@@ -156,10 +168,16 @@ pub(crate) async fn serve(
         }
     }
     let served = Served {
-        prefill: prefill.name.clone(),
+        prefill: if decode_only {
+            String::new()
+        } else {
+            prefill.name.clone()
+        },
         decode: decode.name.clone(),
         connector,
         fallback: false,
+        decode_only,
+        predicted_cached,
     };
     let pd = Pd {
         route,
@@ -174,6 +192,9 @@ pub(crate) async fn serve(
     };
     // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
     // would otherwise hold (and move) that much inline.
+    if decode_only {
+        return Box::pin(legs::decode_only(ex, pd)).await;
+    }
     match pd.agent.dispatch() {
         Dispatch::Sequential => Box::pin(legs::sequential(ex, pd)).await,
         Dispatch::Concurrent => Box::pin(legs::concurrent(ex, pd)).await,

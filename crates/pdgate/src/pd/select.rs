@@ -2,25 +2,71 @@
 //! leg. Reads the snapshot, the policies, the per-endpoint cap and the retry budget; sends
 //! nothing.
 //!
-//! The seam for smarter choices (prefix-cache-aware selection, choosing the decode first) is
-//! [`pair`]: it sees the request's model and the whole snapshot, and returns both endpoints.
+//! [`pair`] sees the request's model, its prefix view and the whole snapshot, and returns both
+//! endpoints; with a `cache_aware` policy it weighs cached prefixes and may choose the decode
+//! first and serve the request there alone ([`Pair::decode_only`]).
 
 use std::sync::Arc;
 
 use tracing::warn;
 
-use crate::endpoints::{Endpoint, Snapshot};
+use crate::cache::config::CacheConfig;
+use crate::cache::score::{self, Choice, Facts};
+use crate::cache::{Cache, PrefixView, Scorer};
+use crate::endpoints::policy::Policy;
+use crate::endpoints::{Endpoint, Role, Snapshot};
 use crate::error::{GatewayError, Leg};
 use crate::limits::under_cap;
 use crate::state::Gateway;
 
-/// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector.
+/// The endpoints chosen for a request.
+#[derive(Debug)]
+pub(crate) struct Pair {
+    pub(crate) prefill: Arc<Endpoint>,
+    pub(crate) decode: Arc<Endpoint>,
+    /// The decode serves the request alone: it holds (almost) all of the prompt already.
+    pub(crate) decode_only: bool,
+    /// Prompt tokens predicted cached where the prompt is computed (the prefill, or the decode
+    /// when alone); `None` without cache-aware routing.
+    pub(crate) predicted_cached: Option<u32>,
+}
+
+/// Why no pair serves `model`.
+fn no_pair(snap: &Snapshot, model: Option<&str>) -> GatewayError {
+    let any_prefill = snap.prefill.iter().any(|p| p.serves(model));
+    let any_decode = snap.decode.iter().any(|d| d.serves(model));
+    if let Some(m) = model
+        && !any_prefill
+        && !any_decode
+        && !snap.models.is_empty()
+        && !snap.models.iter().any(|x| x == m)
+    {
+        return GatewayError::ModelNotFound {
+            model: m.to_string(),
+        };
+    }
+    let what = match (any_prefill, any_decode) {
+        (false, _) => "prefill",
+        (true, false) => "decode",
+        (true, true) => "prefill/decode pair (connectors disagree)",
+    };
+    GatewayError::NoEndpoint {
+        what,
+        model: model.unwrap_or_default().to_string(),
+    }
+}
+
+/// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector. With
+/// a `cache_aware` policy and the request's prefix view, [`cache_pair`] decides instead.
 pub(crate) fn pair(
     gw: &Gateway,
     snap: &Snapshot,
     model: Option<&str>,
-) -> Result<(Arc<Endpoint>, Arc<Endpoint>), GatewayError> {
-    let model_name = || model.unwrap_or_default().to_string();
+    prefix: Option<&PrefixView>,
+) -> Result<Pair, GatewayError> {
+    if let (Some(cache), Some(view)) = (&gw.cache, prefix) {
+        return cache_pair(gw, cache, snap, model, view);
+    }
     let compatible = |p: &Endpoint, d: &Endpoint| d.serves(model) && snap.pairs(p, d);
     let prefills: Vec<Arc<Endpoint>> = snap
         .prefill
@@ -30,27 +76,7 @@ pub(crate) fn pair(
         .collect();
     let prefills = under_cap(gw.config.max_in_flight_per_endpoint, &gw.metrics, prefills)?;
     let Some(i) = gw.prefill_policy.pick(&prefills) else {
-        let any_prefill = snap.prefill.iter().any(|p| p.serves(model));
-        let any_decode = snap.decode.iter().any(|d| d.serves(model));
-        if let Some(m) = model
-            && !any_prefill
-            && !any_decode
-            && !snap.models.is_empty()
-            && !snap.models.iter().any(|x| x == m)
-        {
-            return Err(GatewayError::ModelNotFound {
-                model: m.to_string(),
-            });
-        }
-        let what = match (any_prefill, any_decode) {
-            (false, _) => "prefill",
-            (true, false) => "decode",
-            (true, true) => "prefill/decode pair (connectors disagree)",
-        };
-        return Err(GatewayError::NoEndpoint {
-            what,
-            model: model_name(),
-        });
+        return Err(no_pair(snap, model));
     };
     let prefill = prefills[i].clone();
     let decodes: Vec<Arc<Endpoint>> = snap
@@ -65,9 +91,183 @@ pub(crate) fn pair(
         .pick(&decodes)
         .ok_or_else(|| GatewayError::NoEndpoint {
             what: "decode",
-            model: model_name(),
+            model: model.unwrap_or_default().to_string(),
         })?;
-    Ok((prefill, decodes[j].clone()))
+    Ok(Pair {
+        prefill,
+        decode: decodes[j].clone(),
+        decode_only: false,
+        predicted_cached: None,
+    })
+}
+
+/// Picks among `candidates` by cache and load (recording the decision in metrics) when
+/// `policy` is cache-aware, else by the policy; the prediction is `None` then.
+fn pick_by(
+    policy: &dyn Policy,
+    scorer: &Scorer<'_>,
+    cache: &Cache,
+    role: Role,
+    candidates: &[Arc<Endpoint>],
+    view: &PrefixView,
+) -> Option<(usize, Option<Choice>)> {
+    if !policy.cache_aware() {
+        return policy.pick(candidates).map(|i| (i, None));
+    }
+    let facts: Vec<Facts> = candidates
+        .iter()
+        .map(|e| Facts {
+            blocks: scorer.blocks(e),
+            in_flight: e.load.in_flight(),
+            entries: scorer.entries(e),
+        })
+        .collect();
+    let choice = score::choose(&facts, view, &cache.config)?;
+    cache.metrics.decision(
+        role.as_str(),
+        choice.kind.label(),
+        choice.cached_tokens,
+        view.prompt_tokens,
+    );
+    Some((choice.index, Some(choice)))
+}
+
+/// Cache-aware selection. With a `cache_aware` decode policy the decode is chosen first (by its
+/// cache and load); if it would compute at most `decode_only_below_tokens` of the prompt (and
+/// less than `decode_only_max_uncached_ratio` of it) and its connector allows it, it serves the
+/// request alone. Otherwise the prefill is chosen among those that pair with it. With only the
+/// prefill policy cache-aware, the prefill is chosen first, as without a cache.
+fn cache_pair(
+    gw: &Gateway,
+    cache: &Cache,
+    snap: &Snapshot,
+    model: Option<&str>,
+    view: &PrefixView,
+) -> Result<Pair, GatewayError> {
+    let cap = gw.config.max_in_flight_per_endpoint;
+    let mc = cache.model(model, snap);
+    let mut scorer = mc.lock();
+    scorer.prepare(view);
+    let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
+    let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
+        let decodes: Vec<Arc<Endpoint>> = snap
+            .decode
+            .iter()
+            .filter(|d| d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d)))
+            .cloned()
+            .collect();
+        let decodes = under_cap(cap, &gw.metrics, decodes)?;
+        let (j, d_choice) = pick_by(
+            gw.decode_policy.as_ref(),
+            &scorer,
+            cache,
+            Role::Decode,
+            &decodes,
+            view,
+        )
+        .ok_or_else(|| no_pair(snap, model))?;
+        let decode = decodes[j].clone();
+        let prefills: Vec<Arc<Endpoint>> = serving_prefills()
+            .filter(|p| snap.pairs(p, &decode))
+            .cloned()
+            .collect();
+        let alone = d_choice.is_some_and(|c| decode_only_fits(&cache.config, c, view))
+            && prefills
+                .iter()
+                .all(|p| p.agent.as_ref().is_some_and(|a| a.allows_decode_only()));
+        if alone && let Some(first) = prefills.first() {
+            // The prefill only names the connector; no leg goes to it.
+            (
+                first.clone(),
+                decode,
+                true,
+                d_choice.map(|c| c.cached_tokens),
+            )
+        } else {
+            let prefills = under_cap(cap, &gw.metrics, prefills)?;
+            let (i, p_choice) = pick_by(
+                gw.prefill_policy.as_ref(),
+                &scorer,
+                cache,
+                Role::Prefill,
+                &prefills,
+                view,
+            )
+            .ok_or_else(|| no_pair(snap, model))?;
+            (
+                prefills[i].clone(),
+                decode,
+                false,
+                p_choice.map(|c| c.cached_tokens),
+            )
+        }
+    } else {
+        let prefills: Vec<Arc<Endpoint>> = serving_prefills()
+            .filter(|p| {
+                snap.decode
+                    .iter()
+                    .any(|d| d.serves(model) && snap.pairs(p, d))
+            })
+            .cloned()
+            .collect();
+        let prefills = under_cap(cap, &gw.metrics, prefills)?;
+        let (i, p_choice) = pick_by(
+            gw.prefill_policy.as_ref(),
+            &scorer,
+            cache,
+            Role::Prefill,
+            &prefills,
+            view,
+        )
+        .ok_or_else(|| no_pair(snap, model))?;
+        let prefill = prefills[i].clone();
+        let decodes: Vec<Arc<Endpoint>> = snap
+            .decode
+            .iter()
+            .filter(|d| d.serves(model) && snap.pairs(&prefill, d))
+            .cloned()
+            .collect();
+        let decodes = under_cap(cap, &gw.metrics, decodes)?;
+        let j = gw
+            .decode_policy
+            .pick(&decodes)
+            .ok_or_else(|| no_pair(snap, model))?;
+        (
+            prefill,
+            decodes[j].clone(),
+            false,
+            p_choice.map(|c| c.cached_tokens),
+        )
+    };
+    // Both engines will hold the prompt's blocks: the prefill computed them, the decode
+    // received (or computed) them and caches them too.
+    let now = std::time::Instant::now();
+    scorer.record(&decode, view, now);
+    if decode_only {
+        cache.metrics.decode_only();
+    } else {
+        scorer.record(&prefill, view, now);
+    }
+    Ok(Pair {
+        prefill,
+        decode,
+        decode_only,
+        predicted_cached: predicted,
+    })
+}
+
+/// Whether a decode choice is cheap enough to serve without a prefill leg: few uncached tokens
+/// *and* a small uncached share (a short prompt that nobody cached still goes through PD,
+/// unless the ratio is 1.0).
+fn decode_only_fits(cfg: &CacheConfig, c: Choice, view: &PrefixView) -> bool {
+    if cfg.decode_only_below_tokens == 0
+        || view.prompt_tokens == 0
+        || c.uncached_tokens > cfg.decode_only_below_tokens
+    {
+        return false;
+    }
+    let share = f64::from(c.uncached_tokens) / f64::from(view.prompt_tokens);
+    cfg.decode_only_max_uncached_ratio >= 1.0 || share < cfg.decode_only_max_uncached_ratio
 }
 
 /// Another endpoint for a failed `leg`, if `max_retries`, candidates and the retry budget
@@ -126,4 +326,49 @@ pub(crate) fn retry_target(
     }
     gw.metrics.count_retry(leg);
     Some(candidates[i].clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::score::DecisionKind;
+    use crate::cache::view::KeyKind;
+
+    #[test]
+    fn decode_only_needs_both_thresholds() {
+        let view = PrefixView {
+            keys: Vec::new(),
+            kind: KeyKind::Tokens,
+            prompt_tokens: 1000,
+            block_size: 16,
+        };
+        let c = |uncached| Choice {
+            index: 0,
+            kind: DecisionKind::Hit,
+            cached_tokens: 1000 - uncached,
+            uncached_tokens: uncached,
+        };
+        let mut cfg = CacheConfig::default();
+        assert!(!decode_only_fits(&cfg, c(10), &view), "0 disables");
+        cfg.decode_only_below_tokens = 256;
+        assert!(decode_only_fits(&cfg, c(100), &view));
+        assert!(!decode_only_fits(&cfg, c(300), &view));
+        let short = PrefixView {
+            prompt_tokens: 100,
+            ..view.clone()
+        };
+        let miss = Choice {
+            cached_tokens: 0,
+            uncached_tokens: 100,
+            ..c(0)
+        };
+        assert!(!decode_only_fits(&cfg, miss, &short), "ratio 1.0 >= 0.7");
+        cfg.decode_only_max_uncached_ratio = 1.0;
+        assert!(decode_only_fits(&cfg, miss, &short));
+        let empty = PrefixView {
+            prompt_tokens: 0,
+            ..view
+        };
+        assert!(!decode_only_fits(&cfg, c(0), &empty));
+    }
 }

@@ -1,4 +1,10 @@
 //! Routing policies: pick one endpoint among candidates. An open set, selected by name.
+//! [`cache_aware`] is the one that also looks at the request (its prefix), which `pd::select`
+//! asks of it through [`Policy::cache_aware`].
+
+mod cache_aware;
+
+pub use cache_aware::CacheAware;
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -14,10 +20,22 @@ pub trait Policy: Send + Sync + Debug {
     fn name(&self) -> &'static str;
     /// Index of the chosen candidate; `None` only when `candidates` is empty.
     fn pick(&self, candidates: &[Arc<Endpoint>]) -> Option<usize>;
+    /// Whether the choice should weigh the request's cached prefix (`cache_aware`); the
+    /// selection then scores candidates itself and [`Policy::pick`] serves only choices
+    /// without a prefix.
+    fn cache_aware(&self) -> bool {
+        false
+    }
 }
 
 /// Names accepted by [`by_name`].
-pub const NAMES: &[&str] = &["round_robin", "random", "least_request", "power_of_two"];
+pub const NAMES: &[&str] = &[
+    "round_robin",
+    "random",
+    "least_request",
+    "power_of_two",
+    "cache_aware",
+];
 
 /// A policy by its configuration name.
 pub fn by_name(name: &str) -> Option<Box<dyn Policy>> {
@@ -26,6 +44,7 @@ pub fn by_name(name: &str) -> Option<Box<dyn Policy>> {
         "random" => Some(Box::new(Random)),
         "least_request" => Some(Box::new(LeastRequest)),
         "power_of_two" => Some(Box::new(PowerOfTwo)),
+        "cache_aware" => Some(Box::new(CacheAware)),
         _ => None,
     }
 }

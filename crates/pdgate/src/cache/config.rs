@@ -1,0 +1,183 @@
+//! The `[cache]` section: cache-aware routing's knobs, with their defaults.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::config::ConfigError;
+
+/// Per-model overrides of `[cache]` (`[cache.models."name"]`).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelCacheConfig {
+    /// Tokens per KV block of this model's engines (must match theirs).
+    pub block_size: Option<usize>,
+    /// The model's `tokenizer.json` (with `tokenizer_config.json` beside it for the chat
+    /// template): requests are then keyed by token blocks, as the engines' caches are.
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Cache-aware routing (`prefill_policy` / `decode_policy = "cache_aware"`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Tokens per KV block of the engines (vLLM: `--block-size`; 16 on GPUs by default).
+    pub block_size: usize,
+    /// A `tokenizer.json` for models without their own (`[cache.models."m"] tokenizer`).
+    pub tokenizer: Option<PathBuf>,
+    /// Per-model block size and tokenizer.
+    pub models: BTreeMap<String, ModelCacheConfig>,
+    /// Cost of one uncached prompt token (the prefill work a miss costs).
+    pub cache_weight: f64,
+    /// Cost of one in-flight request on an endpoint, in uncached-token units.
+    pub load_weight: f64,
+    /// Imbalance guard: when the busiest candidate holds more than `balance_abs` in-flight
+    /// requests above the idlest one *and* more than `balance_rel` times as many, the cache is
+    /// ignored for that decision and the least loaded endpoint wins.
+    pub balance_abs: usize,
+    /// See `balance_abs`.
+    pub balance_rel: f64,
+    /// Entries kept per endpoint in a model's index (least recently used evicted first).
+    pub capacity_per_endpoint: usize,
+    /// Lifetime of an approximate entry (a decision's guess about an endpoint without events).
+    #[serde(deserialize_with = "crate::config::de_duration")]
+    pub approximate_ttl: Duration,
+    /// Lifetime of a speculative entry (a decision's guess until the endpoint's event confirms).
+    #[serde(deserialize_with = "crate::config::de_duration")]
+    pub speculative_ttl: Duration,
+    /// Serve a request on the decode alone (no prefill leg) when at most this many of its prompt
+    /// tokens are uncached there; 0 disables decode-only serving.
+    pub decode_only_below_tokens: u32,
+    /// ... and only when the uncached share of the prompt is below this ratio (Dynamo's
+    /// `isl_bounding`); 1.0 lets the token threshold alone decide.
+    pub decode_only_max_uncached_ratio: f64,
+    /// Every endpoint publishes KV events on `tcp://<its host>:<port>` (vLLM
+    /// `--kv-events-config '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}'`);
+    /// an endpoint's own `kv_events` wins.
+    pub kv_events_port: Option<u16>,
+    /// Every endpoint's replay socket is `tcp://<its host>:<port>` (vLLM `replay_endpoint`).
+    pub kv_events_replay_port: Option<u16>,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            block_size: 16,
+            tokenizer: None,
+            models: BTreeMap::new(),
+            cache_weight: 1.0,
+            load_weight: 256.0,
+            balance_abs: 32,
+            balance_rel: 1.5,
+            capacity_per_endpoint: 1 << 20,
+            approximate_ttl: Duration::from_secs(120),
+            speculative_ttl: Duration::from_secs(2),
+            decode_only_below_tokens: 0,
+            decode_only_max_uncached_ratio: 0.7,
+            kv_events_port: None,
+            kv_events_replay_port: None,
+        }
+    }
+}
+
+fn field(name: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Field {
+        field: format!("cache.{name}"),
+        message: message.into(),
+    }
+}
+
+impl CacheConfig {
+    /// Block size for `model` (`None`: the client named none).
+    pub fn block_size_for(&self, model: Option<&str>) -> usize {
+        model
+            .and_then(|m| self.models.get(m))
+            .and_then(|m| m.block_size)
+            .unwrap_or(self.block_size)
+    }
+
+    /// Checks the values (names the field on error).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let sizes = std::iter::once(("block_size".to_string(), self.block_size)).chain(
+            self.models
+                .iter()
+                .filter_map(|(m, c)| c.block_size.map(|b| (format!("models.{m}.block_size"), b))),
+        );
+        for (name, size) in sizes {
+            if size == 0 || size > 4096 {
+                return Err(field(&name, "must be between 1 and 4096 tokens"));
+            }
+        }
+        let finite = [
+            ("cache_weight", self.cache_weight),
+            ("load_weight", self.load_weight),
+        ];
+        for (name, v) in finite {
+            if !v.is_finite() || v < 0.0 {
+                return Err(field(name, "must be a non-negative number"));
+            }
+        }
+        if !self.balance_rel.is_finite() || self.balance_rel < 1.0 {
+            return Err(field("balance_rel", "must be at least 1.0"));
+        }
+        let r = self.decode_only_max_uncached_ratio;
+        if !r.is_finite() || !(0.0..=1.0).contains(&r) {
+            return Err(field(
+                "decode_only_max_uncached_ratio",
+                "must be between 0 and 1",
+            ));
+        }
+        if self.capacity_per_endpoint == 0 {
+            return Err(field("capacity_per_endpoint", "must be positive"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_bad_values_name_the_field() {
+        assert!(CacheConfig::default().validate().is_ok());
+        let mut c = CacheConfig {
+            block_size: 0,
+            ..CacheConfig::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("cache.block_size"), "{e}");
+        c.block_size = 32;
+        c.models.insert(
+            "m".into(),
+            ModelCacheConfig {
+                block_size: Some(0),
+                tokenizer: None,
+            },
+        );
+        assert!(c.validate().unwrap_err().to_string().contains("models.m"));
+        c.models.clear();
+        c.balance_rel = 0.5;
+        assert!(c.validate().is_err());
+        c.balance_rel = 1.5;
+        c.decode_only_max_uncached_ratio = 2.0;
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn block_size_per_model() {
+        let mut c = CacheConfig::default();
+        c.models.insert(
+            "big".into(),
+            ModelCacheConfig {
+                block_size: Some(64),
+                tokenizer: None,
+            },
+        );
+        assert_eq!(c.block_size_for(Some("big")), 64);
+        assert_eq!(c.block_size_for(Some("other")), 16);
+        assert_eq!(c.block_size_for(None), 16);
+    }
+}

@@ -1,0 +1,181 @@
+//! Cache-aware routing's metrics (`pdgate_cache_*`). Labels: role and decision kind (closed
+//! sets), model (configured names or `default`).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use pdcache::subscribe::SubscriberStats;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    role: &'static str,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RoleLabels {
+    role: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    role: &'static str,
+    what: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelLabels {
+    model: String,
+}
+
+/// The `pdgate_cache_*` families.
+#[derive(Debug, Clone)]
+pub(crate) struct CacheMetrics {
+    decisions: Family<DecisionLabels, Counter>,
+    predicted: Family<RoleLabels, Counter>,
+    prompt: Family<RoleLabels, Counter>,
+    entries: Family<ModelLabels, Gauge>,
+    bytes: Family<ModelLabels, Gauge>,
+    events: Family<EventLabels, Gauge>,
+    lag: Family<EventLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+}
+
+impl CacheMetrics {
+    /// Registers the families in `registry` (the gateway's, prefixed `pdgate`).
+    pub(crate) fn new(registry: &mut Registry) -> Self {
+        let m = CacheMetrics {
+            decisions: Family::default(),
+            predicted: Family::default(),
+            prompt: Family::default(),
+            entries: Family::default(),
+            bytes: Family::default(),
+            events: Family::default(),
+            lag: Family::default(),
+        };
+        let r = registry.sub_registry_with_prefix("cache");
+        r.register(
+            "decisions",
+            "Cache-aware routing decisions by role and kind (hit, miss, imbalance_override, decode_only)",
+            m.decisions.clone(),
+        );
+        r.register(
+            "predicted_cached_tokens",
+            "Prompt tokens predicted to be cached on the chosen endpoint",
+            m.predicted.clone(),
+        );
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of cache-aware decisions (the denominator of the predicted hit share)",
+            m.prompt.clone(),
+        );
+        r.register(
+            "index_entries",
+            "Entries in the cache index per model",
+            m.entries.clone(),
+        );
+        r.register(
+            "index_bytes",
+            "Bytes allocated by the cache index per model",
+            m.bytes.clone(),
+        );
+        r.register(
+            "events",
+            "KV-event counters of the live subscriptions by role: batches, events, blocks_stored, blocks_removed, dropped, gaps, replays, replay_failures, restarts, clears, orphaned",
+            m.events.clone(),
+        );
+        r.register(
+            "event_lag_seconds",
+            "KV-event lag (receipt - the batch's timestamp) by role: last, max, mean",
+            m.lag.clone(),
+        );
+        m
+    }
+
+    /// Sets the event gauges of `role` from its subscriptions' counters.
+    pub(crate) fn set_events(&self, role: &'static str, stats: &[&SubscriberStats]) {
+        let sum = |f: fn(&SubscriberStats) -> &AtomicU64| -> u64 {
+            stats.iter().map(|s| f(s).load(Ordering::Relaxed)).sum()
+        };
+        let counters: [(&'static str, fn(&SubscriberStats) -> &AtomicU64); 11] = [
+            ("batches", |s| &s.batches),
+            ("events", |s| &s.events),
+            ("blocks_stored", |s| &s.blocks_stored),
+            ("blocks_removed", |s| &s.blocks_removed),
+            ("dropped", |s| &s.dropped),
+            ("gaps", |s| &s.gaps),
+            ("replays", |s| &s.replays),
+            ("replay_failures", |s| &s.replay_failures),
+            ("restarts", |s| &s.restarts),
+            ("clears", |s| &s.clears),
+            ("orphaned", |s| &s.orphaned),
+        ];
+        for (what, f) in counters {
+            self.events
+                .get_or_create(&EventLabels { role, what })
+                .set(i64::try_from(sum(f)).unwrap_or(i64::MAX));
+        }
+        let last = stats
+            .iter()
+            .map(|s| s.lag_last_us.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0);
+        let max = stats
+            .iter()
+            .map(|s| s.lag_max_us.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0);
+        let count = sum(|s| &s.lag_count);
+        let mean = if count == 0 {
+            0.0
+        } else {
+            sum(|s| &s.lag_sum_us) as f64 / count as f64
+        };
+        for (what, us) in [("last", last as f64), ("max", max as f64), ("mean", mean)] {
+            self.lag
+                .get_or_create(&EventLabels { role, what })
+                .set(us / 1e6);
+        }
+    }
+
+    /// Counts a decision for `role` (`kind` from a closed set), with its predicted hit.
+    pub(crate) fn decision(
+        &self,
+        role: &'static str,
+        kind: &'static str,
+        cached: u32,
+        prompt: u32,
+    ) {
+        self.decisions
+            .get_or_create(&DecisionLabels { role, kind })
+            .inc();
+        self.predicted
+            .get_or_create(&RoleLabels { role })
+            .inc_by(u64::from(cached));
+        self.prompt
+            .get_or_create(&RoleLabels { role })
+            .inc_by(u64::from(prompt));
+    }
+
+    /// Counts a request served by the decode alone.
+    pub(crate) fn decode_only(&self) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                role: "decode",
+                kind: "decode_only",
+            })
+            .inc();
+    }
+
+    /// Sets a model's index sizes.
+    pub(crate) fn set_index(&self, model: &str, entries: usize, bytes: usize) {
+        let l = ModelLabels {
+            model: model.to_string(),
+        };
+        self.entries.get_or_create(&l).set(entries as i64);
+        self.bytes.get_or_create(&l).set(bytes as i64);
+    }
+}

@@ -1,0 +1,169 @@
+//! Cache-aware routing through the real HTTP stack against pdsim engines (approximate mode):
+//! prefix affinity on both roles, decode-only serving, and the knobs' validation.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::{MODEL, sim, start};
+use pdsim::{Connector, Role};
+use serde_json::json;
+
+fn prompt(group: usize, question: usize) -> String {
+    // A 2 KiB shared prefix per group (about 512 tokens at 4 bytes each), then a question.
+    let prefix: String = format!("system prompt of group {group}: ").repeat(80);
+    format!("{prefix} question {question}: what is {question} times {group}?")
+}
+
+fn cache_aware(c: &mut pdgate::Config) {
+    c.prefill_policy = "cache_aware".into();
+    c.decode_policy = "cache_aware".into();
+}
+
+#[tokio::test]
+async fn requests_sharing_a_prefix_stick_to_the_endpoints_that_hold_it() {
+    let fleet = start(
+        vec![
+            sim(Role::Prefill, Connector::Shfs),
+            sim(Role::Prefill, Connector::Shfs),
+        ],
+        vec![
+            sim(Role::Decode, Connector::Shfs),
+            sim(Role::Decode, Connector::Shfs),
+        ],
+        cache_aware,
+    )
+    .await;
+    let mut served: BTreeMap<usize, BTreeSet<(String, String)>> = BTreeMap::new();
+    for q in 0..6 {
+        for g in 0..4 {
+            let body = json!({"model": MODEL, "prompt": prompt(g, q), "max_tokens": 4});
+            let r = fleet.post_bounded("/v1/completions", &body).await;
+            assert_eq!(r.status(), 200);
+            let h = r.headers();
+            let pair = (
+                h["prefill-target-pod"].to_str().unwrap().to_string(),
+                h["target-pod"].to_str().unwrap().to_string(),
+            );
+            assert!(h.get("x-pdgate-decode-only").is_none());
+            served.entry(g).or_default().insert(pair);
+            r.text().await.unwrap();
+        }
+    }
+    for (g, pairs) in &served {
+        assert_eq!(pairs.len(), 1, "group {g} moved: {pairs:?}");
+    }
+    // Four groups over two endpoints per role: the misses spread by load, so both serve.
+    let prefills: BTreeSet<_> = served.values().flatten().map(|p| p.0.clone()).collect();
+    assert_eq!(prefills.len(), 2, "{served:?}");
+    let metrics = fleet.metrics().await;
+    assert!(
+        metrics.contains(r#"pdgate_cache_decisions_total{role="prefill",kind="hit"} 20"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains(r#"pdgate_cache_decisions_total{role="decode",kind="miss"} 4"#));
+    assert!(metrics.contains(r#"pdgate_cache_index_entries{model="m"}"#));
+}
+
+#[tokio::test]
+async fn a_decode_holding_the_prompt_serves_it_alone() {
+    let fleet = start(
+        vec![sim(Role::Prefill, Connector::Shfs)],
+        vec![
+            sim(Role::Decode, Connector::Shfs),
+            sim(Role::Decode, Connector::Shfs),
+        ],
+        |c| {
+            cache_aware(c);
+            c.cache.decode_only_below_tokens = 64;
+        },
+    )
+    .await;
+    let body = |q| json!({"model": MODEL, "prompt": prompt(1, q), "max_tokens": 4, "stream": true});
+    let first = fleet.post_bounded("/v1/completions", &body(0)).await;
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().get("x-pdgate-decode-only").is_none());
+    let decode = first.headers()["target-pod"].to_str().unwrap().to_string();
+    first.text().await.unwrap();
+    // The same prefix with another question: the decode holds all but the last block or two.
+    let second = fleet.post_bounded("/v1/completions", &body(1)).await;
+    assert_eq!(second.status(), 200);
+    assert_eq!(second.headers()["x-pdgate-decode-only"], "cache-hit");
+    assert_eq!(second.headers()["target-pod"], decode.as_str());
+    assert!(second.headers().get("prefill-target-pod").is_none());
+    assert!(!common::text_of(&second.text().await.unwrap()).is_empty());
+    assert_eq!(fleet.prefill[0].stats().requests.completions, 1);
+    let metrics = fleet.metrics().await;
+    assert!(
+        metrics.contains(r#"pdgate_cache_decisions_total{role="decode",kind="decode_only"} 1"#),
+        "{metrics}"
+    );
+    // An unrelated prompt still goes through both legs.
+    let other = json!({"model": MODEL, "prompt": prompt(7, 0), "max_tokens": 4});
+    let r = fleet.post_bounded("/v1/completions", &other).await;
+    assert!(r.headers().get("x-pdgate-decode-only").is_none());
+    r.text().await.unwrap();
+    assert_eq!(fleet.prefill[0].stats().requests.completions, 2);
+}
+
+#[tokio::test]
+async fn chat_conversations_follow_their_earlier_turns() {
+    let fleet = start(
+        vec![
+            sim(Role::Prefill, Connector::Shfs),
+            sim(Role::Prefill, Connector::Shfs),
+        ],
+        vec![sim(Role::Decode, Connector::Shfs)],
+        |c| c.prefill_policy = "cache_aware".into(),
+    )
+    .await;
+    let mut seen: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+    for session in 0..4 {
+        let mut messages =
+            vec![json!({"role": "system", "content": format!("session {session} ").repeat(60)})];
+        for turn in 0..3 {
+            messages.push(json!({"role": "user", "content": format!("turn {turn} question")}));
+            let body = json!({"model": MODEL, "messages": messages, "max_tokens": 4});
+            let r = fleet.post_bounded("/v1/chat/completions", &body).await;
+            assert_eq!(r.status(), 200);
+            seen.entry(session)
+                .or_default()
+                .insert(r.headers()["prefill-target-pod"].to_str().unwrap().into());
+            r.text().await.unwrap();
+            messages.push(json!({"role": "assistant", "content": "an answer"}));
+        }
+    }
+    for (s, pods) in &seen {
+        assert_eq!(pods.len(), 1, "session {s} moved: {pods:?}");
+    }
+}
+
+#[test]
+fn bad_cache_knobs_name_the_field() {
+    let err = pdgate::Config::from_toml(
+        r#"
+        prefill_policy = "cache_aware"
+        [cache]
+        block_size = 0
+        "#,
+    )
+    .unwrap()
+    .validate(&kvtransfer::Registry::with_builtins())
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("cache.block_size"), "{err}");
+    let c = pdgate::Config::from_toml(
+        r#"
+        [cache]
+        block_size = 32
+        approximate_ttl = "30s"
+        decode_only_below_tokens = 128
+        [cache.models.m]
+        block_size = 64
+        "#,
+    )
+    .unwrap();
+    assert_eq!(c.cache.block_size_for(Some("m")), 64);
+    assert_eq!(c.cache.approximate_ttl, std::time::Duration::from_secs(30));
+    assert!(pdgate::Config::from_toml("[cache]\nblock_sise = 3").is_err());
+}
