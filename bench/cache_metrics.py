@@ -78,8 +78,12 @@ def row(arm: str, workload: str, before: dict, after: dict, trace: dict, orc: di
         "oracle_share": round(orc["oracle_hits"] / orc["prompt_tokens"], 3) if orc.get("prompt_tokens") else None,
         "prefill_hits": h, "prefill_queried": q,
         "prefill_split": "/".join(f"{delta(before, after, e, 'vllm:prompt_tokens_total'):.0f}" for e in sorted(pre)),
-        "prefill_computed": sum(delta(before, after, e, "vllm:request_prefill_kv_computed_tokens_sum") for e in pre),
-        "decode_computed": d("vllm:request_prefill_kv_computed_tokens_sum"),
+        # Computed = queried - served from cache. vLLM's request_prefill_kv_computed_tokens counts
+        # tokens pulled over NIXL as computed on the decode, so it cannot tell a decode that
+        # pulled its KV from one that recomputed the prompt.
+        "prefill_computed": q - h,
+        "decode_computed": d("vllm:prefix_cache_queries_total") - d("vllm:prefix_cache_hits_total")
+        - d("vllm:external_prefix_cache_hits_total"),
         "decode_local_hits": d("vllm:prefix_cache_hits_total"),
         "decode_external_hits": d("vllm:external_prefix_cache_hits_total"),
         "nixl_bytes": d("vllm:nixl_bytes_transferred_sum"),

@@ -7,8 +7,8 @@ Every request streams so TTFT is measured; prints one JSON report on stdout.
 
 Workloads (deterministic from --seed):
 - ``shared-prefix``: G groups x P prompts; each prompt = the group's system text (S words) +
-  a question of Q words; sent group-interleaved (g0p0, g1p0, ..., g0p1, ...), so a blind router
-  spreads every group over every prefill.
+  a question of Q words; sent group-interleaved, round p rotated by p (g0 g1 .. gN, then
+  g1 g2 .. g0, ...), so a blind router spreads every group over every prefill.
 - ``random``: G*P unrelated prompts of S+Q words (the control).
 
 This is the stop-gap until pdbench grows its own shared-prefix / multi-turn / random traces;
@@ -50,10 +50,13 @@ def trace(kind: str, groups: int, per: int, sys_words: int, q_words: int, seed: 
     if kind == "random":
         return [text(seed * 1_000_003 + i, sys_words + q_words) for i in range(groups * per)]
     systems = [text(seed * 7919 + g, sys_words) for g in range(groups)]
+    # Round p sends the groups rotated by p: with a plain g0..gN order and an even number of
+    # groups, round robin over two prefills pins every group to one prefill and looks perfect
+    # (seen in the first real run: round robin at the oracle share).
     return [
-        systems[g] + " " + text(seed * 104729 + g * 1000 + p, q_words)
+        systems[(k + p) % groups] + " " + text(seed * 104729 + ((k + p) % groups) * 1000 + p, q_words)
         for p in range(per)
-        for g in range(groups)
+        for k in range(groups)
     ]
 
 

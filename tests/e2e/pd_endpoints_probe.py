@@ -59,13 +59,16 @@ def metrics(base: str) -> dict:
 
 
 def body_for(route: str, max_tokens: int, stream: bool) -> dict:
+    # A distinct prompt per case: otherwise the decode's own prefix cache (it caches pulled KV)
+    # serves most of the prompt and only the remainder crosses NIXL.
+    prompt = f"{route} stream {stream} " + PROMPT
     if route == "/v1/chat/completions":
-        return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+        return {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if route == "/v1/responses":
-        return {"model": MODEL, "input": PROMPT, "max_output_tokens": max_tokens,
+        return {"model": MODEL, "input": prompt, "max_output_tokens": max_tokens,
                 "temperature": 0, "stream": stream}
-    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": stream}
 
 

@@ -169,7 +169,9 @@ log "engines ready after $((SECONDS - t_eng))s; RSS MB: events $(group_rss_mb "$
 grep -h "KV cache size\|Maximum concurrency" "$WORK/events.log" | head -2 || true
 
 CHECK=(--engine "http://127.0.0.1:$ENG_PORT" --sub-port "$SUB_PORT" --replay-port "$REPLAY_PORT" --block-size "$BLOCK")
-if [[ -n "${PDCACHE_TOKENS_BIN:-}" ]]; then
+if [[ -n "${PDCACHE_TOKENS_BIN:-}" && ! -x "${PDCACHE_TOKENS_BIN}" ]]; then
+  log "PDCACHE_TOKENS_BIN=$PDCACHE_TOKENS_BIN is not an executable: pdcache not checked"
+elif [[ -n "${PDCACHE_TOKENS_BIN:-}" ]]; then
   CHECK+=(--pdcache-tokens "$PDCACHE_TOKENS_BIN" --tokenizer "$MODEL_DIR/tokenizer.json")
 fi
 t_chk=$SECONDS

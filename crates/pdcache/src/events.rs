@@ -205,6 +205,18 @@ pub enum KvEvent {
     AllBlocksCleared,
 }
 
+impl KvEvent {
+    /// vLLM's tag for the event (`"BlockStored"`, `"BlockRemoved"`, `"AllBlocksCleared"`), also
+    /// a closed set for metric labels.
+    pub fn tag(&self) -> &'static str {
+        match self {
+            KvEvent::BlockStored(_) => "BlockStored",
+            KvEvent::BlockRemoved(_) => "BlockRemoved",
+            KvEvent::AllBlocksCleared => "AllBlocksCleared",
+        }
+    }
+}
+
 /// One published batch: the events of one scheduler step, in order (a removal may precede a
 /// store in the same batch, and order matters).
 #[derive(Debug, Clone, PartialEq)]
@@ -290,7 +302,7 @@ fn encode_event(event: &KvEvent, out: &mut Vec<u8>) {
                 + usize::from(e.kv_cache_spec_sliding_window.is_some());
             write::map_len(out, 8 + optional);
             write::str(out, "type");
-            write::str(out, "BlockStored");
+            write::str(out, event.tag());
             write::str(out, "block_hashes");
             hashes(out, &e.block_hashes);
             write::str(out, "parent_block_hash");
@@ -337,7 +349,7 @@ fn encode_event(event: &KvEvent, out: &mut Vec<u8>) {
         KvEvent::BlockRemoved(e) => {
             write::map_len(out, 3 + usize::from(e.group_idx.is_some()));
             write::str(out, "type");
-            write::str(out, "BlockRemoved");
+            write::str(out, event.tag());
             write::str(out, "block_hashes");
             hashes(out, &e.block_hashes);
             write::str(out, "medium");
@@ -350,7 +362,7 @@ fn encode_event(event: &KvEvent, out: &mut Vec<u8>) {
         KvEvent::AllBlocksCleared => {
             write::map_len(out, 1);
             write::str(out, "type");
-            write::str(out, "AllBlocksCleared");
+            write::str(out, event.tag());
         }
     }
 }

@@ -162,16 +162,11 @@ fn the_removal_sits_between_stores_of_the_same_step() {
     let last = messages().pop().expect("lines");
     assert_eq!(decode_seq(&last.seq), Ok(0x5b));
     let b = decode_batch(&last.payload).expect("decodes");
-    let kinds: Vec<&str> = b
-        .events
-        .iter()
-        .map(|e| match e {
-            KvEvent::BlockStored(_) => "stored",
-            KvEvent::BlockRemoved(_) => "removed",
-            KvEvent::AllBlocksCleared => "cleared",
-        })
-        .collect();
-    assert_eq!(kinds, ["stored", "stored", "removed", "stored"]);
+    let kinds: Vec<&str> = b.events.iter().map(KvEvent::tag).collect();
+    assert_eq!(
+        kinds,
+        ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored"]
+    );
 }
 
 #[test]
