@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::BenchError;
 use crate::dist::Dist;
 use crate::runner::{Config, Load, Target};
+use crate::trace::{Order, TraceSpec, WorkloadKind};
 use crate::workload::{Api, DirectConnector};
 
 /// Load generator for OpenAI-compatible endpoints and prefill/decode (PD) gateways.
@@ -15,6 +16,15 @@ use crate::workload::{Api, DirectConnector};
 /// Closed loop (`--concurrency N`) or open loop (`--rate R`), bounded by `--requests` and/or
 /// `--duration` (default: 1000 requests). Reports end-to-end latency, time to first token and
 /// inter-token gaps (streams), throughput and errors by class, as a table or `--json`.
+///
+/// Cache-sensitive workloads (`--workload shared-prefix|multi-turn|random`) also report the
+/// cached-token share from `usage.prompt_tokens_details.cached_tokens` and the trace's ORACLE
+/// hit share: over the prompts as sent, in pdsim's word-token model (BOS, one token per word,
+/// one per chat role marker), a request can reuse B x the longest run of its leading full
+/// blocks of B tokens (at most floor((n-1)/B) blocks, like vLLM) already in an earlier prompt,
+/// with an infinite cache; with `--oracle-engines E --oracle-cache-blocks C`, also with groups
+/// pinned to E engines (greedy static assignment, largest working set first) each an LRU of C
+/// blocks. Generated tokens are not counted as reusable.
 #[derive(Debug, Parser)]
 #[command(name = "pdbench", version, args_conflicts_with_subcommands = true)]
 pub struct Cli {
@@ -82,9 +92,51 @@ pub struct LoadArgs {
     /// Output length (max_tokens): N, A..B (uniform) or normal:MEAN,STDDEV.
     #[arg(long, default_value = "16")]
     pub output_len: Dist,
-    /// `model` field of each request.
-    #[arg(long, default_value = "pdsim")]
-    pub model: String,
+    /// `model` field of each request (default: the first model the target's `/v1/models`
+    /// lists; `pdsim` with a warning if it cannot be asked).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Workload: `synthetic` (`r<id>` + `x` words of --prompt-len), `shared-prefix` (G groups
+    /// x P prompts: S-word system prompt + Q-word question), `multi-turn` (N sessions x T
+    /// turns on chat, each turn the whole history plus a Q-word user message, sent after the
+    /// previous turn answered), `random` (unique prompts of S+Q words, the control). The
+    /// trace bounds the run (--requests/--duration cut it short).
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Synthetic)]
+    pub workload: WorkloadKind,
+    /// shared-prefix: number of groups (G).
+    #[arg(long, default_value_t = 16)]
+    pub groups: usize,
+    /// shared-prefix: prompts per group (P).
+    #[arg(long, default_value_t = 8)]
+    pub prompts_per_group: usize,
+    /// multi-turn: sessions (N).
+    #[arg(long, default_value_t = 8)]
+    pub sessions: usize,
+    /// multi-turn: turns per session (T).
+    #[arg(long, default_value_t = 5)]
+    pub turns: usize,
+    /// System prompt length in words (S; multi-turn: per session, 0 = none).
+    #[arg(long, default_value_t = 1024)]
+    pub system_len: u32,
+    /// Question / user message length in words (Q).
+    #[arg(long, default_value_t = 64)]
+    pub question_len: u32,
+    /// Send order of groups / session turns.
+    #[arg(long, value_enum, default_value_t = Order::Interleaved)]
+    pub order: Order,
+    /// Oracle: block size in tokens (match the engines' --block-size).
+    #[arg(long, default_value_t = 16)]
+    pub oracle_block_size: usize,
+    /// Capacity-limited oracle: engines (needs --oracle-cache-blocks).
+    #[arg(long, requires = "oracle_cache_blocks")]
+    pub oracle_engines: Option<usize>,
+    /// Capacity-limited oracle: KV-cache blocks per engine.
+    #[arg(long)]
+    pub oracle_cache_blocks: Option<usize>,
+    /// Engine base URL whose `/metrics` is read before and after the run (repeatable):
+    /// prefix-cache hits/queries and prefill tokens computed.
+    #[arg(long = "engine-metrics")]
+    pub engine_metrics: Vec<String>,
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
@@ -94,7 +146,7 @@ pub struct LoadArgs {
     /// Closed loop: start the clients evenly spread over S seconds (part of the measured phase).
     #[arg(long, default_value_t = 0.0)]
     pub ramp: f64,
-    /// Seed for the length distributions.
+    /// Seed for the length distributions and the trace text.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Print the report as JSON instead of a table.
@@ -128,15 +180,39 @@ impl LoadArgs {
             .duration
             .map(|d| seconds("--duration", d))
             .transpose()?;
+        let trace = self.workload != WorkloadKind::Synthetic;
         let requests = match (self.requests, duration) {
-            (None, None) => Some(1000),
+            (None, None) if !trace => Some(1000),
             (r, _) => r,
         };
+        if self.oracle_block_size == 0 {
+            return Err(BenchError::Config(
+                "--oracle-block-size must be at least 1".into(),
+            ));
+        }
         Ok(Config {
             target,
             api: self.api,
             stream: self.stream,
             model: self.model.clone(),
+            trace: TraceSpec {
+                kind: self.workload,
+                groups: self.groups,
+                prompts_per_group: self.prompts_per_group,
+                sessions: self.sessions,
+                turns: self.turns,
+                system_len: self.system_len,
+                question_len: self.question_len,
+                random_count: self.requests.and_then(|n| usize::try_from(n).ok()),
+                order: self.order,
+                seed: self.seed,
+            },
+            oracle_block_size: self.oracle_block_size,
+            oracle_limit: self
+                .oracle_cache_blocks
+                .map(|c| (self.oracle_engines.unwrap_or(1), c)),
+            engine_metrics: self.engine_metrics.clone(),
+            progress: false,
             load,
             requests,
             duration,
@@ -252,6 +328,34 @@ mod tests {
         ));
         assert_eq!(cfg.load, Load::Closed { concurrency: 8 });
         assert_eq!(cfg.requests, Some(5));
+    }
+
+    #[test]
+    fn trace_workloads_are_bounded_by_the_trace() {
+        let (cfg, _) = parse(&[
+            "pdbench",
+            "--url",
+            "http://h:1",
+            "--workload",
+            "shared-prefix",
+            "--groups",
+            "3",
+            "--oracle-engines",
+            "2",
+            "--oracle-cache-blocks",
+            "100",
+            "--engine-metrics",
+            "http://e:1",
+            "--engine-metrics",
+            "http://e:2",
+        ])
+        .expect("ok");
+        assert_eq!(cfg.requests, None, "the trace is the bound");
+        assert_eq!(cfg.trace.groups, 3);
+        assert_eq!(cfg.oracle_limit, Some((2, 100)));
+        assert_eq!(cfg.engine_metrics.len(), 2);
+        assert!(cfg.model.is_none(), "asked from the target");
+        assert!(parse(&["pdbench", "--url", "u", "--oracle-engines", "2"]).is_err());
     }
 
     #[test]

@@ -22,7 +22,8 @@ use tokio::time::Instant;
 use crate::BenchError;
 use crate::sse::{Event, SseReader, find_u64_field};
 use crate::stats::{ErrorClass, Sample};
-use crate::workload::{Bodies, DirectConnector};
+use crate::trace::Prompt;
+use crate::workload::{Bodies, DirectConnector, Input};
 
 /// The pooled HTTP/1.1 client every request goes through.
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -113,6 +114,10 @@ pub struct Requester {
     pub stream: bool,
     /// Prefix of the `X-Request-Id` sent in direct mode.
     pub run_id: String,
+    /// Read the generated text back (multi-turn histories).
+    pub answers: bool,
+    /// The first non-2xx answer: status and the start of its body.
+    pub first_error: std::sync::OnceLock<String>,
 }
 
 /// Reusable per-worker scratch space.
@@ -131,19 +136,28 @@ impl Scratch {
 impl Requester {
     /// Runs request number `id` with a prompt of `prompt_words` and `max_tokens` output tokens.
     /// Latency is measured from `started` (the intended start in open-loop mode).
+    /// `trace` replaces the synthetic prompt when given.
     pub async fn execute(
         &self,
         id: u64,
         prompt_words: u32,
+        trace: Option<&Prompt>,
         max_tokens: u32,
         started: Instant,
         scratch: &mut Scratch,
     ) -> Result<Sample, ErrorClass> {
-        let prompt = self.bodies.prompt(id, prompt_words);
+        let words;
+        let input = match trace {
+            Some(p) => Input::Trace(p),
+            None => {
+                words = self.bodies.prompt(id, prompt_words);
+                Input::Words(&words)
+            }
+        };
         let mut sample = Sample::default();
         let response = match &self.route {
             Route::Single(ep) => {
-                let body = self.bodies.client(&prompt, max_tokens);
+                let body = self.bodies.client_input(input, max_tokens);
                 send(&self.client, ep.uri(), body, None).await?
             }
             Route::Direct {
@@ -152,9 +166,9 @@ impl Requester {
                 connector,
             } => {
                 let rid = format!("{}-{id}", self.run_id);
-                let body = self.bodies.prefill(&prompt, *connector);
+                let body = self.bodies.prefill_input(input, *connector);
                 let resp = send(&self.client, prefill.uri(), body, Some(&rid)).await?;
-                let resp = check_status(resp).await?;
+                let resp = self.check_status(resp).await?;
                 let prefill_body = read_full(resp.into_body()).await?;
                 sample.prefill = Some(started.elapsed());
                 let (key, raw) = match connector {
@@ -166,22 +180,30 @@ impl Requester {
                         ("disagg_prefill_resp", nixl_decode_params(&prefill_body)?)
                     }
                 };
-                let body = self.bodies.decode(&prompt, max_tokens, key, &raw);
+                let body = self.bodies.decode_input(input, max_tokens, key, &raw);
                 send(&self.client, decode.uri(), body, Some(&rid)).await?
             }
         };
-        let response = check_status(response).await?;
+        let response = self.check_status(response).await?;
         if self.stream {
             read_stream(
                 response.into_body(),
                 started,
                 &mut sample,
                 &mut scratch.gaps,
+                self.answers,
             )
             .await?;
         } else {
             let body = read_full(response.into_body()).await?;
             sample.output_tokens = find_u64_field(&body, b"\"completion_tokens\"").unwrap_or(0);
+            sample.prompt_tokens = find_u64_field(&body, b"\"prompt_tokens\"");
+            sample.cached_tokens = find_u64_field(&body, b"\"cached_tokens\"");
+            if self.answers {
+                let v: serde_json::Value =
+                    serde_json::from_slice(&body).map_err(|_| ErrorClass::Protocol)?;
+                sample.answer = Some(crate::sse::generated_text(&v, false));
+            }
         }
         sample.latency = started.elapsed();
         Ok(sample)
@@ -213,15 +235,63 @@ async fn send(
     })
 }
 
-/// Passes a 2xx response through; otherwise drains its (bounded) body so the connection can
-/// be reused, and returns the status class.
-async fn check_status(resp: Response<Incoming>) -> Result<Response<Incoming>, ErrorClass> {
-    let status = resp.status();
-    if status.is_success() {
-        return Ok(resp);
+/// `GET uri`: status and (bounded) body, or why it failed.
+pub async fn get(client: &HttpClient, uri: &str) -> Result<(u16, Bytes), String> {
+    let uri: Uri = uri.parse().map_err(|_| format!("bad URL {uri}"))?;
+    let req = Request::builder()
+        .method(Method::GET)
+        .uri(uri)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        .await
+        .map_err(|_| "timed out".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let body = read_full(resp.into_body())
+        .await
+        .map_err(|c| c.as_str().to_owned())?;
+    Ok((status, body))
+}
+
+/// The first model id in `GET {base}/v1/models`.
+pub async fn served_model(client: &HttpClient, base: &str) -> Result<String, String> {
+    let b = base.trim().trim_end_matches('/');
+    let b = b.strip_suffix("/v1").unwrap_or(b);
+    let (status, body) = get(client, &format!("{b}/v1/models")).await?;
+    if status != 200 {
+        return Err(format!("HTTP {status}"));
     }
-    let _ = read_full(resp.into_body()).await;
-    Err(ErrorClass::from_status(status.as_u16()))
+    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| "no model listed".to_owned())
+}
+
+/// Bytes of an error body kept as the run's sample error.
+const SAMPLE_ERROR_BYTES: usize = 300;
+
+impl Requester {
+    /// Passes a 2xx response through; otherwise drains its (bounded) body so the connection
+    /// can be reused, keeps the first one as the run's sample error, and returns the class.
+    async fn check_status(
+        &self,
+        resp: Response<Incoming>,
+    ) -> Result<Response<Incoming>, ErrorClass> {
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let body = read_full(resp.into_body()).await.unwrap_or_default();
+        if self.first_error.get().is_none() {
+            let head = &body[..body.len().min(SAMPLE_ERROR_BYTES)];
+            let _ = self
+                .first_error
+                .set(format!("{status}: {}", String::from_utf8_lossy(head)));
+        }
+        Err(ErrorClass::from_status(status.as_u16()))
+    }
 }
 
 async fn read_full(body: Incoming) -> Result<Bytes, ErrorClass> {
@@ -237,8 +307,12 @@ async fn read_stream(
     started: Instant,
     sample: &mut Sample,
     gaps: &mut Vec<u64>,
+    answers: bool,
 ) -> Result<(), ErrorClass> {
     let mut reader = SseReader::default();
+    if answers {
+        reader.text = Some(String::new());
+    }
     let mut last: Option<Instant> = None;
     let mut tokens = 0u64;
     let mut done = false;
@@ -276,6 +350,9 @@ async fn read_stream(
         return Err(ErrorClass::Truncated);
     }
     sample.output_tokens = reader.completion_tokens.unwrap_or(tokens);
+    sample.prompt_tokens = reader.prompt_tokens;
+    sample.cached_tokens = reader.cached_tokens;
+    sample.answer = reader.text.take();
     sample.gaps_us = std::mem::take(gaps);
     Ok(())
 }

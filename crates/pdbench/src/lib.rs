@@ -11,6 +11,8 @@
 //! - [`workload`]: request bodies; [`dist`]: length distributions.
 //! - [`stats`]: sharded HDR histograms and error classes; [`report`]: the result.
 //! - [`sse`]: a bounded incremental SSE event reader.
+//! - [`trace`]: the cache-sensitive workloads and the oracle hit share.
+//! - [`metrics`]: engine prefix-cache counters read before and after a run.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), pdbench::BenchError> {
@@ -27,14 +29,17 @@
 pub mod cli;
 pub mod client;
 pub mod dist;
+pub mod metrics;
 pub mod report;
 pub mod runner;
 pub mod sse;
 pub mod stats;
+pub mod trace;
 pub mod workload;
 
 pub use report::Report;
 pub use runner::{Config, Load, Target, run};
+pub use trace::{Order, TraceSpec, WorkloadKind};
 pub use workload::{Api, DirectConnector};
 
 /// Why a run could not start.

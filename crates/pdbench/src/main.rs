@@ -34,13 +34,15 @@ fn warn_on_fd_limit(connections: usize) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let (cfg, args) = match cli.into_config() {
+    let (mut cfg, args) = match cli.into_config() {
         Ok(v) => v,
         Err(e) => {
             eprintln!("pdbench: {e}");
             return ExitCode::from(2);
         }
     };
+    // A live line only for a person watching: not in logs, not with --json.
+    cfg.progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let sockets = match cfg.load {
         pdbench::Load::Closed { concurrency } => concurrency,
         pdbench::Load::Open { max_in_flight, .. } => max_in_flight,
@@ -74,6 +76,9 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(report) => {
+            for w in &report.warnings {
+                eprintln!("pdbench: warning: {w}");
+            }
             if args.json {
                 match serde_json::to_string_pretty(&report) {
                     Ok(s) => println!("{s}"),

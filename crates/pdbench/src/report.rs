@@ -6,8 +6,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::metrics::EngineTotals;
 use crate::runner::{Config, Load};
 use crate::stats::{Percentiles, Shard};
+use crate::trace::{Oracle, WorkloadKind};
 use crate::workload::{Api, DirectConnector};
 
 /// What was loaded.
@@ -76,6 +78,27 @@ pub struct Report {
     pub prefill_ms: Option<Percentiles>,
     /// True when the run was interrupted (Ctrl-C) before its bound.
     pub cancelled: bool,
+    /// `model` sent (given, or learnt from the target's `/v1/models`).
+    pub model: String,
+    /// Workload replayed.
+    pub workload: WorkloadKind,
+    /// The trace's shape (`shared-prefix 16x8 S=1024 Q=64 interleaved`), empty for synthetic.
+    pub trace: String,
+    /// `usage.prompt_tokens` summed over successful requests.
+    pub usage_prompt_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens` summed.
+    pub usage_cached_tokens: u64,
+    /// `usage_cached_tokens / usage_prompt_tokens`; `None` when no response carried
+    /// `cached_tokens` (vLLM needs `--enable-prompt-tokens-details`).
+    pub cached_share: Option<f64>,
+    /// The trace's oracle hit share (see the README for the definition).
+    pub oracle: Option<Oracle>,
+    /// Engine counter deltas (`--engine-metrics`).
+    pub engines: Option<EngineTotals>,
+    /// The first failed response: status and the first 300 bytes of its body.
+    pub sample_error: Option<String>,
+    /// Things the user should know (model fallback, unreadable engine metrics).
+    pub warnings: Vec<String>,
 }
 
 impl Report {
@@ -114,8 +137,48 @@ impl Report {
             itl_ms: total.itl(),
             prefill_ms: total.prefill(),
             cancelled,
+            model: cfg.model.clone().unwrap_or_default(),
+            workload: cfg.trace.kind,
+            trace: trace_text(cfg),
+            usage_prompt_tokens: total.usage_prompt_tokens(),
+            usage_cached_tokens: total.usage_cached_tokens().0,
+            cached_share: (total.usage_cached_tokens().1 > 0).then(|| {
+                total.usage_cached_tokens().0 as f64 / total.usage_prompt_tokens().max(1) as f64
+            }),
+            oracle: None,
+            engines: None,
+            sample_error: None,
+            warnings: Vec::new(),
         }
     }
+}
+
+fn trace_text(cfg: &Config) -> String {
+    let t = &cfg.trace;
+    let order = match t.order {
+        crate::trace::Order::Interleaved => "interleaved",
+        crate::trace::Order::Sequential => "sequential",
+    };
+    match t.kind {
+        WorkloadKind::Synthetic => String::new(),
+        WorkloadKind::SharedPrefix => format!(
+            "shared-prefix {}x{} S={} Q={} {order}",
+            t.groups, t.prompts_per_group, t.system_len, t.question_len
+        ),
+        WorkloadKind::MultiTurn => format!(
+            "multi-turn {}x{} S={} Q={} {order}",
+            t.sessions, t.turns, t.system_len, t.question_len
+        ),
+        WorkloadKind::Random => format!(
+            "random {} prompts of {} words",
+            t.random_count.unwrap_or(t.groups * t.prompts_per_group),
+            t.system_len + t.question_len
+        ),
+    }
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
 }
 
 fn row(f: &mut fmt::Formatter<'_>, name: &str, p: Option<&Percentiles>) -> fmt::Result {
@@ -181,14 +244,66 @@ impl fmt::Display for Report {
         row(f, "itl", self.itl_ms.as_ref())?;
         row(f, "prefill", self.prefill_ms.as_ref())?;
         if self.errors_by_class.is_empty() {
-            writeln!(f, "errors    none")
+            writeln!(f, "errors    none")?;
         } else {
             let parts: Vec<String> = self
                 .errors_by_class
                 .iter()
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect();
-            writeln!(f, "errors    {}", parts.join(" "))
+            writeln!(f, "errors    {}", parts.join(" "))?;
         }
+        if let Some(e) = &self.sample_error {
+            writeln!(f, "sample    {e}")?;
+        }
+        if !self.trace.is_empty() {
+            writeln!(f, "trace     {}", self.trace)?;
+        }
+        match self.cached_share {
+            Some(c) => writeln!(
+                f,
+                "cached    {} of {} prompt tokens ({}) per usage.prompt_tokens_details",
+                self.usage_cached_tokens,
+                self.usage_prompt_tokens,
+                pct(c)
+            )?,
+            None if self.workload != WorkloadKind::Synthetic => writeln!(
+                f,
+                "cached    no cached_tokens in usage (vLLM: --enable-prompt-tokens-details)"
+            )?,
+            None => {}
+        }
+        if let Some(o) = &self.oracle {
+            write!(
+                f,
+                "oracle    {} of {} tokens ({}) reusable, infinite cache, block {}",
+                o.reusable_tokens,
+                o.prompt_tokens,
+                pct(o.hit_share),
+                o.block_size
+            )?;
+            if let Some(l) = &o.limited {
+                write!(
+                    f,
+                    "; {} with {} engines x {} blocks",
+                    pct(l.hit_share),
+                    l.engines,
+                    l.cache_blocks
+                )?;
+            }
+            writeln!(f)?;
+        }
+        if let Some(e) = &self.engines {
+            writeln!(
+                f,
+                "engines   prefix-cache hits {:.0} of {:.0} queried tokens ({}), prefill computed {:.0} tokens, {} engines",
+                e.prefix_cache_hits,
+                e.prefix_cache_queries,
+                pct(e.hit_share),
+                e.prefill_computed_tokens,
+                e.engines.len()
+            )?;
+        }
+        Ok(())
     }
 }

@@ -19,6 +19,7 @@ use crate::client::{Endpoint, Requester, Route, Scratch, http_client};
 use crate::dist::Dist;
 use crate::report::{Report, TargetInfo};
 use crate::stats::{ErrorClass, Recorder};
+use crate::trace::{Oracle, Prompt, TraceQueue, TraceSpec, WorkloadKind, oracle};
 use crate::workload::{Api, Bodies, DirectConnector};
 
 /// What to load.
@@ -65,8 +66,19 @@ pub struct Config {
     pub api: Api,
     /// Streaming or not.
     pub stream: bool,
-    /// `model` field.
-    pub model: String,
+    /// `model` field; `None`: the first model the target's `GET /v1/models` lists (falling
+    /// back to `pdsim` with a warning).
+    pub model: Option<String>,
+    /// The trace replayed (`WorkloadKind::Synthetic`: the `--prompt-len` generator).
+    pub trace: TraceSpec,
+    /// Oracle block size (tokens).
+    pub oracle_block_size: usize,
+    /// Capacity-limited oracle: engines and blocks per engine.
+    pub oracle_limit: Option<(usize, usize)>,
+    /// Engine base URLs whose `/metrics` are read before and after the run.
+    pub engine_metrics: Vec<String>,
+    /// Print a live progress line on stderr (after a few seconds).
+    pub progress: bool,
     /// Closed or open loop.
     pub load: Load,
     /// Stop after this many requests (measured ones, warm-up excluded).
@@ -96,7 +108,12 @@ impl Config {
             target,
             api: Api::Completions,
             stream: false,
-            model: "pdsim".to_owned(),
+            model: None,
+            trace: TraceSpec::new(WorkloadKind::Synthetic),
+            oracle_block_size: 16,
+            oracle_limit: None,
+            engine_metrics: Vec::new(),
+            progress: false,
             load: Load::Closed { concurrency: 1 },
             requests: Some(1000),
             duration: None,
@@ -110,7 +127,7 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), BenchError> {
-        if self.requests.is_none() && self.duration.is_none() {
+        if self.requests.is_none() && self.duration.is_none() && !self.is_trace() {
             return Err(BenchError::Config(
                 "unbounded run: give --requests and/or --duration".into(),
             ));
@@ -139,8 +156,30 @@ impl Config {
         }
     }
 
+    /// True when a cache-sensitive trace (not the synthetic generator) is replayed.
+    pub fn is_trace(&self) -> bool {
+        self.trace.kind != WorkloadKind::Synthetic
+    }
+
+    /// The API actually called: multi-turn is always chat.
+    pub fn effective_api(&self) -> Api {
+        if self.trace.kind == WorkloadKind::MultiTurn {
+            Api::Chat
+        } else {
+            self.api
+        }
+    }
+
+    /// Base URL asked for `/v1/models`.
+    fn models_base(&self) -> &str {
+        match &self.target {
+            Target::Url(u) => u,
+            Target::Direct { prefill, .. } => prefill,
+        }
+    }
+
     fn route(&self) -> Result<(Route, TargetInfo), BenchError> {
-        let path = self.api.path();
+        let path = self.effective_api().path();
         Ok(match &self.target {
             Target::Url(url) => (
                 Route::Single(Endpoint::new(url, path)?),
@@ -185,6 +224,9 @@ struct Phase {
     prompt_len: Dist,
     output_len: Dist,
     cancel: CancellationToken,
+    trace: Option<Arc<TraceQueue>>,
+    done: AtomicU64,
+    failed: AtomicU64,
 }
 
 impl Phase {
@@ -200,32 +242,68 @@ impl Phase {
         Some(n)
     }
 
-    /// Runs one request and records its outcome. `None` if cancelled (not recorded).
+    /// Runs one request and records its outcome; returns the generated text when asked for
+    /// (`None` on failure, or if cancelled: not recorded).
     async fn one(
         &self,
         n: u64,
         words: u32,
+        prompt: Option<&Prompt>,
         max_tokens: u32,
         started: Instant,
         scratch: &mut Scratch,
-    ) {
+    ) -> Option<String> {
         let id = self.id_base + n;
         let fut = tokio::time::timeout(
             self.timeout,
-            self.req.execute(id, words, max_tokens, started, scratch),
+            self.req
+                .execute(id, words, prompt, max_tokens, started, scratch),
         );
         let outcome = tokio::select! {
             r = fut => r,
-            () = self.cancel.cancelled() => return,
+            () = self.cancel.cancelled() => return None,
         };
+        let ok = matches!(outcome, Ok(Ok(_)));
+        if ok {
+            self.done.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
         self.recorder.with_shard(n, |s| match outcome {
-            Ok(Ok(sample)) => {
+            Ok(Ok(mut sample)) => {
                 s.record_ok(&sample);
+                let answer = sample.answer.take();
                 scratch.recycle(sample);
+                answer
             }
-            Ok(Err(class)) => s.record_err(class),
-            Err(_) => s.record_err(ErrorClass::Timeout),
-        });
+            Ok(Err(class)) => {
+                s.record_err(class);
+                None
+            }
+            Err(_) => {
+                s.record_err(ErrorClass::Timeout);
+                None
+            }
+        })
+    }
+
+    /// Claims a request number and, for a trace, its request (waiting for a ready turn).
+    async fn next(&self) -> Option<(u64, Option<crate::trace::TraceItem>)> {
+        let n = self.claim()?;
+        match &self.trace {
+            None => Some((n, None)),
+            Some(t) => t.next().await.map(|item| (n, Some(item))),
+        }
+    }
+
+    /// Finishes a trace request (releases the session's next turn) or, past the bound, stops.
+    fn finish(&self, item: Option<&crate::trace::TraceItem>, answer: Option<String>) {
+        if let (Some(t), Some(item)) = (&self.trace, item) {
+            t.done(item, answer);
+            if self.cancel.is_cancelled() {
+                t.close();
+            }
+        }
     }
 }
 
@@ -237,12 +315,37 @@ fn shard_count() -> usize {
 pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, BenchError> {
     cfg.validate()?;
     let (route, target_info) = cfg.route()?;
+    let client = http_client(cfg.peak_connections().max(16));
+    let mut warnings = Vec::new();
+    let model = match &cfg.model {
+        Some(m) => m.clone(),
+        None => match crate::client::served_model(&client, cfg.models_base()).await {
+            Ok(m) => m,
+            Err(why) => {
+                warnings.push(format!(
+                    "no model from {}/v1/models ({why}); using \"pdsim\" (set --model)",
+                    cfg.models_base().trim_end_matches('/')
+                ));
+                "pdsim".to_owned()
+            }
+        },
+    };
+    let trace = cfg
+        .is_trace()
+        .then(|| Arc::new(TraceQueue::new(&cfg.trace, cfg.effective_api())));
     let requester = Arc::new(Requester {
-        client: http_client(cfg.peak_connections().max(16)),
-        bodies: Bodies::new(cfg.api, &cfg.model, cfg.stream, cfg.prompt_len.max()),
+        client: client.clone(),
+        bodies: Bodies::new(
+            cfg.effective_api(),
+            &model,
+            cfg.stream,
+            cfg.prompt_len.max(),
+        ),
         route,
         stream: cfg.stream,
         run_id: format!("pdbench-{}", uuid::Uuid::new_v4().simple()),
+        answers: trace.as_ref().is_some_and(|t| t.needs_answers()),
+        first_error: std::sync::OnceLock::new(),
     });
 
     if cfg.warmup > 0 {
@@ -261,13 +364,17 @@ pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, Benc
             prompt_len: cfg.prompt_len,
             output_len: cfg.output_len,
             cancel: cancel.child_token(),
+            trace: None,
+            done: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
         });
         closed_loop(&warm, concurrency, cfg.seed ^ 0x5eed, Duration::ZERO).await;
     }
 
+    let before = crate::metrics::scrape_all(&client, &cfg.engine_metrics).await;
     let start = Instant::now();
     let phase = Arc::new(Phase {
-        req: requester,
+        req: requester.clone(),
         recorder: Recorder::new(shard_count())?,
         next_id: AtomicU64::new(0),
         id_base: 0,
@@ -277,7 +384,13 @@ pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, Benc
         prompt_len: cfg.prompt_len,
         output_len: cfg.output_len,
         cancel: cancel.child_token(),
+        trace: trace.clone(),
+        done: AtomicU64::new(0),
+        failed: AtomicU64::new(0),
     });
+    let progress = cfg
+        .progress
+        .then(|| tokio::spawn(progress_line(phase.clone(), start)));
     match cfg.load {
         Load::Closed { concurrency } => {
             closed_loop(&phase, concurrency, cfg.seed, cfg.ramp).await;
@@ -288,14 +401,47 @@ pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, Benc
         } => open_loop(&phase, rate, max_in_flight, cfg.seed).await,
     }
     let elapsed = start.elapsed();
+    if let Some(p) = progress {
+        p.abort();
+        // Clear the progress line so the report starts on a clean line.
+        eprint!("\r\x1b[K");
+    }
+    let after = crate::metrics::scrape_all(&client, &cfg.engine_metrics).await;
     let total = phase.recorder.total()?;
-    Ok(Report::new(
-        cfg,
-        target_info,
-        &total,
-        elapsed,
-        cancel.is_cancelled(),
-    ))
+    let oracle: Option<Oracle> = trace
+        .as_ref()
+        .map(|t| oracle(&t.sent(), cfg.oracle_block_size, cfg.oracle_limit));
+    let mut report = Report::new(cfg, target_info, &total, elapsed, cancel.is_cancelled());
+    report.model = model;
+    report.oracle = oracle;
+    report.engines = crate::metrics::deltas(&cfg.engine_metrics, &before, &after, &mut warnings);
+    report.sample_error = requester.first_error.get().cloned();
+    report.warnings = warnings;
+    Ok(report)
+}
+
+/// Seconds before the progress line appears: short runs stay quiet.
+const PROGRESS_AFTER: Duration = Duration::from_secs(3);
+
+async fn progress_line(phase: Arc<Phase>, start: Instant) {
+    tokio::time::sleep(PROGRESS_AFTER).await;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let (mut last_n, mut last_t) = (0u64, Instant::now());
+    loop {
+        tick.tick().await;
+        let ok = phase.done.load(Ordering::Relaxed);
+        let err = phase.failed.load(Ordering::Relaxed);
+        let now = Instant::now();
+        let rate = (ok + err - last_n) as f64 / now.duration_since(last_t).as_secs_f64().max(1e-3);
+        (last_n, last_t) = (ok + err, now);
+        eprint!(
+            "\r\x1b[K{:>6.1} s  {} requests  {} errors  {:.0} req/s",
+            start.elapsed().as_secs_f64(),
+            ok + err,
+            err,
+            rate
+        );
+    }
 }
 
 async fn closed_loop(phase: &Arc<Phase>, concurrency: usize, seed: u64, ramp: Duration) {
@@ -313,12 +459,24 @@ async fn closed_loop(phase: &Arc<Phase>, concurrency: usize, seed: u64, ramp: Du
             }
             let mut rng = SmallRng::seed_from_u64(seed.wrapping_add(w as u64));
             let mut scratch = Scratch::default();
-            while let Some(n) = phase.claim() {
+            while let Some((n, item)) = phase.next().await {
                 let words = phase.prompt_len.sample(&mut rng);
                 let max_tokens = phase.output_len.sample(&mut rng);
-                phase
-                    .one(n, words, max_tokens, Instant::now(), &mut scratch)
+                let answer = phase
+                    .one(
+                        n,
+                        words,
+                        item.as_ref().map(|i| &i.prompt),
+                        max_tokens,
+                        Instant::now(),
+                        &mut scratch,
+                    )
                     .await;
+                phase.finish(item.as_ref(), answer);
+            }
+            // Past the bound: nothing more is handed out, so waiting workers stop.
+            if let Some(t) = &phase.trace {
+                t.close();
             }
         });
     }
@@ -338,12 +496,18 @@ async fn open_loop(phase: &Arc<Phase>, rate: f64, max_in_flight: usize, seed: u6
             () = tokio::time::sleep_until(due) => {}
             () = phase.cancel.cancelled() => break,
         }
-        let Some(n) = phase.claim() else { break };
+        // A multi-turn tick with no ready turn waits for one (the session must answer first).
+        let next = tokio::select! {
+            n = phase.next() => n,
+            () = phase.cancel.cancelled() => None,
+        };
+        let Some((n, item)) = next else { break };
         while set.try_join_next().is_some() {}
         if set.len() >= max_in_flight {
             phase
                 .recorder
                 .with_shard(n, |s| s.record_err(ErrorClass::Overflow));
+            phase.finish(item.as_ref(), None);
             continue;
         }
         let words = phase.prompt_len.sample(&mut rng);
@@ -351,8 +515,15 @@ async fn open_loop(phase: &Arc<Phase>, rate: f64, max_in_flight: usize, seed: u6
         let phase = phase.clone();
         set.spawn(async move {
             let mut scratch = Scratch::default();
-            phase.one(n, words, max_tokens, due, &mut scratch).await;
+            let prompt = item.as_ref().map(|i| &i.prompt);
+            let answer = phase
+                .one(n, words, prompt, max_tokens, due, &mut scratch)
+                .await;
+            phase.finish(item.as_ref(), answer);
         });
+    }
+    if let Some(t) = &phase.trace {
+        t.close();
     }
     while set.join_next().await.is_some() {}
 }

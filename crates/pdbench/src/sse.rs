@@ -36,6 +36,12 @@ pub struct SseReader {
     scanned: usize,
     /// `usage.completion_tokens` from the last event that had it.
     pub completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens` from the last event that had it.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens` from the last event that had it.
+    pub cached_tokens: Option<u64>,
+    /// When set, the generated text of every chunk is appended here (parsed as JSON).
+    pub text: Option<String>,
 }
 
 impl SseReader {
@@ -57,6 +63,14 @@ impl SseReader {
                     let payload = trim(payload);
                     if let Some(n) = find_u64_field(payload, b"\"completion_tokens\"") {
                         self.completion_tokens = Some(n);
+                        self.prompt_tokens = find_u64_field(payload, b"\"prompt_tokens\"");
+                        self.cached_tokens = find_u64_field(payload, b"\"cached_tokens\"");
+                    }
+                    if let Some(text) = self.text.as_mut()
+                        && payload.starts_with(b"{")
+                        && let Ok(v) = serde_json::from_slice::<serde_json::Value>(payload)
+                    {
+                        text.push_str(&generated_text(&v, true));
                     }
                     on_event(classify(payload));
                 }
@@ -73,6 +87,18 @@ impl SseReader {
         }
         Ok(())
     }
+}
+
+/// The generated text of a response (`choices[0].message.content` or `.text`) or, for a
+/// stream chunk (`delta`), of `choices[0].delta.content` or `.text`.
+pub fn generated_text(v: &serde_json::Value, delta: bool) -> String {
+    let c = &v["choices"][0];
+    let inner = if delta { &c["delta"] } else { &c["message"] };
+    inner["content"]
+        .as_str()
+        .or_else(|| c["text"].as_str())
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// Finds the first blank line (`\n\n` or `\r\n\r\n`) at or after `from`: (event end, next start).

@@ -105,6 +105,12 @@ pub struct Sample {
     pub output_tokens: u64,
     /// Direct mode: the prefill leg's latency.
     pub prefill: Option<Duration>,
+    /// `usage.prompt_tokens`, when the response had it.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`, when the response had it.
+    pub cached_tokens: Option<u64>,
+    /// Generated text (multi-turn only: it joins the session's history).
+    pub answer: Option<String>,
 }
 
 fn new_hist() -> Result<Histogram<u64>, CreationError> {
@@ -124,6 +130,9 @@ pub struct Shard {
     prefill: Histogram<u64>,
     ok: u64,
     output_tokens: u64,
+    usage_prompt_tokens: u64,
+    usage_cached_tokens: u64,
+    with_cached_tokens: u64,
     errors: [u64; ErrorClass::ALL.len()],
 }
 
@@ -137,6 +146,9 @@ impl Shard {
             prefill: new_hist()?,
             ok: 0,
             output_tokens: 0,
+            usage_prompt_tokens: 0,
+            usage_cached_tokens: 0,
+            with_cached_tokens: 0,
             errors: [0; ErrorClass::ALL.len()],
         })
     }
@@ -145,6 +157,11 @@ impl Shard {
     pub fn record_ok(&mut self, s: &Sample) {
         self.ok += 1;
         self.output_tokens += s.output_tokens;
+        self.usage_prompt_tokens += s.prompt_tokens.unwrap_or(0);
+        if let Some(c) = s.cached_tokens {
+            self.usage_cached_tokens += c;
+            self.with_cached_tokens += 1;
+        }
         self.latency.saturating_record(micros(s.latency));
         if let Some(t) = s.ttft {
             self.ttft.saturating_record(micros(t));
@@ -171,6 +188,9 @@ impl Shard {
         let _ = self.prefill.add(&other.prefill);
         self.ok += other.ok;
         self.output_tokens += other.output_tokens;
+        self.usage_prompt_tokens += other.usage_prompt_tokens;
+        self.usage_cached_tokens += other.usage_cached_tokens;
+        self.with_cached_tokens += other.with_cached_tokens;
         for (a, b) in self.errors.iter_mut().zip(other.errors.iter()) {
             *a += b;
         }
@@ -198,6 +218,16 @@ impl Shard {
     /// Output tokens over all successful requests.
     pub fn output_tokens(&self) -> u64 {
         self.output_tokens
+    }
+
+    /// `usage.prompt_tokens` summed over successful requests.
+    pub fn usage_prompt_tokens(&self) -> u64 {
+        self.usage_prompt_tokens
+    }
+
+    /// `usage.prompt_tokens_details.cached_tokens` summed, and how many responses carried it.
+    pub fn usage_cached_tokens(&self) -> (u64, u64) {
+        (self.usage_cached_tokens, self.with_cached_tokens)
     }
 
     /// End-to-end latency percentiles.

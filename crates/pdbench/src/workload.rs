@@ -9,6 +9,27 @@ use std::fmt::Write as _;
 use bytes::Bytes;
 use serde::Serialize;
 
+use crate::trace::Prompt;
+
+/// What a request's prompt is: the synthetic words, or a trace prompt.
+#[derive(Clone, Copy, Debug)]
+pub enum Input<'a> {
+    /// Synthetic `r<id> x x ...` (ASCII, written without escaping).
+    Words(&'a str),
+    /// A trace prompt (escaped as JSON).
+    Trace(&'a Prompt),
+}
+
+fn push_json_str(out: &mut String, s: &str) {
+    if s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b' ') {
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else {
+        out.push_str(&serde_json::to_string(s).unwrap_or_else(|_| String::from("\"\"")));
+    }
+}
+
 /// Which OpenAI API to call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -78,6 +99,32 @@ impl Bodies {
         p
     }
 
+    fn open_input(&self, out: &mut String, input: Input<'_>) {
+        let msgs = match input {
+            Input::Words(w) => return self.open(out, w),
+            Input::Trace(Prompt::Text(t)) => {
+                out.push_str("{\"model\":");
+                out.push_str(&self.model_json);
+                out.push_str(",\"prompt\":");
+                push_json_str(out, t);
+                return;
+            }
+            Input::Trace(Prompt::Chat(m)) => m,
+        };
+        out.push_str("{\"model\":");
+        out.push_str(&self.model_json);
+        out.push_str(",\"messages\":[");
+        for (i, (role, content)) in msgs.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let _ = write!(out, "{{\"role\":\"{role}\",\"content\":");
+            push_json_str(out, content);
+            out.push('}');
+        }
+        out.push(']');
+    }
+
     fn open(&self, out: &mut String, prompt: &str) {
         out.push_str("{\"model\":");
         out.push_str(&self.model_json);
@@ -107,8 +154,13 @@ impl Bodies {
 
     /// What a client sends to a gateway (or a single engine).
     pub fn client(&self, prompt: &str, max_tokens: u32) -> Bytes {
-        let mut out = String::with_capacity(prompt.len() + 160);
-        self.open(&mut out, prompt);
+        self.client_input(Input::Words(prompt), max_tokens)
+    }
+
+    /// [`Bodies::client`] for any input.
+    pub fn client_input(&self, input: Input<'_>, max_tokens: u32) -> Bytes {
+        let mut out = String::with_capacity(input_len(input) + 160);
+        self.open_input(&mut out, input);
         self.tail(&mut out, max_tokens);
         out.push('}');
         Bytes::from(out)
@@ -116,8 +168,13 @@ impl Bodies {
 
     /// The prefill leg of direct mode: one token, not streamed, asking for a remote decode.
     pub fn prefill(&self, prompt: &str, connector: DirectConnector) -> Bytes {
-        let mut out = String::with_capacity(prompt.len() + 300);
-        self.open(&mut out, prompt);
+        self.prefill_input(Input::Words(prompt), connector)
+    }
+
+    /// [`Bodies::prefill`] for any input.
+    pub fn prefill_input(&self, input: Input<'_>, connector: DirectConnector) -> Bytes {
+        let mut out = String::with_capacity(input_len(input) + 300);
+        self.open_input(&mut out, input);
         out.push_str(",\"max_tokens\":1");
         if self.api == Api::Chat {
             out.push_str(",\"max_completion_tokens\":1");
@@ -133,8 +190,19 @@ impl Bodies {
 
     /// The decode leg of direct mode: the client's body plus `key: raw_json`.
     pub fn decode(&self, prompt: &str, max_tokens: u32, key: &str, raw_json: &str) -> Bytes {
-        let mut out = String::with_capacity(prompt.len() + raw_json.len() + 200);
-        self.open(&mut out, prompt);
+        self.decode_input(Input::Words(prompt), max_tokens, key, raw_json)
+    }
+
+    /// [`Bodies::decode`] for any input.
+    pub fn decode_input(
+        &self,
+        input: Input<'_>,
+        max_tokens: u32,
+        key: &str,
+        raw_json: &str,
+    ) -> Bytes {
+        let mut out = String::with_capacity(input_len(input) + raw_json.len() + 200);
+        self.open_input(&mut out, input);
         self.tail(&mut out, max_tokens);
         out.push_str(",\"");
         out.push_str(key);
@@ -142,6 +210,14 @@ impl Bodies {
         out.push_str(raw_json);
         out.push('}');
         Bytes::from(out)
+    }
+}
+
+fn input_len(input: Input<'_>) -> usize {
+    match input {
+        Input::Words(w) => w.len(),
+        Input::Trace(Prompt::Text(t)) => t.len() + 8,
+        Input::Trace(Prompt::Chat(m)) => m.iter().map(|(_, c)| c.len() + 32).sum(),
     }
 }
 
@@ -203,6 +279,22 @@ mod tests {
         }
         let n = json(&b.prefill("hi", DirectConnector::Nixl));
         assert!(n.get("kv_transfer_params").is_none());
+    }
+
+    #[test]
+    fn trace_prompts_are_escaped_json() {
+        let b = Bodies::new(Api::Chat, "m", false, 8);
+        let p = Prompt::Chat(vec![
+            ("system", "be kind".into()),
+            ("assistant", "say \"hi\"\n".into()),
+        ]);
+        let v = json(&b.client_input(Input::Trace(&p), 4));
+        assert_eq!(v["messages"][0]["role"], "system");
+        assert_eq!(v["messages"][1]["content"], "say \"hi\"\n");
+        let t = Prompt::Text("a b c".into());
+        let v = json(&b.prefill_input(Input::Trace(&t), DirectConnector::Shfs));
+        assert_eq!(v["prompt"], "a b c");
+        assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
     }
 
     #[test]

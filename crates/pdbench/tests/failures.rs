@@ -120,7 +120,15 @@ async fn successes_are_counted_with_usage() {
 #[tokio::test]
 async fn errors_are_classified() {
     let s = scripted().await;
-    only(&run(&cfg(&s, "e500", false)).await, "http_5xx", 9);
+    let r = run(&cfg(&s, "e500", false)).await;
+    only(&r, "http_5xx", 9);
+    assert_eq!(
+        r.sample_error.as_deref(),
+        Some(
+            r#"500 Internal Server Error: {"error":{"message":"boom","type":"InternalServerError","param":null,"code":500}}"#
+        ),
+        "status and body of the first failure"
+    );
     only(&run(&cfg(&s, "e429", true)).await, "http_4xx", 9);
     only(
         &run(&cfg(&s, "stream_error", true)).await,

@@ -1,9 +1,11 @@
 //! pdbench against in-process pdsim engines on port 0: closed and open loop, streaming and
-//! not, and the direct PD mode performing a real KV handoff.
+//! not, the direct PD mode performing a real KV handoff, and the cache-sensitive workloads
+//! (prefix cache on): the cached share from `usage` follows the oracle, multi-turn sends the
+//! history, the model comes from `/v1/models`, failures keep a sample error.
 
 use std::time::Duration;
 
-use pdbench::{Api, Config, DirectConnector, Load, Report, Target};
+use pdbench::{Api, Config, DirectConnector, Load, Order, Report, Target, TraceSpec, WorkloadKind};
 use pdsim::{Connector, Role, SimConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -175,4 +177,165 @@ async fn direct_mode_refuses_a_prefill_without_kv_params() {
     assert_eq!(r.ok, 0, "{r}");
     assert_eq!(r.errors_by_class.get("protocol"), Some(&5), "{r}");
     assert_eq!(decode.stats().transfers_pulled, 0);
+}
+
+// Cache-sensitive workloads.
+
+fn engine_config(model: &str) -> SimConfig {
+    let mut c = SimConfig::new(Role::Both, Connector::None);
+    c.model = model.to_owned();
+    c.cache.block_size = 16;
+    c
+}
+
+fn trace_cfg(url: String, kind: WorkloadKind) -> Config {
+    let mut cfg = Config::new(Target::Url(url.clone()));
+    cfg.trace = TraceSpec::new(kind);
+    cfg.trace.groups = 4;
+    cfg.trace.prompts_per_group = 5;
+    cfg.trace.system_len = 200;
+    cfg.trace.question_len = 20;
+    cfg.trace.sessions = 3;
+    cfg.trace.turns = 4;
+    cfg.requests = None;
+    cfg.output_len = pdbench::dist::Dist::Fixed(8);
+    cfg.load = Load::Closed { concurrency: 2 };
+    cfg.engine_metrics = vec![url];
+    cfg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prefix_hits_close_to_the_oracle_and_model_is_learnt() {
+    let engine = pdsim::spawn(engine_config("served-name"))
+        .await
+        .expect("pdsim");
+    for api in [Api::Completions, Api::Chat] {
+        let mut cfg = trace_cfg(engine.base_url(), WorkloadKind::SharedPrefix);
+        cfg.api = api;
+        // One client: each request sees every earlier one cached, as the oracle assumes.
+        cfg.load = Load::Closed { concurrency: 1 };
+        if api == Api::Chat {
+            cfg.trace.order = Order::Sequential;
+        }
+        let r = run(&cfg).await;
+        assert_eq!(r.errors_by_class, Default::default(), "{r}");
+        assert_eq!(r.ok, 20, "the trace is the bound");
+        assert_eq!(r.model, "served-name", "from /v1/models");
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+        let oracle = r.oracle.as_ref().expect("oracle");
+        // 4 groups x 4 later prompts reuse the ~200-token system prompt of ~222.
+        assert!(oracle.hit_share > 0.6, "{r}");
+        assert_eq!(
+            oracle.prompt_tokens, r.usage_prompt_tokens,
+            "same token model"
+        );
+        let cached = r.cached_share.expect("cached_tokens in usage");
+        // One engine with a large cache reaches the oracle (the chat run shares no block with
+        // the completions run: its role markers shift every block).
+        assert!(
+            (cached - oracle.hit_share).abs() < 0.02,
+            "cached {cached} vs oracle {}",
+            oracle.hit_share
+        );
+        let e = r.engines.as_ref().expect("engine metrics");
+        assert!((e.hit_share - cached).abs() < 0.02, "{r}");
+        assert!(e.prefill_computed_tokens > 0.0);
+        assert!(e.prefill_computed_tokens < r.usage_prompt_tokens as f64 * 0.5);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_control_reports_no_reuse() {
+    let engine = pdsim::spawn(engine_config("pdsim")).await.expect("pdsim");
+    let mut cfg = trace_cfg(engine.base_url(), WorkloadKind::Random);
+    cfg.requests = Some(15);
+    cfg.trace.random_count = Some(15);
+    let r = run(&cfg).await;
+    assert_eq!(r.ok, 15, "{r}");
+    assert_eq!(r.oracle.as_ref().expect("oracle").reusable_tokens, 0);
+    assert!(r.cached_share.expect("usage") < 0.01, "{r}");
+    let e = r.engines.as_ref().expect("engine metrics");
+    assert_eq!(e.prefix_cache_hits, 0.0);
+    assert_eq!(e.prefill_computed_tokens, r.usage_prompt_tokens as f64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_turn_sends_the_history_with_answers() {
+    let engine = pdsim::spawn(engine_config("pdsim")).await.expect("pdsim");
+    let mut cfg = trace_cfg(engine.base_url(), WorkloadKind::MultiTurn);
+    cfg.api = Api::Completions; // multi-turn switches to chat by itself
+    cfg.trace.system_len = 40;
+    cfg.trace.question_len = 10;
+    cfg.load = Load::Closed { concurrency: 3 };
+    let r = run(&cfg).await;
+    assert_eq!(r.errors_by_class, Default::default(), "{r}");
+    assert_eq!(r.ok, 12);
+    assert_eq!(engine.stats().requests.chat_completions, 12, "chat route");
+    let recent: Vec<serde_json::Value> = engine
+        .stats()
+        .recent_requests
+        .iter()
+        .map(|r| serde_json::from_str(&r.body).expect("json body"))
+        .collect();
+    let longest = recent
+        .iter()
+        .filter_map(|b| b["messages"].as_array().map(Vec::len))
+        .max()
+        .expect("chat bodies");
+    // system + 3 (user, assistant) pairs + the new user message.
+    assert_eq!(longest, 8);
+    let last = recent
+        .iter()
+        .find(|b| b["messages"].as_array().map(Vec::len) == Some(8))
+        .expect("a 4th turn");
+    assert_eq!(last["messages"][2]["role"], "assistant");
+    let assistant = last["messages"][2]["content"].as_str().expect("answer");
+    assert!(!assistant.is_empty(), "the answer joins the history");
+    let oracle = r.oracle.as_ref().expect("oracle");
+    assert!(oracle.hit_share > 0.3, "{r}");
+    let cached = r.cached_share.expect("usage");
+    // The engine also caches generated tokens, which the oracle does not count.
+    assert!(
+        cached + 0.02 >= oracle.hit_share,
+        "cached {cached} vs {}",
+        oracle.hit_share
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_keep_a_sample_error_and_the_model_falls_back() {
+    let mut c = engine_config("demo");
+    c.faults.error_rate = 1.0;
+    c.faults.error_status = 503;
+    let engine = pdsim::spawn(c).await.expect("pdsim");
+    let mut cfg = Config::new(Target::Url(engine.base_url()));
+    cfg.model = Some("wrong".into());
+    cfg.requests = Some(5);
+    let r = run(&cfg).await;
+    assert_eq!(r.ok, 0);
+    let sample = r.sample_error.as_deref().expect("sample error");
+    assert!(
+        sample.starts_with("404") || sample.starts_with("503"),
+        "{sample}"
+    );
+    assert!(sample.contains("error"), "{sample}");
+    assert!(sample.len() <= 300 + 40);
+    assert!(format!("{r}").contains("sample    "), "{r}");
+
+    // A target without /v1/models: the old default, with a warning.
+    let bare = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", bare.local_addr().expect("addr"));
+    let app = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(|| async { "{\"usage\":{\"completion_tokens\":1}}" }),
+    );
+    tokio::spawn(async move { axum::serve(bare, app).await });
+    let mut cfg = Config::new(Target::Url(url));
+    cfg.requests = Some(2);
+    let r = run(&cfg).await;
+    assert_eq!(r.model, "pdsim");
+    assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+    assert!(r.warnings[0].contains("/v1/models"));
 }

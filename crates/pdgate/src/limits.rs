@@ -249,3 +249,6 @@ mod tests {
         assert!(b.try_withdraw() && b.try_withdraw() && !b.try_withdraw());
     }
 }
+
+#[cfg(test)]
+mod timing_tests;

@@ -1,6 +1,5 @@
 //! The `pdgate` binary: serve the gateway, or run the demo.
 
-use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -39,7 +38,7 @@ enum Command {
     Demo {
         /// Address of the demo gateway.
         #[arg(long, default_value = "127.0.0.1:8080")]
-        listen: SocketAddr,
+        listen: std::net::SocketAddr,
     },
 }
 

@@ -293,6 +293,16 @@ impl KvEventsConfig {
     }
 }
 
+/// The address a ZMQ socket binds for `endpoint`. libzmq (vLLM's) reads `tcp://*:P` as every
+/// interface; the pure-Rust `zeromq` crate resolves the host by name lookup and fails on `*`,
+/// so the wildcard is spelt out as `0.0.0.0`.
+pub(crate) fn zmq_bind_address(endpoint: &str) -> std::borrow::Cow<'_, str> {
+    match endpoint.strip_prefix("tcp://*:") {
+        Some(port) => format!("tcp://0.0.0.0:{port}").into(),
+        None => endpoint.into(),
+    }
+}
+
 /// The engine's prefix cache (vLLM's `--block-size`, `--enable-prefix-caching`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheConfig {
@@ -395,6 +405,16 @@ mod millis_f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zmq_wildcard_binds_every_interface() {
+        assert_eq!(zmq_bind_address("tcp://*:5557"), "tcp://0.0.0.0:5557");
+        assert_eq!(
+            zmq_bind_address("tcp://127.0.0.1:5557"),
+            "tcp://127.0.0.1:5557"
+        );
+        assert_eq!(zmq_bind_address("ipc:///tmp/kv"), "ipc:///tmp/kv");
+    }
 
     #[test]
     fn role_and_connector_round_trip() {

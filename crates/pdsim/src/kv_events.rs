@@ -101,7 +101,7 @@ pub(crate) async fn start(
     let mut socket = zeromq::PubSocket::new();
     let bound = if cfg.binds() {
         let ep = socket
-            .bind(&cfg.endpoint)
+            .bind(&crate::config::zmq_bind_address(&cfg.endpoint))
             .await
             .map_err(|e| socket_err("endpoint", &cfg.endpoint, e))?;
         Some(ep.to_string())
@@ -117,7 +117,7 @@ pub(crate) async fn start(
     if let Some(ep) = &cfg.replay_endpoint {
         let mut router = zeromq::RouterSocket::new();
         let b = router
-            .bind(ep)
+            .bind(&crate::config::zmq_bind_address(ep))
             .await
             .map_err(|e| socket_err("replay_endpoint", ep, e))?;
         replay_bound = Some(b.to_string());

@@ -131,3 +131,6 @@ async fn starts_with_h2_preface(tcp: &TcpStream) -> io::Result<bool> {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+#[cfg(test)]
+mod timing_tests;

@@ -242,3 +242,6 @@ pub(crate) fn respond(
     pd.served.apply(request_id, out);
     response
 }
+
+#[cfg(test)]
+mod timing_tests;
