@@ -20,9 +20,13 @@ fn ipc(tag: &str) -> String {
     )
 }
 
-fn engine(role: Role, blocks: usize) -> SimConfig {
+/// An engine with a prefix cache of `blocks` blocks of 16 tokens publishing its KV events. Its
+/// tokenizer is a Hugging Face one, so token-id prompts reach the cache untouched, as in vLLM
+/// (pdsim's default word tokenizer puts a BOS before them).
+fn engine(role: Role, blocks: usize, tokenizer: &common::WordTokenizer) -> SimConfig {
     let mut c = sim(role, Connector::Shfs);
     c.cache.block_size = 16;
+    c.cache.tokenizer = Some(tokenizer.path.clone());
     c.cache.kv_cache_blocks = blocks;
     c.kv_events = KvEventsConfig {
         enable_kv_cache_events: true,
@@ -42,8 +46,16 @@ fn tokens(group: u32, question: u32) -> Vec<u32> {
 
 /// Two prefills and two decodes publishing events, a cache-aware gateway subscribed to them.
 async fn start(tweak: impl FnOnce(&mut Config)) -> common::Fleet {
-    let prefill = vec![engine(Role::Prefill, 4096), engine(Role::Prefill, 4096)];
-    let decode = vec![engine(Role::Decode, 4096), engine(Role::Decode, 4096)];
+    // Loaded when the engines start; removed once they have.
+    let tok = common::WordTokenizer::new(["hello", "world"]);
+    let prefill = vec![
+        engine(Role::Prefill, 4096, &tok),
+        engine(Role::Prefill, 4096, &tok),
+    ];
+    let decode = vec![
+        engine(Role::Decode, 4096, &tok),
+        engine(Role::Decode, 4096, &tok),
+    ];
     let events = |list: &[SimConfig]| -> Vec<(String, Option<String>)> {
         list.iter()
             .map(|c| {

@@ -32,6 +32,9 @@ struct ModelLabels {
     model: String,
 }
 
+/// One counter of a subscription's stats.
+type StatOf = fn(&SubscriberStats) -> &AtomicU64;
+
 /// The `pdgate_cache_*` families.
 #[derive(Debug, Clone)]
 pub(crate) struct CacheMetrics {
@@ -100,7 +103,7 @@ impl CacheMetrics {
         let sum = |f: fn(&SubscriberStats) -> &AtomicU64| -> u64 {
             stats.iter().map(|s| f(s).load(Ordering::Relaxed)).sum()
         };
-        let counters: [(&'static str, fn(&SubscriberStats) -> &AtomicU64); 11] = [
+        let counters: [(&'static str, StatOf); 11] = [
             ("batches", |s| &s.batches),
             ("events", |s| &s.events),
             ("blocks_stored", |s| &s.blocks_stored),

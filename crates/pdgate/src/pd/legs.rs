@@ -173,7 +173,7 @@ pub(crate) async fn decode_only(ex: &mut Exchange, mut pd: Pd) -> Result<Answer,
     let gw = ex.gw.clone();
     let body = pd.clean.to_bytes();
     let (head, decode, decode_load) = decode_head(&gw, &pd, &ex.request_id, body)
-        .instrument(info_span!("decode", endpoint = %pd.decode.name, decode_only = true))
+        .instrument(debug_span!("decode", endpoint = %pd.decode.name, decode_only = true))
         .await?;
     pd.switch_decode(decode);
     let record = ex.take_record()?;

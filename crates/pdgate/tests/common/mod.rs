@@ -242,3 +242,52 @@ pub fn text_of(body: &str) -> String {
             .to_string()
     }
 }
+
+/// A Hugging Face `tokenizer.json` (word level: one token per whitespace-separated word of
+/// `words`, `<s>` first, `<unk>` for the rest) in its own temporary directory, removed on drop.
+/// pdsim engines given it treat prompts as vLLM does (token-id prompts pass untouched), and a
+/// gateway given it computes the engines' own tokens.
+pub struct WordTokenizer {
+    dir: std::path::PathBuf,
+    pub path: std::path::PathBuf,
+}
+
+impl WordTokenizer {
+    pub fn new<'a>(words: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut vocab = serde_json::Map::new();
+        vocab.insert("<s>".into(), json!(0));
+        vocab.insert("<unk>".into(), json!(1));
+        for w in words {
+            let id = vocab.len();
+            vocab.entry(w.to_string()).or_insert(json!(id));
+        }
+        let special = |id: u32, content: &str| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        };
+        let tokenizer = json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [special(0, "<s>"), special(1, "<unk>")],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+            "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+        });
+        let dir =
+            std::env::temp_dir().join(format!("pdgate-tok-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("tokenizer dir");
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, tokenizer.to_string()).expect("tokenizer.json");
+        WordTokenizer { dir, path }
+    }
+}
+
+impl Drop for WordTokenizer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
