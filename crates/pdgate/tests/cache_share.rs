@@ -1,0 +1,269 @@
+//! Cache-aware routing's hit share against the oracle, through real sockets: two pdsim prefills
+//! and two pdsim decodes (shfs) whose prefix caches each hold only part of the trace's working
+//! set, the real gateway in front, pdbench replaying its `shared-prefix` and `multi-turn`
+//! traces. `cache_aware` must reach at least 90% of the oracle's hit share where round robin
+//! stays at or below 60% of it. Every arm prints its row (run with `--nocapture` to see the
+//! table).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{MODEL, WordTokenizer, sim};
+use pdbench::trace::{Prompt, TraceQueue};
+use pdbench::{Api, Load, Report, Target, TraceSpec, WorkloadKind};
+use pdsim::{Connector, KvEventsConfig, Role, SimConfig};
+use tokio_util::sync::CancellationToken;
+
+const BLOCK: usize = 16;
+
+/// How the gateway routes in one arm.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Arm {
+    RoundRobin,
+    LeastRequest,
+    /// `cache_aware` on both roles, keys from the text (no events).
+    Approximate,
+    /// `cache_aware` on both roles, engines publish KV events, the gateway tokenizes.
+    Precise,
+    /// As `Precise`, and the decode serves alone when at most 64 tokens are uncached there.
+    PreciseDecodeOnly,
+}
+
+impl Arm {
+    fn policy(self) -> &'static str {
+        match self {
+            Arm::RoundRobin => "round_robin",
+            Arm::LeastRequest => "least_request",
+            _ => "cache_aware",
+        }
+    }
+
+    fn precise(self) -> bool {
+        matches!(self, Arm::Precise | Arm::PreciseDecodeOnly)
+    }
+}
+
+fn ipc(tag: &str) -> String {
+    format!(
+        "ipc://{}/pdgate-share-{}-{tag}.sock",
+        std::env::temp_dir().display(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
+fn spec(kind: WorkloadKind) -> TraceSpec {
+    let mut t = TraceSpec::new(kind);
+    // Odd counts: round robin over two endpoints does not pin groups by accident.
+    t.groups = 7;
+    t.prompts_per_group = 6;
+    t.sessions = 5;
+    t.turns = 4;
+    if kind == WorkloadKind::MultiTurn {
+        // Long turns: a session's turn before last shares little of the next prompt, so an
+        // endpoint that saw only every other turn gains little.
+        t.system_len = 64;
+        t.question_len = 128;
+    } else {
+        t.system_len = 512;
+        t.question_len = 32;
+    }
+    t
+}
+
+/// Every word of the trace (for a tokenizer that knows them all).
+fn words_of(spec: &TraceSpec) -> Vec<String> {
+    let q = TraceQueue::new(spec, Api::Completions);
+    let mut words = std::collections::BTreeSet::new();
+    while let Ok(Some(item)) = q.try_next() {
+        if let Prompt::Text(t) = &item.prompt {
+            words.extend(t.split_whitespace().map(str::to_string));
+        }
+        q.done(&item, None);
+    }
+    words.into_iter().collect()
+}
+
+fn engine(role: Role, blocks: usize, arm: Arm, tok: Option<&WordTokenizer>) -> SimConfig {
+    let mut c = sim(role, Connector::Shfs);
+    c.cache.block_size = BLOCK as u32;
+    c.cache.kv_cache_blocks = blocks;
+    c.cache.tokenizer = tok.map(|t| t.path.clone());
+    if arm.precise() {
+        c.kv_events = KvEventsConfig {
+            enable_kv_cache_events: true,
+            endpoint: ipc("pub"),
+            replay_endpoint: Some(ipc("replay")),
+            ..KvEventsConfig::default()
+        };
+    }
+    c
+}
+
+/// One arm: a fresh fleet (cold caches of `blocks` blocks per engine), the whole trace.
+async fn run(kind: WorkloadKind, arm: Arm, blocks: usize) -> Report {
+    let spec = spec(kind);
+    let tok = arm
+        .precise()
+        .then(|| WordTokenizer::new(words_of(&spec).iter().map(String::as_str)));
+    let tok = tok.as_ref();
+    let prefill = vec![
+        engine(Role::Prefill, blocks, arm, tok),
+        engine(Role::Prefill, blocks, arm, tok),
+    ];
+    let decode = vec![
+        engine(Role::Decode, blocks, arm, tok),
+        engine(Role::Decode, blocks, arm, tok),
+    ];
+    let events: Vec<(String, Option<String>)> = prefill
+        .iter()
+        .chain(&decode)
+        .map(|c| {
+            (
+                c.kv_events.endpoint.clone(),
+                c.kv_events.replay_endpoint.clone(),
+            )
+        })
+        .collect();
+    let tokenizer = tok.map(|t| t.path.clone());
+    let fleet = common::start(prefill, decode, |c| {
+        c.prefill_policy = arm.policy().into();
+        c.decode_policy = arm.policy().into();
+        c.cache.block_size = BLOCK;
+        c.cache.tokenizer = tokenizer;
+        if arm == Arm::PreciseDecodeOnly {
+            c.cache.decode_only_below_tokens = 64;
+        }
+        if arm.precise() {
+            for (ep, (events, replay)) in
+                c.prefill.iter_mut().chain(c.decode.iter_mut()).zip(&events)
+            {
+                ep.kv_events = Some(events.clone());
+                ep.kv_events_replay = replay.clone();
+            }
+        }
+    })
+    .await;
+    let mut cfg = pdbench::Config::new(Target::Url(fleet.gateway.base_url()));
+    cfg.api = Api::Completions;
+    cfg.model = Some(MODEL.into());
+    cfg.trace = spec;
+    cfg.requests = None;
+    cfg.oracle_block_size = BLOCK;
+    cfg.oracle_limit = Some((2, blocks));
+    cfg.engine_metrics = fleet.prefill.iter().map(|e| e.base_url()).collect();
+    cfg.output_len = pdbench::dist::Dist::Fixed(4);
+    // Multi-turn at one client: a turn's place in the queue then does not depend on timing,
+    // so round robin's share does not vary from run to run.
+    let concurrency = if kind == WorkloadKind::MultiTurn {
+        1
+    } else {
+        2
+    };
+    cfg.load = Load::Closed { concurrency };
+    cfg.timeout = Duration::from_secs(30);
+    let report = tokio::time::timeout(
+        Duration::from_secs(120),
+        pdbench::run(&cfg, CancellationToken::new()),
+    )
+    .await
+    .expect("the trace finishes")
+    .expect("the run starts");
+    assert_eq!(report.errors, 0, "{report}");
+    let oracle = report.oracle.as_ref().expect("oracle");
+    let cached = report.cached_share.expect("cached_tokens in usage");
+    let engines = report.engines.as_ref().expect("prefill metrics");
+    let prefill_requests: u64 = fleet
+        .prefill
+        .iter()
+        .map(|e| {
+            let r = e.stats().requests;
+            r.completions + r.chat_completions
+        })
+        .sum();
+    let metrics = fleet.metrics().await;
+    let counter = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let predicted = counter(r#"pdgate_cache_predicted_cached_tokens_total{role="prefill"} "#);
+    let prefill_hits: u64 = fleet
+        .prefill
+        .iter()
+        .map(|e| e.stats().prefix_cache_hits)
+        .sum();
+    eprintln!(
+        "| {kind:?} | {arm:?} | cached {:.1}% | oracle {:.1}% (per-engine LRU {:.1}%) | {:.0}% of oracle | prefill hit {:.1}% | prefill tokens computed {:.0} | prefill legs {prefill_requests} of {} | predicted/actual prefill hits {predicted}/{prefill_hits} |",
+        cached * 100.0,
+        oracle.hit_share * 100.0,
+        oracle.limited.as_ref().map_or(0.0, |l| l.hit_share * 100.0),
+        cached / oracle.hit_share * 100.0,
+        engines.hit_share * 100.0,
+        engines.prefill_computed_tokens,
+        report.ok,
+    );
+    if arm == Arm::Precise {
+        // Every prediction from events equals what the prefills then found cached.
+        assert_eq!(predicted, prefill_hits, "{metrics}");
+    }
+    if arm == Arm::PreciseDecodeOnly {
+        let alone = counter(r#"pdgate_cache_decisions_total{role="decode",kind="decode_only"} "#);
+        assert!(alone > 0, "{metrics}");
+        assert_eq!(alone + prefill_requests, report.ok);
+    }
+    report
+}
+
+fn share_of_oracle(r: &Report) -> f64 {
+    r.cached_share.expect("cached share") / r.oracle.as_ref().expect("oracle").hit_share
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prefix_cache_aware_reaches_the_oracle_where_round_robin_does_not() {
+    // 7 groups, each 32 shared blocks (+ 2 of its own per prompt): an engine of 144 blocks
+    // keeps the shared blocks of 4 groups, not of all 7.
+    let blocks = 144;
+    let rr = run(WorkloadKind::SharedPrefix, Arm::RoundRobin, blocks).await;
+    let lr = run(WorkloadKind::SharedPrefix, Arm::LeastRequest, blocks).await;
+    let approx = run(WorkloadKind::SharedPrefix, Arm::Approximate, blocks).await;
+    let precise = run(WorkloadKind::SharedPrefix, Arm::Precise, blocks).await;
+    let alone = run(WorkloadKind::SharedPrefix, Arm::PreciseDecodeOnly, blocks).await;
+    assert!(
+        share_of_oracle(&rr) <= 0.6,
+        "round robin {:.3}",
+        share_of_oracle(&rr)
+    );
+    for (name, r) in [
+        ("approximate", &approx),
+        ("precise", &precise),
+        ("precise + decode-only", &alone),
+    ] {
+        assert!(
+            share_of_oracle(r) >= 0.9,
+            "{name} {:.3}",
+            share_of_oracle(r)
+        );
+    }
+    let _ = lr;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_turn_cache_aware_reaches_the_oracle_where_round_robin_does_not() {
+    // 5 sessions of ~37 blocks at their last turn: an engine of 120 blocks holds 3, not all 5.
+    let blocks = 120;
+    let rr = run(WorkloadKind::MultiTurn, Arm::RoundRobin, blocks).await;
+    let approx = run(WorkloadKind::MultiTurn, Arm::Approximate, blocks).await;
+    assert!(
+        share_of_oracle(&rr) <= 0.6,
+        "round robin {:.3}",
+        share_of_oracle(&rr)
+    );
+    assert!(
+        share_of_oracle(&approx) >= 0.9,
+        "approximate {:.3}",
+        share_of_oracle(&approx)
+    );
+}
