@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{MODEL, sim};
 use pdgate::Config;
-use pdsim::{Connector, KvEventsConfig, Role, SimConfig};
+use pdsim::{Connector, Faults, KvEventsConfig, Role, SimConfig};
 use serde_json::json;
 
 fn ipc(tag: &str) -> String {
@@ -46,16 +46,24 @@ fn tokens(group: u32, question: u32) -> Vec<u32> {
 
 /// Two prefills and two decodes publishing events, a cache-aware gateway subscribed to them.
 async fn start(tweak: impl FnOnce(&mut Config)) -> common::Fleet {
+    start_n(2, 2, tweak).await
+}
+
+/// `prefills` prefills and `decodes` decodes publishing events (with replay), a cache-aware
+/// gateway subscribed to them.
+async fn start_n(
+    prefills: usize,
+    decodes: usize,
+    tweak: impl FnOnce(&mut Config),
+) -> common::Fleet {
     // Loaded when the engines start; removed once they have.
     let tok = common::WordTokenizer::new(["hello", "world"]);
-    let prefill = vec![
-        engine(Role::Prefill, 4096, &tok),
-        engine(Role::Prefill, 4096, &tok),
-    ];
-    let decode = vec![
-        engine(Role::Decode, 4096, &tok),
-        engine(Role::Decode, 4096, &tok),
-    ];
+    let prefill: Vec<SimConfig> = (0..prefills)
+        .map(|_| engine(Role::Prefill, 4096, &tok))
+        .collect();
+    let decode: Vec<SimConfig> = (0..decodes)
+        .map(|_| engine(Role::Decode, 4096, &tok))
+        .collect();
     let events = |list: &[SimConfig]| -> Vec<(String, Option<String>)> {
         list.iter()
             .map(|c| {
@@ -98,7 +106,26 @@ async fn wait_events(fleet: &common::Fleet, role: &str, blocks: u64) {
 }
 
 async fn wait_events_at(fleet: &common::Fleet, base: &str, role: &str, blocks: u64) {
-    let want = format!(r#"pdgate_cache_events{{role="{role}",what="blocks_stored"}} "#);
+    let what = format!(r#"pdgate_cache_events{{role="{role}",what="blocks_stored"}}"#);
+    wait_counter_at(fleet, base, &what, blocks).await;
+}
+
+/// A sample's value in Prometheus text (0 when absent).
+fn sample(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits (bounded) until the gateway's sample `name` (with its labels) reaches `at_least`.
+async fn wait_counter(fleet: &common::Fleet, name: &str, at_least: u64) {
+    wait_counter_at(fleet, &fleet.gateway.base_url(), name, at_least).await;
+}
+
+async fn wait_counter_at(fleet: &common::Fleet, base: &str, name: &str, at_least: u64) {
+    let mut seen = 0;
     for _ in 0..100 {
         let m = fleet
             .http
@@ -109,17 +136,39 @@ async fn wait_events_at(fleet: &common::Fleet, base: &str, role: &str, blocks: u
             .text()
             .await
             .expect("metrics body");
-        let seen: u64 = m
-            .lines()
-            .find_map(|l| l.strip_prefix(want.as_str()))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0);
-        if seen >= blocks {
+        seen = sample(&m, name);
+        if seen >= at_least {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("the gateway never saw {blocks} stored {role} blocks");
+    panic!("{name} stayed at {seen}, below {at_least}");
+}
+
+/// Sends the prompt of `group`/`question`; returns (predicted cached tokens, the prefill's
+/// actual prefix-cache hit, the prefill that served it).
+async fn send(fleet: &common::Fleet, group: u32, question: u32) -> (u64, u64, String) {
+    let body = json!({"model": MODEL, "prompt": tokens(group, question), "max_tokens": 4});
+    let before = prefill_hits(fleet);
+    let r = fleet.post_bounded("/v1/completions", &body).await;
+    assert_eq!(r.status(), 200);
+    let predicted = r.headers()["x-pdgate-predicted-cached-tokens"]
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("a number");
+    let prefill = r.headers()["prefill-target-pod"]
+        .to_str()
+        .expect("ascii")
+        .to_string();
+    r.text().await.expect("body");
+    (predicted, prefill_hits(fleet) - before, prefill)
+}
+
+fn set_event_faults(fleet: &common::Fleet, faults: &Faults) {
+    for e in fleet.prefill.iter().chain(fleet.decode.iter()) {
+        e.set_faults(faults.clone());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,4 +299,168 @@ async fn two_gateways_reading_the_same_events_agree() {
         let b = post(second.base_url(), g, 2).await;
         assert_eq!(a, b, "the gateways disagree on group {g}");
     }
+}
+
+// Recovery: the index follows the engines through restarts, lost events, stalls and departures.
+
+/// Short speculative entries, so a test sees what the events alone say soon after a decision.
+fn short_speculation(c: &mut Config) {
+    c.cache.speculative_ttl = Duration::from_millis(100);
+}
+
+/// Longer than `short_speculation`'s TTL plus the index's expiry sweep period.
+const PAST_SPECULATION: Duration = Duration::from_millis(300);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_clears_its_entries() {
+    let fleet = start_n(1, 1, short_speculation).await;
+    send(&fleet, 1, 0).await;
+    wait_events(&fleet, "prefill", 18).await;
+    for e in fleet.prefill.iter().chain(fleet.decode.iter()) {
+        e.restart();
+    }
+    // The next batch each engine publishes starts at sequence 0 again: a restart.
+    send(&fleet, 2, 0).await;
+    wait_counter(
+        &fleet,
+        r#"pdgate_cache_events{role="prefill",what="restarts"}"#,
+        1,
+    )
+    .await;
+    wait_counter(
+        &fleet,
+        r#"pdgate_cache_events{role="decode",what="restarts"}"#,
+        1,
+    )
+    .await;
+    tokio::time::sleep(PAST_SPECULATION).await;
+    let (predicted, actual, _) = send(&fleet, 1, 1).await;
+    assert_eq!(
+        (predicted, actual),
+        (0, 0),
+        "the restarted engine lost group 1"
+    );
+    // What the engine stored after its restart is known.
+    let (predicted, actual, _) = send(&fleet, 2, 1).await;
+    assert_eq!(predicted, actual);
+    assert_eq!(actual, 256);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_gap_is_filled_from_the_replay_socket() {
+    let fleet = start_n(1, 1, short_speculation).await;
+    send(&fleet, 3, 0).await;
+    wait_events(&fleet, "prefill", 18).await;
+    // Group 4's batches are lost on the wire (their sequence numbers used, replay keeps them).
+    set_event_faults(
+        &fleet,
+        &Faults {
+            kv_events_drop_rate: 1.0,
+            ..Faults::default()
+        },
+    );
+    send(&fleet, 4, 0).await;
+    set_event_faults(&fleet, &Faults::default());
+    // Group 5's batch shows the gap; the subscriber replays the missed batch first.
+    send(&fleet, 5, 0).await;
+    wait_counter(
+        &fleet,
+        r#"pdgate_cache_events{role="prefill",what="gaps"}"#,
+        1,
+    )
+    .await;
+    wait_counter(
+        &fleet,
+        r#"pdgate_cache_events{role="prefill",what="replays"}"#,
+        1,
+    )
+    .await;
+    wait_events(&fleet, "prefill", 3 * 18).await;
+    tokio::time::sleep(PAST_SPECULATION).await;
+    let (predicted, actual, _) = send(&fleet, 4, 1).await;
+    assert_eq!(actual, 256);
+    assert_eq!(predicted, actual, "the replayed blocks are in the index");
+    let m = fleet.metrics().await;
+    assert_eq!(
+        sample(&m, r#"pdgate_cache_events{role="prefill",what="clears"}"#),
+        0,
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_that_stop_fall_back_to_approximate_entries_until_they_resume() {
+    let fleet = start_n(1, 1, |c| {
+        short_speculation(c);
+        c.cache.events_timeout = Duration::from_millis(50);
+    })
+    .await;
+    send(&fleet, 6, 0).await;
+    wait_events(&fleet, "prefill", 18).await;
+    let stall = Faults {
+        kv_events_stall: true,
+        ..Faults::default()
+    };
+    set_event_faults(&fleet, &stall);
+    // Sent while the events are stalled: its speculative entries expire unconfirmed.
+    send(&fleet, 7, 0).await;
+    tokio::time::sleep(PAST_SPECULATION).await;
+    // No batch since a decision that stored blocks: the endpoints go approximate.
+    send(&fleet, 7, 1).await;
+    let stopped = r#"pdgate_cache_events_stopped_total{role="prefill"}"#;
+    wait_counter(&fleet, stopped, 1).await;
+    tokio::time::sleep(PAST_SPECULATION).await;
+    // The approximate entries outlive the speculative ones: group 7 is still known.
+    let (predicted, actual, _) = send(&fleet, 7, 2).await;
+    assert_eq!(actual, 256);
+    assert_eq!(predicted, actual);
+    // The stall ends: the queued batches arrive, and the endpoints are precise again.
+    set_event_faults(&fleet, &Faults::default());
+    send(&fleet, 8, 0).await;
+    // Groups 6, 7 and 8 (18 blocks each) and the two question blocks of 7's later prompts.
+    wait_events(&fleet, "prefill", 3 * 18 + 2 + 2).await;
+    tokio::time::sleep(PAST_SPECULATION).await;
+    let (predicted, actual, _) = send(&fleet, 8, 1).await;
+    assert_eq!((predicted, actual), (256, 256));
+    let m = fleet.metrics().await;
+    assert_eq!(sample(&m, stopped), 1, "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_that_leaves_is_purged() {
+    let fleet = start(short_speculation).await;
+    let (_, _, owner) = send(&fleet, 9, 0).await;
+    wait_events(&fleet, "prefill", 18).await;
+    let entries = r#"pdgate_cache_index_entries{model="m"}"#;
+    let before = sample(&fleet.metrics().await, entries);
+    let all = fleet.gateway.gateway().config.pods().expect("pods");
+    let port: u16 = owner
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("a port");
+    let rest: Vec<kvtransfer::Pod> = all
+        .iter()
+        .filter(|p| p.http_port != port)
+        .cloned()
+        .collect();
+    fleet
+        .gateway
+        .pods()
+        .send(std::sync::Arc::new(rest))
+        .expect("discovery");
+    let mut after = before;
+    for _ in 0..100 {
+        after = sample(&fleet.metrics().await, entries);
+        if after < before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Its 18 event-confirmed blocks went with it (the decode's stay).
+    assert_eq!(before - after, 18, "{before} -> {after}");
+    // The remaining prefill never held group 9: nothing is predicted there.
+    let (predicted, actual, prefill) = send(&fleet, 9, 1).await;
+    assert_ne!(prefill, owner);
+    assert_eq!((predicted, actual), (0, 0));
 }

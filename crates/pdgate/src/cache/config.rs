@@ -47,6 +47,11 @@ pub struct CacheConfig {
     /// Lifetime of a speculative entry (a decision's guess until the endpoint's event confirms).
     #[serde(deserialize_with = "crate::config::de_duration")]
     pub speculative_ttl: Duration,
+    /// An endpoint publishing KV events whose events stop (no batch this long after a decision
+    /// that should have stored blocks there) is scored approximately until they resume; 0
+    /// never gives up on events.
+    #[serde(deserialize_with = "crate::config::de_duration")]
+    pub events_timeout: Duration,
     /// Serve a request on the decode alone (no prefill leg) when at most this many of its prompt
     /// tokens are uncached there; 0 disables decode-only serving.
     pub decode_only_below_tokens: u32,
@@ -74,6 +79,7 @@ impl Default for CacheConfig {
             capacity_per_endpoint: 1 << 20,
             approximate_ttl: Duration::from_secs(120),
             speculative_ttl: Duration::from_secs(2),
+            events_timeout: Duration::from_secs(5),
             decode_only_below_tokens: 0,
             decode_only_max_uncached_ratio: 0.7,
             kv_events_port: None,

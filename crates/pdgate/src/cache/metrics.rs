@@ -41,6 +41,7 @@ pub(crate) struct CacheMetrics {
     decisions: Family<DecisionLabels, Counter>,
     predicted: Family<RoleLabels, Counter>,
     prompt: Family<RoleLabels, Counter>,
+    stopped: Family<RoleLabels, Counter>,
     entries: Family<ModelLabels, Gauge>,
     bytes: Family<ModelLabels, Gauge>,
     events: Family<EventLabels, Gauge>,
@@ -54,6 +55,7 @@ impl CacheMetrics {
             decisions: Family::default(),
             predicted: Family::default(),
             prompt: Family::default(),
+            stopped: Family::default(),
             entries: Family::default(),
             bytes: Family::default(),
             events: Family::default(),
@@ -74,6 +76,11 @@ impl CacheMetrics {
             "prompt_tokens",
             "Prompt tokens of cache-aware decisions (the denominator of the predicted hit share)",
             m.prompt.clone(),
+        );
+        r.register(
+            "events_stopped",
+            "Times an endpoint's KV events were found stopped (no batch after a decision that stored blocks there within cache.events_timeout); it is then scored approximately until they resume",
+            m.stopped.clone(),
         );
         r.register(
             "index_entries",
@@ -161,6 +168,11 @@ impl CacheMetrics {
         self.prompt
             .get_or_create(&RoleLabels { role })
             .inc_by(u64::from(prompt));
+    }
+
+    /// Counts an endpoint of `role` whose KV events stopped.
+    pub(crate) fn events_stopped(&self, role: &'static str) {
+        self.stopped.get_or_create(&RoleLabels { role }).inc();
     }
 
     /// Counts a request served by the decode alone.

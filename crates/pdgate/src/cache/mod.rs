@@ -18,7 +18,7 @@ pub(crate) mod view;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvtransfer::JsonBody;
 use pdcache::index::{CacheIndex, EndpointId, IndexConfig, Match};
@@ -49,6 +49,7 @@ pub(crate) struct ModelCache {
     pub(crate) label: String,
     block_size: usize,
     tokenizer: Option<Arc<HfTokenizer>>,
+    events_timeout: Duration,
     state: Mutex<IndexState>,
     index: SharedIndex,
 }
@@ -61,9 +62,92 @@ struct IndexState {
     /// By endpoint id: whether its KV events feed the index (precise), so a decision inserts
     /// speculative entries for it (confirmed by the event) instead of approximate ones.
     precise: Vec<bool>,
+    /// By endpoint id: whether its events still flow (see [`EventWatch`]).
+    watches: Vec<Option<EventWatch>>,
     matches: Vec<Match>,
     /// Matched blocks by endpoint id, for the last [`Scorer::prepare`].
     blocks: Vec<u32>,
+}
+
+/// Whether an event-publishing endpoint's events still arrive. A decision sent to it should be
+/// followed by a batch (the blocks it stored); when no batch arrived `timeout` after the first
+/// unconfirmed decision, its events are taken as stopped and decisions fall back to
+/// approximate entries for it (which outlive the speculative ones), until a batch arrives.
+#[derive(Debug)]
+struct EventWatch {
+    stats: Arc<SubscriberStats>,
+    /// Batches applied when last looked at.
+    seen: u64,
+    /// The first decision since then that no batch followed.
+    waiting_since: Option<Instant>,
+    stopped: bool,
+}
+
+/// What [`EventWatch::check`] concluded for one decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EventsNow {
+    /// Events flow: speculative entries, confirmed by the events.
+    Flowing,
+    /// Events stopped just now (count it once).
+    Stopped,
+    /// Events are still stopped.
+    StillStopped,
+}
+
+impl EventWatch {
+    fn new(stats: Arc<SubscriberStats>) -> Self {
+        let seen = stats.batches.load(std::sync::atomic::Ordering::Relaxed);
+        EventWatch {
+            stats,
+            seen,
+            waiting_since: None,
+            stopped: false,
+        }
+    }
+
+    /// Called for each decision sent to the endpoint; `expects` says whether the decision
+    /// should make the engine publish (the prompt has full blocks the endpoint does not hold).
+    fn check(&mut self, expects: bool, now: Instant, timeout: Duration) -> EventsNow {
+        let batches = self
+            .stats
+            .batches
+            .load(std::sync::atomic::Ordering::Relaxed);
+        self.check_with(batches, expects, now, timeout)
+    }
+
+    fn check_with(
+        &mut self,
+        batches: u64,
+        expects: bool,
+        now: Instant,
+        timeout: Duration,
+    ) -> EventsNow {
+        if batches != self.seen {
+            self.seen = batches;
+            self.waiting_since = None;
+            self.stopped = false;
+        }
+        if self.stopped {
+            return EventsNow::StillStopped;
+        }
+        match self.waiting_since {
+            Some(t) if !timeout.is_zero() && now.saturating_duration_since(t) > timeout => {
+                self.stopped = true;
+                EventsNow::Stopped
+            }
+            Some(_) => EventsNow::Flowing,
+            None => {
+                if expects {
+                    self.waiting_since = Some(now);
+                }
+                EventsNow::Flowing
+            }
+        }
+    }
+}
+
+fn saturate(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 impl IndexState {
@@ -89,6 +173,17 @@ impl IndexState {
             self.precise.resize(i + 1, false);
         }
         self.precise[i] = on;
+        if !on && let Some(w) = self.watches.get_mut(i) {
+            *w = None;
+        }
+    }
+
+    fn watch(&mut self, id: EndpointId, stats: Arc<SubscriberStats>) {
+        let i = usize::from(id.0);
+        if self.watches.len() <= i {
+            self.watches.resize_with(i + 1, || None);
+        }
+        self.watches[i] = Some(EventWatch::new(stats));
     }
 }
 
@@ -96,6 +191,7 @@ impl IndexState {
 pub(crate) struct Scorer<'a> {
     state: MutexGuard<'a, IndexState>,
     index: MutexGuard<'a, CacheIndex>,
+    events_timeout: Duration,
 }
 
 impl Scorer<'_> {
@@ -133,21 +229,37 @@ impl Scorer<'_> {
 
     /// Records that `view` was sent to `ep`: its blocks will be in `ep`'s cache. Speculative
     /// (until the confirming event) where `ep` publishes events; approximate (with a TTL)
-    /// elsewhere. Precise mode needs token keys: text keys never match an event.
-    pub(crate) fn record(&mut self, ep: &Endpoint, view: &PrefixView, now: Instant) {
-        if view.keys.is_empty() {
-            return;
-        }
+    /// elsewhere, and where its events stopped arriving. Precise mode needs token keys: text
+    /// keys never match an event. Returns whether `ep`'s events were found stopped just now.
+    pub(crate) fn record(&mut self, ep: &Endpoint, view: &PrefixView, now: Instant) -> bool {
         let Some(id) = self.state.id(&mut self.index, &ep.name) else {
-            return;
+            return false;
         };
-        if self.state.is_precise(id) {
-            if view.kind == view::KeyKind::Tokens {
+        let events = if self.state.is_precise(id) {
+            let timeout = self.events_timeout;
+            let expects =
+                view.kind == view::KeyKind::Tokens && saturate(view.keys.len()) > self.blocks(ep);
+            self.state
+                .watches
+                .get_mut(usize::from(id.0))
+                .and_then(Option::as_mut)
+                .map_or(EventsNow::Flowing, |w| w.check(expects, now, timeout))
+        } else {
+            EventsNow::StillStopped
+        };
+        if view.keys.is_empty() {
+            return events == EventsNow::Stopped;
+        }
+        match events {
+            EventsNow::Flowing if view.kind == view::KeyKind::Tokens => {
                 self.index.insert_speculative(id, &view.keys, now);
             }
-        } else {
-            self.index.insert_approximate(id, &view.keys, now);
+            EventsNow::Flowing => {}
+            EventsNow::Stopped | EventsNow::StillStopped => {
+                self.index.insert_approximate(id, &view.keys, now);
+            }
         }
+        events == EventsNow::Stopped
     }
 }
 
@@ -172,6 +284,7 @@ impl ModelCache {
             label,
             block_size,
             tokenizer,
+            events_timeout: config.events_timeout,
             state: Mutex::new(IndexState::default()),
             index: Arc::new(Mutex::new(index)),
         }
@@ -186,7 +299,11 @@ impl ModelCache {
     pub(crate) fn lock(&self) -> Scorer<'_> {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let index = self.index.lock().unwrap_or_else(|p| p.into_inner());
-        Scorer { state, index }
+        Scorer {
+            state,
+            index,
+            events_timeout: self.events_timeout,
+        }
     }
 
     /// Drops the entries of endpoints not in `keep`.
@@ -194,6 +311,7 @@ impl ModelCache {
         let Scorer {
             mut state,
             mut index,
+            ..
         } = self.lock();
         let gone: Vec<(String, EndpointId)> = state
             .ids
@@ -213,6 +331,7 @@ impl ModelCache {
         let Scorer {
             mut state,
             mut index,
+            ..
         } = self.lock();
         let id = state.id(&mut index, name)?;
         state.set_precise(id, true);
@@ -220,6 +339,14 @@ impl ModelCache {
             index: self.index.clone(),
             endpoint: id,
         })
+    }
+
+    /// Watches `name`'s subscription counters, to notice when its events stop.
+    fn watch(&self, name: &str, stats: Arc<SubscriberStats>) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(id) = state.ids.get(name).copied() {
+            state.watch(id, stats);
+        }
     }
 
     fn stats(&self) -> pdcache::index::IndexStats {
@@ -447,6 +574,7 @@ impl Cache {
             let subscription =
                 Subscription::connect(&address, replay, feed, SubscriberConfig::default());
             let stats = subscription.stats().clone();
+            model.watch(&key.1, stats.clone());
             subs.insert(
                 key,
                 Subscribed {
@@ -519,6 +647,41 @@ mod tests {
             CacheMetrics::new(&mut registry),
         )
         .unwrap()
+    }
+
+    #[test]
+    fn events_that_stop_after_a_decision_switch_it_to_approximate_until_they_resume() {
+        let t0 = Instant::now();
+        let s = |ms: u64| t0 + Duration::from_millis(ms);
+        let timeout = Duration::from_millis(100);
+        let mut w = EventWatch::new(Arc::new(SubscriberStats::default()));
+        // A decision that stores nothing new expects no event: no wait starts.
+        assert_eq!(w.check_with(0, false, s(0), timeout), EventsNow::Flowing);
+        assert_eq!(w.check_with(0, false, s(500), timeout), EventsNow::Flowing);
+        // One that does, followed by a batch in time: still flowing.
+        assert_eq!(w.check_with(0, true, s(600), timeout), EventsNow::Flowing);
+        assert_eq!(w.check_with(1, false, s(650), timeout), EventsNow::Flowing);
+        // No batch within the timeout of the first unconfirmed decision (at 700): stopped, once.
+        assert_eq!(w.check_with(1, true, s(700), timeout), EventsNow::Flowing);
+        assert_eq!(w.check_with(1, true, s(750), timeout), EventsNow::Flowing);
+        assert_eq!(w.check_with(1, false, s(800), timeout), EventsNow::Flowing);
+        assert_eq!(w.check_with(1, true, s(801), timeout), EventsNow::Stopped);
+        assert_eq!(
+            w.check_with(1, true, s(900), timeout),
+            EventsNow::StillStopped
+        );
+        // A batch arrives: precise again.
+        assert_eq!(w.check_with(2, true, s(950), timeout), EventsNow::Flowing);
+        // A zero timeout never gives up on events.
+        let mut w = EventWatch::new(Arc::new(SubscriberStats::default()));
+        assert_eq!(
+            w.check_with(0, true, s(0), Duration::ZERO),
+            EventsNow::Flowing
+        );
+        assert_eq!(
+            w.check_with(0, true, s(9000), Duration::ZERO),
+            EventsNow::Flowing
+        );
     }
 
     #[test]

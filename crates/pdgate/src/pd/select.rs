@@ -242,11 +242,13 @@ fn cache_pair(
     // Both engines will hold the prompt's blocks: the prefill computed them, the decode
     // received (or computed) them and caches them too.
     let now = std::time::Instant::now();
-    scorer.record(&decode, view, now);
+    if scorer.record(&decode, view, now) {
+        cache.metrics.events_stopped(Role::Decode.as_str());
+    }
     if decode_only {
         cache.metrics.decode_only();
-    } else {
-        scorer.record(&prefill, view, now);
+    } else if scorer.record(&prefill, view, now) {
+        cache.metrics.events_stopped(Role::Prefill.as_str());
     }
     Ok(Pair {
         prefill,
