@@ -14,7 +14,8 @@
 # a pdgate with the system allocator (feature `system-allocator`; massif cannot see jemalloc).
 #
 # Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_OUT
-# (output directory, default bench/out/profile-<utc time>).
+# (output directory, default bench/out/profile-<utc time>), PDGATE_EXTRA_ARGS (more pdgate
+# flags, split on spaces, e.g. "--prefill-policy cache_aware --decode-policy cache_aware").
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +24,7 @@ case "$MODE" in
   callgrind) COUNT="${2:-2000}" ;;
   massif) COUNT="${2:-500}" ;;
   *)
-    sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
@@ -77,6 +78,8 @@ done
 
 gateway=("$GATEWAY" --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT"
   --kv-connector shfs --listen "127.0.0.1:$G_PORT" --max-in-flight 0)
+# shellcheck disable=SC2206 # word splitting is the point
+gateway+=(${PDGATE_EXTRA_ARGS:-})
 URL="http://127.0.0.1:$G_PORT"
 if [ "$MODE" = callgrind ]; then
   RUST_LOG=warn valgrind --tool=callgrind --instr-atstart=no \

@@ -119,6 +119,12 @@ fn sample(metrics: &str, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Waits (bounded) until the gateway's KV-event counter `what` of `role` reaches `at_least`.
+async fn wait_event_count(fleet: &common::Fleet, role: &str, what: &str, at_least: u64) {
+    let name = format!(r#"pdgate_cache_events{{role="{role}",what="{what}"}}"#);
+    wait_counter(fleet, &name, at_least).await;
+}
+
 /// Waits (bounded) until the gateway's sample `name` (with its labels) reaches `at_least`.
 async fn wait_counter(fleet: &common::Fleet, name: &str, at_least: u64) {
     wait_counter_at(fleet, &fleet.gateway.base_url(), name, at_least).await;
@@ -321,18 +327,8 @@ async fn an_engine_restart_clears_its_entries() {
     }
     // The next batch each engine publishes starts at sequence 0 again: a restart.
     send(&fleet, 2, 0).await;
-    wait_counter(
-        &fleet,
-        r#"pdgate_cache_events{role="prefill",what="restarts"}"#,
-        1,
-    )
-    .await;
-    wait_counter(
-        &fleet,
-        r#"pdgate_cache_events{role="decode",what="restarts"}"#,
-        1,
-    )
-    .await;
+    wait_event_count(&fleet, "prefill", "restarts", 1).await;
+    wait_event_count(&fleet, "decode", "restarts", 1).await;
     tokio::time::sleep(PAST_SPECULATION).await;
     let (predicted, actual, _) = send(&fleet, 1, 1).await;
     assert_eq!(
@@ -363,18 +359,8 @@ async fn a_sequence_gap_is_filled_from_the_replay_socket() {
     set_event_faults(&fleet, &Faults::default());
     // Group 5's batch shows the gap; the subscriber replays the missed batch first.
     send(&fleet, 5, 0).await;
-    wait_counter(
-        &fleet,
-        r#"pdgate_cache_events{role="prefill",what="gaps"}"#,
-        1,
-    )
-    .await;
-    wait_counter(
-        &fleet,
-        r#"pdgate_cache_events{role="prefill",what="replays"}"#,
-        1,
-    )
-    .await;
+    wait_event_count(&fleet, "prefill", "gaps", 1).await;
+    wait_event_count(&fleet, "prefill", "replays", 1).await;
     wait_events(&fleet, "prefill", 3 * 18).await;
     tokio::time::sleep(PAST_SPECULATION).await;
     let (predicted, actual, _) = send(&fleet, 4, 1).await;

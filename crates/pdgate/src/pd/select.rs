@@ -149,6 +149,19 @@ fn cache_pair(
     let mut scorer = mc.lock();
     scorer.prepare(view);
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
+    let pick_prefill = |prefills: Vec<Arc<Endpoint>>, scorer: &Scorer<'_>| {
+        let prefills = under_cap(cap, &gw.metrics, prefills)?;
+        let (i, choice) = pick_by(
+            gw.prefill_policy.as_ref(),
+            scorer,
+            cache,
+            Role::Prefill,
+            &prefills,
+            view,
+        )
+        .ok_or_else(|| no_pair(snap, model))?;
+        Ok::<_, GatewayError>((prefills[i].clone(), choice))
+    };
     let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
         let decodes: Vec<Arc<Endpoint>> = snap
             .decode
@@ -184,22 +197,8 @@ fn cache_pair(
                 d_choice.map(|c| c.cached_tokens),
             )
         } else {
-            let prefills = under_cap(cap, &gw.metrics, prefills)?;
-            let (i, p_choice) = pick_by(
-                gw.prefill_policy.as_ref(),
-                &scorer,
-                cache,
-                Role::Prefill,
-                &prefills,
-                view,
-            )
-            .ok_or_else(|| no_pair(snap, model))?;
-            (
-                prefills[i].clone(),
-                decode,
-                false,
-                p_choice.map(|c| c.cached_tokens),
-            )
+            let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
+            (prefill, decode, false, p_choice.map(|c| c.cached_tokens))
         }
     } else {
         let prefills: Vec<Arc<Endpoint>> = serving_prefills()
@@ -210,17 +209,7 @@ fn cache_pair(
             })
             .cloned()
             .collect();
-        let prefills = under_cap(cap, &gw.metrics, prefills)?;
-        let (i, p_choice) = pick_by(
-            gw.prefill_policy.as_ref(),
-            &scorer,
-            cache,
-            Role::Prefill,
-            &prefills,
-            view,
-        )
-        .ok_or_else(|| no_pair(snap, model))?;
-        let prefill = prefills[i].clone();
+        let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
         let decodes: Vec<Arc<Endpoint>> = snap
             .decode
             .iter()
