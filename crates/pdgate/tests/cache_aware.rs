@@ -167,3 +167,59 @@ fn bad_cache_knobs_name_the_field() {
     assert_eq!(c.cache.approximate_ttl, std::time::Duration::from_secs(30));
     assert!(pdgate::Config::from_toml("[cache]\nblock_sise = 3").is_err());
 }
+
+/// `usage.prompt_tokens_details.cached_tokens` of a JSON body or of the SSE chunk with usage.
+fn usage_cached(body: &str) -> u64 {
+    let usage =
+        |v: &serde_json::Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    if body.starts_with("data:") {
+        body.split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| usage(&serde_json::from_str(d).expect("event json")))
+            .last()
+            .expect("a chunk with usage")
+    } else {
+        usage(&serde_json::from_str(body).expect("json")).expect("usage")
+    }
+}
+
+#[tokio::test]
+async fn usage_reports_the_prefills_cached_tokens() {
+    // Round robin over two prefills, one decode: the decode caches every prompt it served, so
+    // on a prompt's second visit it holds it while the other prefill does not.
+    let fleet = start(
+        vec![
+            sim(Role::Prefill, Connector::Shfs),
+            sim(Role::Prefill, Connector::Shfs),
+        ],
+        vec![sim(Role::Decode, Connector::Shfs)],
+        |c| c.prefill_policy = "round_robin".into(),
+    )
+    .await;
+    let mut cached = Vec::new();
+    for (group, stream) in [(1, false), (1, false), (2, true), (2, true), (1, false)] {
+        let mut body = json!({"model": MODEL, "prompt": prompt(group, 0), "max_tokens": 4});
+        if stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let r = fleet.post_bounded("/v1/completions", &body).await;
+        assert_eq!(r.status(), 200);
+        cached.push(usage_cached(&r.text().await.unwrap()));
+    }
+    assert!(
+        fleet.decode[0].stats().prefix_cache_hits > 0,
+        "the decode found prompts cached"
+    );
+    // Second visits land on the prefill that never saw the prompt: it computed all of it.
+    assert_eq!(cached[..4], [0, 0, 0, 0]);
+    // The third visit of group 1 is back on the prefill that computed it first.
+    let hits: u64 = fleet
+        .prefill
+        .iter()
+        .map(|e| e.stats().prefix_cache_hits)
+        .sum();
+    assert!(cached[4] > 0);
+    assert_eq!(cached[4], hits);
+}

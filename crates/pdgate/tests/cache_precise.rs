@@ -171,6 +171,27 @@ async fn send(fleet: &common::Fleet, group: u32, question: u32) -> (u64, u64, St
     (predicted, prefill_hits(fleet) - before, prefill)
 }
 
+/// Sends group-0 prompts until the gateway has seen a batch of every role: a subscriber that
+/// joins after an engine published misses that batch (ZMQ's slow joiner), so a test that needs
+/// an engine's sequence known waits for this first.
+async fn warm(fleet: &common::Fleet) {
+    for question in 0..50 {
+        send(fleet, 0, question).await;
+        let m = fleet.metrics().await;
+        let seen = |role: &str| {
+            sample(
+                &m,
+                &format!(r#"pdgate_cache_events{{role="{role}",what="batches"}}"#),
+            ) > 0
+        };
+        if seen("prefill") && seen("decode") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the gateway never saw the engines' events");
+}
+
 fn set_event_faults(fleet: &common::Fleet, faults: &Faults) {
     for e in fleet.prefill.iter().chain(fleet.decode.iter()) {
         e.set_faults(faults.clone());
@@ -320,8 +341,18 @@ const PAST_SPECULATION: Duration = Duration::from_millis(300);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_clears_its_entries() {
     let fleet = start_n(1, 1, short_speculation).await;
+    // A restart shows against a sequence already seen: every subscriber must have joined.
+    warm(&fleet).await;
+    let m = fleet.metrics().await;
+    let stored =
+        |role: &str| format!(r#"pdgate_cache_events{{role="{role}",what="blocks_stored"}}"#);
+    let (p, d) = (
+        sample(&m, &stored("prefill")),
+        sample(&m, &stored("decode")),
+    );
     send(&fleet, 1, 0).await;
-    wait_events(&fleet, "prefill", 18).await;
+    wait_counter(&fleet, &stored("prefill"), p + 18).await;
+    wait_counter(&fleet, &stored("decode"), d + 18).await;
     for e in fleet.prefill.iter().chain(fleet.decode.iter()) {
         e.restart();
     }

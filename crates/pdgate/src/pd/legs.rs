@@ -22,7 +22,7 @@ use crate::engine::EngineBody;
 use crate::engine::client::{self, Collected, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::pd::relay::{self, PartnerResult};
-use crate::pd::{Answer, Exchange, Pd, abort, select};
+use crate::pd::{Answer, Exchange, Pd, abort, select, usage};
 use crate::state::Gateway;
 
 /// The prefill leg, owned, so it can run on its own task beside the decode leg.
@@ -119,10 +119,12 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         r.prefill_done();
     }
     let merged = match collected {
-        Ok(c) if c.status.is_success() => pd
-            .agent
-            .merge_prefill_response(&mut pd.ctx, &c.body, &pd.prefill.pod)
-            .map_err(GatewayError::from),
+        Ok(c) if c.status.is_success() => {
+            pd.prefill_cached = usage::reported(&c.body);
+            pd.agent
+                .merge_prefill_response(&mut pd.ctx, &c.body, &pd.prefill.pod)
+                .map_err(GatewayError::from)
+        }
         Ok(c) if c.status.is_client_error() => {
             return Err(client::status_error(Leg::Prefill, c));
         }
@@ -138,6 +140,8 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                 "prefill answered without KV-transfer parameters; the decode recomputes the prompt"
             );
             gw.metrics.count_recompute(pd.served.connector);
+            // The decode computes the prompt itself: its own usage is the right one.
+            pd.prefill_cached = None;
             pd.ctx.req_body.clone()
         }
         Err(err) => match gw.config.on_prefill_failure {
@@ -150,30 +154,29 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             }
         },
     };
-    let (head, decode, decode_load) = decode_head(&gw, &pd, &ex.request_id, decode_body)
-        .instrument(debug_span!("decode", id = %ex.request_id, endpoint = %pd.decode.name))
-        .await?;
-    pd.switch_decode(decode);
-    let record = ex.take_record()?;
-    Ok(relay::respond(
-        &gw,
-        &ex.request_id,
-        head,
-        pd,
-        decode_load,
-        None,
-        None,
-        record,
-    ))
+    let span = debug_span!("decode", id = %ex.request_id, endpoint = %pd.decode.name);
+    decode_last(ex, pd, decode_body, span).await
 }
 
 /// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
 /// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
-pub(crate) async fn decode_only(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
+pub(crate) async fn decode_only(ex: &mut Exchange, pd: Pd) -> Result<Answer, GatewayError> {
     let body = pd.clean.to_bytes();
+    let span =
+        debug_span!("decode", id = %ex.request_id, endpoint = %pd.decode.name, decode_only = true);
+    decode_last(ex, pd, body, span).await
+}
+
+/// Sends `body` as the decode leg (no prefill leg left running) and relays its response.
+async fn decode_last(
+    ex: &mut Exchange,
+    mut pd: Pd,
+    body: Bytes,
+    span: tracing::Span,
+) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
     let (head, decode, decode_load) = decode_head(&gw, &pd, &ex.request_id, body)
-        .instrument(debug_span!("decode", endpoint = %pd.decode.name, decode_only = true))
+        .instrument(span)
         .await?;
     pd.switch_decode(decode);
     let record = ex.take_record()?;

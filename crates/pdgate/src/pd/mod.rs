@@ -15,6 +15,7 @@ pub(crate) mod abort;
 pub(crate) mod legs;
 pub(crate) mod relay;
 pub(crate) mod select;
+pub(crate) mod usage;
 pub(crate) mod view;
 
 use std::sync::Arc;
@@ -82,6 +83,8 @@ pub(crate) struct Pd {
     pub(crate) agent: Arc<dyn KvTransferAgent>,
     pub(crate) model: Option<String>,
     pub(crate) served: Served,
+    /// The prefill's reported cached prompt tokens, which the client's usage carries.
+    pub(crate) prefill_cached: Option<u32>,
 }
 
 impl Pd {
@@ -189,6 +192,7 @@ pub(crate) async fn serve(
         agent,
         model: view.model,
         served,
+        prefill_cached: None,
     };
     // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
     // would otherwise hold (and move) that much inline.

@@ -24,7 +24,7 @@ use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::headers;
 use crate::metrics::RequestRecord;
 use crate::pd::abort::AbortOnLeave;
-use crate::pd::{Answer, Pd};
+use crate::pd::{Answer, Pd, usage};
 use crate::state::Gateway;
 
 /// The outcome of a leg running beside the relayed body.
@@ -41,6 +41,8 @@ pin_project! {
         partner: Option<AbortOnDropHandle<PartnerResult>>,
         prefix: Option<Frame<Bytes>>,
         sse: bool,
+        // The prefill's cached prompt tokens, written into the usage the decode reports.
+        cached_tokens: Option<u32>,
         done: bool,
         guards: Vec<LoadGuard>,
         record: RequestRecord,
@@ -66,6 +68,7 @@ impl RelayBody {
             partner: None,
             prefix: None,
             sse,
+            cached_tokens: None,
             done: false,
             guards,
             record,
@@ -76,6 +79,13 @@ impl RelayBody {
     /// A frame already read from `inner` (while waiting for the first byte), relayed first.
     pub fn with_prefix(mut self, prefix: Option<Frame<Bytes>>) -> Self {
         self.prefix = prefix;
+        self
+    }
+
+    /// Reports `cached` prompt tokens in the relayed usage instead of the decode's figure
+    /// (`pd::usage`: a JSON body keeps its length).
+    pub fn with_cached_tokens(mut self, cached: Option<u32>) -> Self {
+        self.cached_tokens = cached;
         self
     }
 
@@ -138,9 +148,14 @@ impl Body for RelayBody {
             None => this.inner.as_mut().poll_frame(cx),
         };
         match polled {
-            Poll::Ready(Some(Ok(frame))) => {
+            Poll::Ready(Some(Ok(mut frame))) => {
                 if frame.is_data() {
                     this.record.first_byte();
+                }
+                if let (Some(cached), Some(data)) = (*this.cached_tokens, frame.data_ref())
+                    && let Some(patched) = usage::patch(data, cached, !*this.sse)
+                {
+                    frame = Frame::data(patched);
                 }
                 let deadline = Instant::now() + *this.idle_timeout;
                 this.idle.as_mut().reset(deadline);
@@ -229,7 +244,8 @@ pub(crate) fn respond(
         pd.decode.name.clone(),
     )
     .with_partner(partner)
-    .with_prefix(prefix);
+    .with_prefix(prefix)
+    .with_cached_tokens(pd.prefill_cached);
     let mut body = axum::body::Body::new(relay);
     // vLLM aborts when its connection closes; an agent with an abort call also wants to be told.
     if let Some(guard) = AbortOnLeave::new(gw, pd.agent.as_ref(), pd.decode.clone(), request_id) {
