@@ -10,13 +10,20 @@
 //! the new number is padded with spaces, and when it needs more digits than the decode's the
 //! decode's figure stays (SSE chunks have no announced length and always get the new figure).
 
+use std::sync::LazyLock;
+
 use bytes::{BufMut, Bytes, BytesMut};
+use memchr::memmem::Finder;
 
 const KEY: &[u8] = b"\"cached_tokens\"";
 
+static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(KEY));
+
 /// Where the last `"cached_tokens": N` of `body` has its number, and the number.
 fn find(body: &[u8]) -> Option<(usize, usize, u32)> {
-    let at = body.windows(KEY.len()).rposition(|w| w == KEY)?;
+    // Forward (vectorised) search for every match, keeping the last: reverse search is not
+    // vectorised and costs more on a body with the key near its end.
+    let at = FINDER.find_iter(body).last()?;
     let mut i = at + KEY.len();
     let skip_ws = |i: &mut usize| {
         while body.get(*i).is_some_and(u8::is_ascii_whitespace) {
