@@ -102,6 +102,11 @@ fn engine(role: Role, blocks: usize, arm: Arm, tok: Option<&WordTokenizer>) -> S
 
 /// One arm: a fresh fleet (cold caches of `blocks` blocks per engine), the whole trace.
 async fn run(kind: WorkloadKind, arm: Arm, blocks: usize) -> Report {
+    run_spread(kind, arm, blocks).await.0
+}
+
+/// [`run`], also returning how many requests each prefill served.
+async fn run_spread(kind: WorkloadKind, arm: Arm, blocks: usize) -> (Report, Vec<u64>) {
     let spec = spec(kind);
     let tok = arm
         .precise()
@@ -173,14 +178,15 @@ async fn run(kind: WorkloadKind, arm: Arm, blocks: usize) -> Report {
     let oracle = report.oracle.as_ref().expect("oracle");
     let cached = report.cached_share.expect("cached_tokens in usage");
     let engines = report.engines.as_ref().expect("prefill metrics");
-    let prefill_requests: u64 = fleet
+    let per_prefill: Vec<u64> = fleet
         .prefill
         .iter()
         .map(|e| {
             let r = e.stats().requests;
             r.completions + r.chat_completions
         })
-        .sum();
+        .collect();
+    let prefill_requests: u64 = per_prefill.iter().sum();
     let metrics = fleet.metrics().await;
     let counter = |name: &str| -> u64 {
         metrics
@@ -200,7 +206,11 @@ async fn run(kind: WorkloadKind, arm: Arm, blocks: usize) -> Report {
         cached * 100.0,
         oracle.hit_share * 100.0,
         oracle.limited.as_ref().map_or(0.0, |l| l.hit_share * 100.0),
-        cached / oracle.hit_share * 100.0,
+        if oracle.hit_share > 0.0 {
+            cached / oracle.hit_share * 100.0
+        } else {
+            100.0
+        },
         engines.hit_share * 100.0,
         engines.prefill_computed_tokens,
         report.ok,
@@ -214,7 +224,7 @@ async fn run(kind: WorkloadKind, arm: Arm, blocks: usize) -> Report {
         assert!(alone > 0, "{metrics}");
         assert_eq!(alone + prefill_requests, report.ok);
     }
-    report
+    (report, per_prefill)
 }
 
 fn share_of_oracle(r: &Report) -> f64 {
@@ -266,4 +276,25 @@ async fn multi_turn_cache_aware_reaches_the_oracle_where_round_robin_does_not() 
         "approximate {:.3}",
         share_of_oracle(&approx)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_prompts_lose_nothing_against_least_request() {
+    // The control: nothing to reuse. cache_aware must spread the misses like least_request.
+    let (lr, lr_spread) = run_spread(WorkloadKind::Random, Arm::LeastRequest, 144).await;
+    let (ca, ca_spread) = run_spread(WorkloadKind::Random, Arm::Approximate, 144).await;
+    assert_eq!(ca.ok, lr.ok);
+    assert!(
+        ca.cached_share.unwrap_or(0.0) >= lr.cached_share.unwrap_or(0.0),
+        "cache_aware {:?} vs least_request {:?}",
+        ca.cached_share,
+        lr.cached_share
+    );
+    for (name, spread) in [("least_request", &lr_spread), ("cache_aware", &ca_spread)] {
+        let total: u64 = spread.iter().sum();
+        assert!(
+            spread.iter().all(|&n| n * 4 >= total),
+            "{name} piled the misses up: {spread:?}"
+        );
+    }
 }
