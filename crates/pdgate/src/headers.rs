@@ -104,6 +104,9 @@ pub struct Served {
     pub connector: &'static str,
     /// The decode served the request alone after a prefill failure.
     pub fallback: bool,
+    /// Whether the answer names the endpoints (`prefill-target-pod`, `target-pod`):
+    /// `security.expose_target_headers`.
+    pub targets: bool,
 }
 
 impl Served {
@@ -116,7 +119,10 @@ impl Served {
             HeaderName::from_static(CONNECTOR_HEADER),
         ];
         let values = [request_id, &self.prefill, &self.decode, self.connector];
-        for (name, v) in NAMES.into_iter().zip(values) {
+        for (i, (name, v)) in NAMES.into_iter().zip(values).enumerate() {
+            if !self.targets && (i == 1 || i == 2) {
+                continue;
+            }
             if let Ok(v) = HeaderValue::from_str(v) {
                 headers.insert(name, v);
             }
@@ -152,6 +158,7 @@ mod tests {
             decode: "d:2".into(),
             connector: "shfs",
             fallback: true,
+            targets: true,
         }
         .apply("id-1", &mut h);
         assert_eq!(h["x-request-id"], "id-1");
@@ -159,5 +166,16 @@ mod tests {
         assert_eq!(h["target-pod"], "d:2");
         assert_eq!(h["x-pdgate-fallback"], "prefill-failed");
         assert!(is_hop_header(&header::CONTENT_LENGTH) && !is_hop_header(&header::CONTENT_TYPE));
+        let mut hidden = HeaderMap::new();
+        Served {
+            prefill: "p:1".into(),
+            decode: "d:2".into(),
+            connector: "shfs",
+            fallback: false,
+            targets: false,
+        }
+        .apply("id-1", &mut hidden);
+        assert!(hidden.get("prefill-target-pod").is_none() && hidden.get("target-pod").is_none());
+        assert_eq!(hidden["x-request-id"], "id-1");
     }
 }

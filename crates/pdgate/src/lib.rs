@@ -60,6 +60,7 @@ pub(crate) mod metrics;
 pub(crate) mod pd;
 pub(crate) mod run;
 pub(crate) mod state;
+pub(crate) mod watch;
 
 pub use config::{Config, ConfigError, EndpointConfig, LogFormat, RunArgs};
 pub use discovery::file::watch_config_file;

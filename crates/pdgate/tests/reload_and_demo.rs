@@ -15,6 +15,8 @@ use tokio::net::TcpListener;
 
 fn toml_for(prefill: &[&pdsim::SimHandle], decode: &[&pdsim::SimHandle]) -> String {
     let mut s = String::from("kv_connector = \"shfs\"\nmodels = [\"m\"]\ndrain_delay = 0\n");
+    // The test follows requests by the endpoint headers (AIBrix's, off by default).
+    s.push_str("[security]\nexpose_target_headers = true\n");
     for p in prefill {
         s.push_str(&format!("[[prefill]]\nurl = \"{}\"\n", p.base_url()));
     }

@@ -3,6 +3,8 @@
 
 mod flags;
 
+pub use crate::http::auth::Secret;
+pub use crate::http::guard::SecurityConfig;
 pub use flags::{LogFormat, RunArgs};
 
 use std::collections::BTreeMap;
@@ -164,6 +166,8 @@ pub struct Config {
     /// (pdkube's type has no `Serialize`: the table is left out of [`Config::to_table`].)
     #[serde(skip_serializing)]
     pub kubernetes: pdkube::KubeDiscoveryConfig,
+    /// Edge security: the pass-through allow-list, body-read bounds (`[security]`).
+    pub security: SecurityConfig,
 }
 
 impl Default for Config {
@@ -211,6 +215,7 @@ impl Default for Config {
             // The engines' own keep-alive timeouts (vLLM's uvicorn: 5 s) usually close first.
             pool_idle_timeout: Duration::from_secs(60),
             kubernetes: pdkube::KubeDiscoveryConfig::default(),
+            security: SecurityConfig::default(),
         }
     }
 }
@@ -287,11 +292,11 @@ pub(crate) fn format_duration(d: Duration) -> String {
     }
 }
 
-fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&format_duration(*d))
 }
 
-fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+pub(crate) fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Raw {
@@ -362,6 +367,9 @@ impl Config {
 
     /// Checks every field once, at start-up (and on each reload), naming the field at fault.
     pub fn validate(&self, registry: &Registry) -> Result<(), ConfigError> {
+        self.security
+            .validate()
+            .map_err(|(field, message)| field_error(field, message))?;
         registry
             .validate_default(&self.kv_connector)
             .map_err(|e| field_error("kv_connector", e.to_string()))?;
@@ -485,12 +493,16 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
         .url
         .parse()
         .map_err(|e| field_error(&field, format!("{:?} is not a URL: {e}", ep.url)))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(field_error(
-            &field,
-            format!("{:?} must start with http://", ep.url),
-        ));
-    }
+    let tls = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => {
+            return Err(field_error(
+                &field,
+                format!("{:?} must start with http:// or https://", ep.url),
+            ));
+        }
+    };
     let host = uri
         .host()
         .ok_or_else(|| field_error(&field, format!("{:?} has no host", ep.url)))?;
@@ -501,7 +513,7 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
         ));
     }
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    let port = uri.port_u16().unwrap_or(80);
+    let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
     let name = ep.name.clone().unwrap_or_else(|| {
         if host.contains(':') {
             format!("[{host}]:{port}")
@@ -513,6 +525,12 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
     pod.ready = true;
     pod.labels = ep.labels.clone();
     pod.annotations = ep.annotations.clone();
+    if tls {
+        pod.annotations.insert(
+            crate::endpoints::ENGINE_SCHEME_ANNOTATION.to_string(),
+            "https".to_string(),
+        );
+    }
     pod.labels
         .insert(kvtransfer::labels::ROLE_NAME.to_string(), role.to_string());
     if let Some(model) = &ep.model {

@@ -56,9 +56,9 @@ fn operations_doc_lists_every_key_with_its_default() {
     for key in flags::KEYS {
         let row = doc
             .lines()
-            .find(|l| l.starts_with(&format!("| `{}`", key.name)))
+            .find(|l| l.starts_with(&format!("| `{}`", key.path())))
             .unwrap_or_else(|| panic!("docs/operations.md has no row for `{}`", key.name));
-        let default = flags::default_text(&defaults, key.name);
+        let default = flags::default_text(&defaults, &key.path());
         assert!(
             row.contains(&format!("| `{default}`")),
             "docs/operations.md: `{}` should default to `{default}`: {row}",

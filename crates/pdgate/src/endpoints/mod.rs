@@ -16,6 +16,10 @@ use arc_swap::ArcSwap;
 use kvtransfer::{KvTransferAgent, Pod, Registry};
 
 /// The role an engine plays.
+/// Pod annotation (and what an `https://` endpoint URL sets): `https` reaches the engine over
+/// TLS (`security.engine_ca_file`).
+pub(crate) const ENGINE_SCHEME_ANNOTATION: &str = "pdgate.io/engine-scheme";
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     /// Computes the prompt's KV cache.
@@ -219,10 +223,14 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 continue;
             }
         };
-        let Some(base_url) = pod.base_url() else {
+        let Some(mut base_url) = pod.base_url() else {
             snap.excluded.push((pod.name.clone(), "no IP".into()));
             continue;
         };
+        if pod.annotation(ENGINE_SCHEME_ANNOTATION) == Some("https") {
+            // `http://...` -> `https://...`: the engine is reached over TLS.
+            base_url.replace_range(..4, "https");
+        }
         if !pod.ready {
             snap.excluded.push((pod.name.clone(), "not ready".into()));
             continue;

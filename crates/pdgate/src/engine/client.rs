@@ -106,10 +106,24 @@ pub async fn send(
     let request = builder
         .body(Full::new(leg.body))
         .map_err(|e| GatewayError::Internal(format!("building the {:?} request: {e}", leg.leg)))?;
-    client
+    let response = client
         .request(request)
         .await
-        .map_err(|e| from_pool(leg.leg, leg.endpoint, &e))
+        .map_err(|e| from_pool(leg.leg, leg.endpoint, &e))?;
+    if response.status().is_redirection() {
+        // A redirect names the engine's own (internal) address in `Location`, and following it
+        // would send the request where no endpoint list says: neither relayed nor followed.
+        return Err(upstream(
+            leg.leg,
+            leg.endpoint,
+            UpstreamKind::Broken,
+            format!(
+                "answered with a redirect ({}), which is not relayed",
+                response.status().as_u16()
+            ),
+        ));
+    }
+    Ok(response)
 }
 
 /// A fully read (bounded) engine response.

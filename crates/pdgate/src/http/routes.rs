@@ -5,13 +5,17 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::IntoResponse;
+use http::HeaderMap;
 use http::StatusCode;
 use http::header::{self, HeaderValue};
 
 use crate::pd::Answer;
 use crate::state::Gateway;
 
-pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Answer {
+pub(crate) async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Answer {
+    if let Err(err) = gw.client_keys.check(&headers) {
+        return crate::http::edge::refuse(gw, &headers, err);
+    }
     let snap = gw.store.load();
     let data: Vec<_> = snap
         .models
@@ -46,6 +50,32 @@ pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, axum::Json(body)).into_response()
+}
+
+/// `/metrics` on the API port: behind the client keys, and absent (404) when an admin listener
+/// serves it.
+pub(crate) async fn api_metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Answer {
+    if gw.config.security.admin_listen.is_some() {
+        let err = crate::error::GatewayError::NotFound {
+            path: "/metrics".into(),
+        };
+        return crate::http::edge::refuse(gw, &headers, err);
+    }
+    if let Err(err) = gw.client_keys.check(&headers) {
+        return crate::http::edge::refuse(gw, &headers, err);
+    }
+    metrics(State(gw)).await
+}
+
+/// The admin listener's routes: `/metrics`, `/health`, `/ready`, open (bind it where only
+/// operators reach).
+pub(crate) fn admin_router(gw: Arc<Gateway>) -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .with_state(gw)
 }
 
 pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
