@@ -131,6 +131,16 @@ pub enum GatewayError {
         /// Seconds the client should wait.
         retry_after_secs: u64,
     },
+    /// A named client went beyond one of its limits (`[[security.clients]]`).
+    #[error("rate limit reached for client {client:?}: {limit}; retry later")]
+    ClientLimit {
+        /// The client's configured name.
+        client: String,
+        /// Which limit.
+        limit: &'static str,
+        /// Seconds the client should wait.
+        retry_after_secs: u64,
+    },
     /// No API key, or one that is not configured.
     #[error("{}", unauthorized_message(.missing))]
     Unauthorized {
@@ -220,6 +230,7 @@ impl GatewayError {
             | GatewayError::HeadersTooLarge { .. }
             | GatewayError::Rejected(_)
             | GatewayError::Unauthorized { .. }
+            | GatewayError::ClientLimit { .. }
             | GatewayError::BodyTimeout { .. } => Source::Client,
             GatewayError::NoEndpoint { .. }
             | GatewayError::Overloaded { .. }
@@ -271,7 +282,9 @@ impl GatewayError {
             GatewayError::NoEndpoint { .. } | GatewayError::Busy { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            GatewayError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::Overloaded { .. } | GatewayError::ClientLimit { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             GatewayError::Upstream { kind, .. } => match kind {
                 UpstreamKind::Timeout | UpstreamKind::Silent => StatusCode::GATEWAY_TIMEOUT,
                 UpstreamKind::Connect | UpstreamKind::Broken => StatusCode::BAD_GATEWAY,
@@ -291,6 +304,7 @@ impl GatewayError {
             | GatewayError::BodyTimeout { .. }
             | GatewayError::Unauthorized { .. } => "invalid_request_error",
             GatewayError::Rejected(r) => r.error_type(),
+            GatewayError::ClientLimit { .. } => "rate_limit_error",
             GatewayError::ModelNotFound { .. } | GatewayError::NotFound { .. } => "NotFoundError",
             GatewayError::NoEndpoint { .. }
             | GatewayError::Overloaded { .. }
@@ -399,7 +413,10 @@ impl GatewayError {
                 // The body was not read: the connection cannot carry another request.
                 headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
-            GatewayError::Busy { retry_after_secs } => {
+            GatewayError::Busy { retry_after_secs }
+            | GatewayError::ClientLimit {
+                retry_after_secs, ..
+            } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
                 // The unread body is still on the wire.
                 headers.insert(header::CONNECTION, HeaderValue::from_static("close"));

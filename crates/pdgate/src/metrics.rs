@@ -53,6 +53,15 @@ struct ReasonLabels {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClientLabels {
+    client: String,
+    result: &'static str,
+}
+
+/// What happened to a named client's request at its limits (`pdgate_client_requests_total`).
+pub const CLIENT_RESULTS: [&str; 3] = ["admitted", "rate_limited", "concurrency_limited"];
+
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -78,6 +87,7 @@ pub struct Metrics {
     healthy: Family<EndpointLabels, Gauge>,
     discovery_changes: Counter,
     rejected: Family<ReasonLabels, Counter>,
+    clients: Family<ClientLabels, Counter>,
     /// Requests holding an admission slot.
     pub admitted: Gauge,
     /// Requests waiting for an admission slot.
@@ -158,6 +168,12 @@ impl Metrics {
         let healthy = Family::<EndpointLabels, Gauge>::default();
         let discovery_changes = Counter::default();
         let rejected = Family::<ReasonLabels, Counter>::default();
+        let clients = Family::<ClientLabels, Counter>::default();
+        registry.register(
+            "client_requests",
+            "Requests of named clients ([[security.clients]]) by result at their limits",
+            clients.clone(),
+        );
         let admitted = Gauge::default();
         let queued = Gauge::default();
         registry.register(
@@ -196,6 +212,7 @@ impl Metrics {
             healthy,
             discovery_changes,
             rejected,
+            clients,
             admitted,
             queued,
             requests,
@@ -274,6 +291,26 @@ impl Metrics {
     }
 
     /// Counts a request refused by admission control.
+    /// Creates the series of client `name` at 0, so that dashboards see them before traffic.
+    pub fn declare_client(&self, name: &str) {
+        for result in CLIENT_RESULTS {
+            let _ = self.clients.get_or_create(&ClientLabels {
+                client: name.to_string(),
+                result,
+            });
+        }
+    }
+
+    /// Counts one request of the named client `name` (`result` from [`CLIENT_RESULTS`]).
+    pub fn count_client(&self, name: &str, result: &'static str) {
+        self.clients
+            .get_or_create(&ClientLabels {
+                client: name.to_string(),
+                result,
+            })
+            .inc();
+    }
+
     pub fn count_rejected(&self, reason: &'static str) {
         self.rejected.get_or_create(&ReasonLabels { reason }).inc();
     }

@@ -83,12 +83,15 @@ impl Gateway {
             decode = decode_policy.name(),
             "policies"
         );
-        let client_keys = crate::http::auth::ClientKeys::new(&config.security).map_err(|e| {
-            ConfigError::Field {
+        let metrics = Arc::new(Metrics::new());
+        let client_keys = crate::http::auth::ClientKeys::new(&config.security, metrics.clone())
+            .map_err(|e| ConfigError::Field {
                 field: "security.api_keys_file".into(),
                 message: e.to_string(),
-            }
-        })?;
+            })?;
+        for name in client_keys.client_names() {
+            metrics.declare_client(name);
+        }
         let engine_authorization = config
             .security
             .engine_authorization()
@@ -101,7 +104,6 @@ impl Gateway {
             .map_err(|e| tls_error("engine_ca_file", e))?;
         let server_tls = crate::http::tls::ServerTls::from_config(&config.security)
             .map_err(|e| tls_error("tls_cert", e))?;
-        let metrics = Arc::new(Metrics::new());
         Ok(Arc::new(Gateway {
             server_tls,
             health: Arc::new(Health::new(&config.health_section(), metrics.clone())),

@@ -840,3 +840,98 @@ async fn header_floods_get_431_without_touching_an_engine() {
     assert_eq!(r.status(), 200);
     after_case(&fleet).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_clients_get_429_beyond_their_limits_and_are_counted_by_name() {
+    use pdgate::config::{ClientConfig, Secret};
+    let client = |name: &str, key: &str, rps: Option<f64>, in_flight: Option<usize>| ClientConfig {
+        name: name.into(),
+        key: Secret(key.into()),
+        requests_per_second: rps,
+        max_in_flight: in_flight,
+    };
+    let fleet = pair(Connector::Shfs, |c| {
+        c.security.clients = vec![
+            client("team-a", "key-a-0123", None, Some(1)),
+            client("team-b", "key-b-4567", Some(0.5), None),
+        ];
+        c.security.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+    })
+    .await;
+    let post = |key: &str, body: Value| {
+        fleet
+            .http
+            .post(fleet.url("/v1/completions"))
+            .bearer_auth(key)
+            .json(&body)
+            .timeout(Duration::from_secs(30))
+            .send()
+    };
+    // team-a: one request at a time. A stream of 200 tokens (about 2 s) holds its place.
+    let long = json!({"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": true});
+    let held = post("key-a-0123", long).await.unwrap();
+    assert_eq!(held.status(), 200);
+    let second = post("key-a-0123", completion(false)).await.unwrap();
+    assert_eq!(second.status(), 429);
+    assert_eq!(second.headers()["retry-after"], "1");
+    let v: Value = second.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("team-a"),
+        "{v}"
+    );
+    // Its place comes back with the end of the stream.
+    let _ = held.bytes().await.unwrap();
+    assert_eq!(
+        post("key-a-0123", completion(false))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    // team-b: one request every 2 s on average, a burst of one.
+    assert_eq!(
+        post("key-b-4567", completion(false))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let limited = post("key-b-4567", completion(false)).await.unwrap();
+    assert_eq!(limited.status(), 429);
+    assert_eq!(limited.headers()["retry-after"], "2");
+    // An unknown key is still a 401, and only the named clients' labels appear in metrics.
+    assert_eq!(
+        post("key-c", completion(false)).await.unwrap().status(),
+        401
+    );
+    let admin = fleet.gateway.admin_addr().expect("admin listener");
+    let scrape = || async {
+        fleet
+            .http
+            .get(format!("http://{admin}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let text = scrape().await;
+    for line in [
+        r#"pdgate_client_requests_total{client="team-a",result="admitted"} 2"#,
+        r#"pdgate_client_requests_total{client="team-a",result="concurrency_limited"} 1"#,
+        r#"pdgate_client_requests_total{client="team-b",result="rate_limited"} 1"#,
+        r#"pdgate_client_requests_total{client="team-b",result="concurrency_limited"} 0"#,
+    ] {
+        assert!(text.contains(line), "{line} missing:\n{text}");
+    }
+    assert!(!text.contains("key-a-0123") && !text.contains("key-b-4567"));
+    for _ in 0..40 {
+        if scrape().await.contains("pdgate_admission_in_flight 0") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("admission did not return to 0:\n{}", scrape().await);
+}

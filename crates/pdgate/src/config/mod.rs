@@ -3,7 +3,7 @@
 
 mod flags;
 
-pub use crate::http::auth::Secret;
+pub use crate::http::auth::{ClientConfig, Secret};
 pub use crate::http::guard::SecurityConfig;
 pub use flags::{LogFormat, RunArgs};
 

@@ -43,6 +43,9 @@ pub struct SecurityConfig {
     /// Client API keys (`Authorization: Bearer KEY` or `x-api-key`). With none here, none from
     /// `--api-key`/`PDGATE_API_KEYS` and no `api_keys_file`, the API is open.
     pub api_keys: Vec<Secret>,
+    /// Named clients, each with its own key and optional limits (`[[security.clients]]`):
+    /// `name`, `key`, `requests_per_second`, `max_in_flight`.
+    pub clients: Vec<crate::http::auth::ClientConfig>,
     /// A file of client API keys, one per line (`#` comments), re-read when it changes.
     pub api_keys_file: Option<PathBuf>,
     /// Sent to every engine as `Authorization: Bearer KEY` (engines started with `--api-key`).
@@ -99,6 +102,7 @@ impl Default for SecurityConfig {
             body_budget_wait: Duration::from_secs(1),
             max_streams_per_connection: 64,
             api_keys: Vec::new(),
+            clients: Vec::new(),
             api_keys_file: None,
             admin_listen: None,
             expose_target_headers: false,
@@ -140,6 +144,26 @@ impl SecurityConfig {
                 return Err((
                     format!("security.{missing}"),
                     format!("must be set with security.{given}"),
+                ));
+            }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, c) in self.clients.iter().enumerate() {
+            if c.name.is_empty() || !names.insert(c.name.as_str()) {
+                return Err((
+                    format!("security.clients[{i}].name"),
+                    format!("{:?} is empty or not unique", c.name),
+                ));
+            }
+            if c.key.0.trim().is_empty() {
+                return Err((format!("security.clients[{i}].key"), "is empty".into()));
+            }
+            if c.requests_per_second
+                .is_some_and(|r| !r.is_finite() || r < 0.0)
+            {
+                return Err((
+                    format!("security.clients[{i}].requests_per_second"),
+                    "must be a number >= 0".into(),
                 ));
             }
         }

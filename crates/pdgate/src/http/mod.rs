@@ -52,14 +52,14 @@ async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
     // (docs/operations.md, Tracing); `RUST_LOG=pdgate=debug` turns them on.
     let span = tracing::debug_span!("request", id = %ex.request_id, route = route.label());
     let result = async {
-        ex.gw.client_keys.check(request.headers())?;
+        let pass = ex.gw.client_keys.check(request.headers())?;
         edge::check_head(&ex.gw, request.headers())?;
         guard::check_target(request.method(), request.uri(), request.version())?;
         let (parts, body) = request.into_parts();
         let bytes = edge::read_request_body(&ex.gw, &parts.headers, body).await?;
         let slot = ex.gw.admission.admit().await?;
         let answer = pd::serve(&mut ex, route, &parts.headers, bytes).await?;
-        Ok(crate::limits::hold(answer, slot))
+        Ok(auth::hold(answer, slot, pass))
     };
     let result = tracing::Instrument::instrument(result, span).await;
     edge::finish(ex, result)

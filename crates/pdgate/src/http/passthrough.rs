@@ -16,6 +16,7 @@ use crate::endpoints::LoadGuard;
 use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg};
 use crate::headers::{self, DECODE_TARGET_HEADER};
+use crate::http::auth::{self, Pass};
 use crate::http::{edge, guard};
 use crate::pd::relay::RelayBody;
 use crate::pd::{Answer, Exchange};
@@ -24,9 +25,10 @@ use crate::state::Gateway;
 /// The fallback route.
 pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
     // A client without a key learns nothing, not even which paths exist.
-    if let Err(err) = gw.client_keys.check(request.headers()) {
-        return edge::refuse(gw, request.headers(), err);
-    }
+    let pass = match gw.client_keys.check(request.headers()) {
+        Ok(pass) => pass,
+        Err(err) => return edge::refuse(gw, request.headers(), err),
+    };
     if let Err(err) = guard::check_target(request.method(), request.uri(), request.version()) {
         return edge::refuse(gw, request.headers(), err);
     }
@@ -37,7 +39,7 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request
     let mut ex = Exchange::new(gw, "passthrough", request.headers());
     let result = async {
         edge::check_head(&ex.gw, request.headers())?;
-        forward(&mut ex, request).await
+        forward(&mut ex, request, pass).await
     }
     .await;
     edge::finish(ex, result)
@@ -64,7 +66,7 @@ fn clean_body(body: Bytes) -> Result<(Bytes, Option<String>), GatewayError> {
     Ok((json.to_bytes(), model))
 }
 
-async fn forward(ex: &mut Exchange, request: Request) -> Result<Answer, GatewayError> {
+async fn forward(ex: &mut Exchange, request: Request, pass: Pass) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
     let (parts, body) = request.into_parts();
     let path = parts.uri.path().to_string();
@@ -130,7 +132,7 @@ async fn forward(ex: &mut Exchange, request: Request) -> Result<Answer, GatewayE
         response.headers_mut().insert(DECODE_TARGET_HEADER, v);
     }
     headers::stamp_request_id(response.headers_mut(), &ex.request_id);
-    Ok(crate::limits::hold(response, slot))
+    Ok(auth::hold(response, slot, pass))
 }
 
 #[cfg(test)]
