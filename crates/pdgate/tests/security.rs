@@ -935,3 +935,44 @@ async fn named_clients_get_429_beyond_their_limits_and_are_counted_by_name() {
     }
     panic!("admission did not return to 0:\n{}", scrape().await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_get_their_own_key_and_never_the_clients() {
+    let Some(asgi) = Asgi::start(&[]).await else {
+        return;
+    };
+    let fleet = pair(Connector::Shfs, |c| {
+        c.health_checks = false;
+        let mut decode = asgi.endpoint("asgi-decode");
+        decode.api_key = Some(pdgate::config::Secret("decode-own-key".into()));
+        c.decode = vec![decode];
+        c.security.engine_api_key = Some(pdgate::config::Secret("fleet-key".into()));
+        c.security.api_keys = vec![pdgate::config::Secret("client-key".into())];
+    })
+    .await;
+    let r = fleet
+        .http
+        .post(fleet.url("/v1/embeddings"))
+        .bearer_auth("client-key")
+        .json(&json!({"model": MODEL, "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let records = asgi.records().await;
+    assert_eq!(records.len(), 1);
+    let auth: Vec<String> = records[0]["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h[0].as_str().unwrap().eq_ignore_ascii_case("authorization"))
+        .map(|h| h[1].as_str().unwrap().to_string())
+        .collect();
+    // The endpoint's own key replaces the fleet's; the client's key stays at the gateway.
+    assert_eq!(auth, ["Bearer decode-own-key"]);
+    let text = serde_json::to_string(&records).unwrap();
+    assert!(
+        !text.contains("client-key") && !text.contains("fleet-key"),
+        "{text}"
+    );
+}

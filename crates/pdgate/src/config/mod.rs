@@ -64,6 +64,9 @@ pub struct EndpointConfig {
     /// server (default 8998 for both).
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
+    /// This engine's API key, sent as its bearer token (instead of `security.engine_api_key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<Secret>,
 }
 
 /// The whole gateway configuration.
@@ -536,6 +539,13 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
     if let Some(model) = &ep.model {
         pod.labels
             .insert(kvtransfer::labels::MODEL_NAME.to_string(), model.clone());
+    }
+    if let Some(key) = &ep.api_key {
+        // Carried to the endpoint, which keeps it as a sensitive header value only.
+        pod.annotations.insert(
+            crate::endpoints::ENGINE_KEY_ANNOTATION.to_string(),
+            key.0.clone(),
+        );
     }
     if let Some(port) = ep.bootstrap_port {
         for key in kvtransfer::labels::BOOTSTRAP_PORTS {

@@ -20,6 +20,10 @@ use kvtransfer::{KvTransferAgent, Pod, Registry};
 /// TLS (`security.engine_ca_file`).
 pub(crate) const ENGINE_SCHEME_ANNOTATION: &str = "pdgate.io/engine-scheme";
 
+/// Internal: how a static endpoint's `api_key` reaches its [`Endpoint`] (which removes it from
+/// its copy of the pod and keeps a sensitive header value).
+pub(crate) const ENGINE_KEY_ANNOTATION: &str = "pdgate.internal/engine-api-key";
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     /// Computes the prompt's KV cache.
@@ -96,6 +100,8 @@ pub struct Endpoint {
     pub agent: Option<Arc<dyn KvTransferAgent>>,
     /// Live load.
     pub load: Arc<Load>,
+    /// `Authorization` for this engine (its own `api_key`), over `security.engine_api_key`.
+    pub authorization: Option<http::HeaderValue>,
 }
 
 impl Endpoint {
@@ -104,6 +110,7 @@ impl Endpoint {
         crate::engine::client::Target {
             name: &self.name,
             base_url: &self.base_url,
+            authorization: self.authorization.as_ref(),
         }
     }
 
@@ -279,11 +286,30 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
             ));
             continue;
         }
+        let mut pod = pod.clone();
+        let authorization = match pod.annotations.remove(ENGINE_KEY_ANNOTATION) {
+            None => None,
+            Some(key) => match http::HeaderValue::from_str(&format!("Bearer {key}")) {
+                Ok(mut v) => {
+                    v.set_sensitive(true);
+                    Some(v)
+                }
+                Err(_) => {
+                    snap.excluded.push((
+                        pod.name.clone(),
+                        "api_key is not a valid header value".into(),
+                    ));
+                    continue;
+                }
+            },
+        };
+        let pod = &pod;
         let endpoint_models = models_of(pod, inputs.default_models);
         models.extend(endpoint_models.iter().cloned());
         let endpoint = Arc::new(Endpoint {
             name: pod.name.clone(),
             base_url,
+            authorization,
             pod: pod.clone(),
             role,
             models: endpoint_models,

@@ -23,6 +23,8 @@ pub struct Target<'a> {
     pub name: &'a str,
     /// `http://host:port`.
     pub base_url: &'a str,
+    /// The engine's own `Authorization`, replacing the one the leg's headers carry.
+    pub authorization: Option<&'a HeaderValue>,
 }
 
 /// One request to one engine.
@@ -101,6 +103,9 @@ pub async fn send(
         }
         for (k, v) in leg.extra {
             h.insert(k.clone(), v.clone());
+        }
+        if let Some(v) = leg.endpoint.authorization {
+            h.insert(header::AUTHORIZATION, v.clone());
         }
     }
     let request = builder

@@ -129,6 +129,7 @@ mod tests {
                     connector: None,
                     agent: None,
                     load: Arc::new(Load::default()),
+                    authorization: None,
                 })
             })
             .collect()
