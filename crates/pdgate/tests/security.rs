@@ -976,3 +976,148 @@ async fn engines_get_their_own_key_and_never_the_clients() {
         "{text}"
     );
 }
+
+/// A TCP listener that no endpoint list names; counts the connections it accepts.
+async fn canary() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let dialled = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = dialled.clone();
+    tokio::spawn(async move {
+        while let Ok((_tcp, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    (addr, dialled)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ssrf_attempts_through_fields_and_headers_dial_nothing() {
+    use std::sync::atomic::Ordering;
+    let (canary, dialled) = canary().await;
+    // NIXL: the decode pulls KV from the host and port its transfer parameters name, so a planted
+    // `remote_host`/`remote_port` that survived would make it dial the canary.
+    let fleet = pair(Connector::Nixl, |_| {}).await;
+    let (host, port) = (canary.ip().to_string(), canary.port());
+    let planted = json!({
+        "model": MODEL, "prompt": "hi", "max_tokens": 2,
+        "kv_transfer_params": {"remote_host": host, "remote_port": port, "do_remote_prefill": true},
+        "remote_host": host, "remote_port": port, "bootstrap_host": host, "bootstrap_port": port,
+        "vllm_xargs": {"kv_transfer_params": {"remote_host": host, "remote_port": port}},
+    });
+    let at = canary.to_string();
+    let headers = [
+        ("host", at.as_str()),
+        ("x-forwarded-host", at.as_str()),
+        ("forwarded", &format!("host={at}")),
+        ("x-forwarded-for", at.as_str()),
+        ("target-pod", at.as_str()),
+        ("prefill-target-pod", at.as_str()),
+        ("routing-strategy", "pd"),
+    ];
+    for stream in [false, true] {
+        let mut body = planted.clone();
+        body["stream"] = json!(stream);
+        let mut request = fleet.http.post(fleet.url("/v1/completions")).json(&body);
+        for (k, v) in &headers {
+            request = request.header(*k, *v);
+        }
+        let r = request.send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let _ = r.bytes().await.unwrap();
+    }
+    assert_eq!(
+        fleet.decode[0].stats().transfers_pulled,
+        2,
+        "the real handoff ran"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        dialled.load(Ordering::SeqCst),
+        0,
+        "something dialled the canary"
+    );
+    after_case(&fleet).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowloris_head_is_closed_at_the_idle_timeout_and_others_are_served() {
+    let fleet = pair(Connector::Shfs, |c| {
+        c.client_idle_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let mut tcp = TcpStream::connect(fleet.gateway.addr()).await.unwrap();
+    let head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n";
+    let drip = async {
+        for b in head {
+            if tcp.write_all(&[*b]).await.is_err() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    };
+    // Meanwhile the gateway serves everyone else.
+    let (closed_early, served) = tokio::join!(drip, async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        fleet
+            .post_bounded("/v1/completions", &completion(false))
+            .await
+            .status()
+    });
+    assert_eq!(served, 200);
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut rest)).await;
+    assert!(
+        closed_early || read.is_ok(),
+        "the dripping connection was still open after the idle timeout"
+    );
+    assert!(
+        !String::from_utf8_lossy(&rest).contains(" 200 "),
+        "no answer to a head never ended"
+    );
+    after_case(&fleet).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_rapid_reset_flood_leaves_the_gateway_serving() {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let fleet = pair(Connector::Shfs, |c| {
+        c.security.max_streams_per_connection = 16;
+    })
+    .await;
+    let tcp = TcpStream::connect(fleet.gateway.addr()).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .expect("h2 handshake");
+    let conn = tokio::spawn(conn);
+    let body = completion(false).to_string();
+    // Open streams and reset each at once (the future dropped after 1 ms sends RST_STREAM).
+    let mut sent = 0;
+    for _ in 0..1000 {
+        let request = http::Request::post("http://x/v1/completions")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body.clone())))
+            .unwrap();
+        if sender.ready().await.is_err() {
+            break; // the server ended the connection (GOAWAY): that is an answer too
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(1), sender.send_request(request)).await;
+        sent += 1;
+    }
+    assert!(sent > 0);
+    drop(sender);
+    let _ = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    // Each engine saw at most the streams that were not reset in time, and the gateway serves.
+    assert!(pdsim_requests(&fleet) <= 2 * sent as u64);
+    let r = fleet
+        .post_bounded("/v1/completions", &completion(false))
+        .await;
+    assert_eq!(r.status(), 200);
+    after_case(&fleet).await;
+}
