@@ -4,6 +4,8 @@
 //! status, that pdgate is still up, that nothing forbidden reached an engine, and that the
 //! admission gauges are back to 0.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
 mod common;
 
 use std::collections::BTreeSet;

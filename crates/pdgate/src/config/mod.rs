@@ -376,6 +376,27 @@ impl Config {
         registry
             .validate_default(&self.kv_connector)
             .map_err(|e| field_error("kv_connector", e.to_string()))?;
+        for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            for (i, ep) in list.iter().enumerate() {
+                if let Some(label) = ep.labels.get(kvtransfer::CONNECTOR_TYPE_IDENTIFIER)
+                    && !label.trim().is_empty()
+                    && !registry.contains(label)
+                {
+                    let mut names = registry.valid_agent_names();
+                    names.sort();
+                    return Err(field_error(
+                        format!(
+                            "{role}[{i}].labels.\"{}\"",
+                            kvtransfer::CONNECTOR_TYPE_IDENTIFIER
+                        ),
+                        format!(
+                            "unknown KV connector {label:?} (registered: {})",
+                            names.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
         for (field, name) in [
             ("prefill_policy", &self.prefill_policy),
             ("decode_policy", &self.decode_policy),

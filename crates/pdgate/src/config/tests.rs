@@ -88,3 +88,18 @@ fn durations() {
     assert!(parse_duration("-1").is_err());
     assert!(parse_duration("later").is_err());
 }
+
+#[test]
+fn an_unknown_connector_label_in_the_file_is_a_start_up_error() {
+    let text = "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\nlabels = { \"model.aibrix.ai/kv-connector-type\" = \"moon\" }\n[[decode]]\nurl = \"http://10.0.0.2:8000\"\n";
+    let config = Config::from_toml(text).unwrap();
+    let err = config
+        .validate(&kvtransfer::Registry::with_builtins())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("prefill[0].labels"), "{err}");
+    assert!(
+        err.contains("\"moon\"") && err.contains("mooncake"),
+        "{err}"
+    );
+}

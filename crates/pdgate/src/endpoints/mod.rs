@@ -93,8 +93,8 @@ pub struct Endpoint {
     pub role: Role,
     /// Models served; empty means any.
     pub models: Vec<String>,
-    /// The connector: for a prefill, resolved from its label and the global default; for a
-    /// decode, the label it declares, if any (then it only pairs with that connector).
+    /// The connector, from the pod's label or else the global default (both roles): a decode
+    /// pairs only with prefills of its connector.
     pub connector: Option<String>,
     /// The agent for a prefill endpoint.
     pub agent: Option<Arc<dyn KvTransferAgent>>,
@@ -254,28 +254,35 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
         let label = pod
             .label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER)
             .unwrap_or_default();
+        if !label.trim().is_empty() && !inputs.registry.contains(label) {
+            // A misspelt label must not quietly become the default connector: the engine would
+            // be paired with peers that speak another transfer protocol.
+            let mut names = inputs.registry.valid_agent_names();
+            names.sort();
+            let why = format!(
+                "unknown KV connector label {}={label:?} (registered: {})",
+                kvtransfer::CONNECTOR_TYPE_IDENTIFIER,
+                names.join(", ")
+            );
+            tracing::warn!(endpoint = %pod.name, "{why}; endpoint excluded");
+            snap.excluded.push((pod.name.clone(), why));
+            continue;
+        }
+        // As AIBrix's `ResolveAgentForPod`: a pod without the label has the global default
+        // connector, prefill and decode alike, so an unlabelled decode pairs only with prefills
+        // of that connector.
+        let connector = inputs
+            .registry
+            .resolve_connector_type(label, inputs.default_connector);
         let (connector, agent) = match role {
-            Role::Prefill => {
-                let connector = inputs
-                    .registry
-                    .resolve_connector_type(label, inputs.default_connector);
-                match inputs.registry.resolve(&connector) {
-                    Ok(agent) => (Some(connector), Some(agent)),
-                    Err(e) => {
-                        snap.excluded.push((pod.name.clone(), e.to_string()));
-                        continue;
-                    }
+            Role::Prefill => match inputs.registry.resolve(&connector) {
+                Ok(agent) => (Some(connector), Some(agent)),
+                Err(e) => {
+                    snap.excluded.push((pod.name.clone(), e.to_string()));
+                    continue;
                 }
-            }
-            Role::Decode => {
-                let declared = label.trim();
-                let connector = (!declared.is_empty()).then(|| {
-                    inputs
-                        .registry
-                        .resolve_connector_type(declared, inputs.default_connector)
-                });
-                (connector, None)
-            }
+            },
+            Role::Decode => (Some(connector), None),
         };
         if agent.as_ref().is_some_and(|a| a.needs_bootstrap_lookup())
             && pod.mooncake_bootstrap.is_none()
@@ -419,6 +426,42 @@ mod tests {
         assert_eq!(snap.excluded.len(), 6);
         // shfs/mooncake prefills cannot pair with a nixl-only decode.
         assert!(!snap.has_routable_pair());
+    }
+
+    #[test]
+    fn unlabelled_decodes_have_the_default_connector_and_unknown_labels_are_excluded() {
+        let mooncake_prefill = {
+            let mut p =
+                pod("mc", "prefill").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "mooncake");
+            p.mooncake_bootstrap = Some(MooncakeBootstrap {
+                port: 8998,
+                ranks: [(
+                    0,
+                    MooncakeRank {
+                        engine_id: "e".into(),
+                        worker_addr: Default::default(),
+                    },
+                )]
+                .into(),
+            });
+            p
+        };
+        let pods = vec![
+            mooncake_prefill,
+            pod("d", "decode"),
+            pod("typo", "decode").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "moon"),
+        ];
+        let snap = build(&pods, &LoadTable::default());
+        // The unlabelled decode speaks the default (shfs): it does not pair with mooncake.
+        assert_eq!(snap.decode.len(), 1);
+        assert_eq!(snap.decode[0].connector.as_deref(), Some("shfs"));
+        assert!(!snap.has_routable_pair());
+        let (name, why) = &snap.excluded[0];
+        assert_eq!(name, "typo");
+        assert!(
+            why.contains("\"moon\"") && why.contains("mooncake"),
+            "{why}"
+        );
     }
 
     #[test]
