@@ -2,6 +2,7 @@
 //! the configured fleet (endpoint names), never from raw client input.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -72,6 +73,8 @@ fn latency_histogram() -> Histogram {
 /// All gateway metrics.
 #[derive(Debug)]
 pub struct Metrics {
+    /// Whether each finished request writes an access-log line (`access_log`).
+    pub access_log: AtomicBool,
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     duration: Histograms<RouteLabels>,
@@ -207,6 +210,7 @@ impl Metrics {
             queued.clone(),
         );
         Metrics {
+            access_log: AtomicBool::new(false),
             registry,
             ejections,
             healthy,
@@ -371,6 +375,14 @@ pub struct RequestRecord {
     prefill_done: Option<Instant>,
     first_byte_seen: bool,
     finished: bool,
+    /// For the access log: the request id, the endpoints that served, the answer's status,
+    /// the time to the first byte, whether the decode served alone.
+    request_id: String,
+    prefill: String,
+    decode: String,
+    status: u16,
+    ttft: Option<f64>,
+    fallback: bool,
 }
 
 impl RequestRecord {
@@ -385,7 +397,26 @@ impl RequestRecord {
             prefill_done: None,
             first_byte_seen: false,
             finished: false,
+            request_id: String::new(),
+            prefill: String::new(),
+            decode: String::new(),
+            status: 200,
+            ttft: None,
+            fallback: false,
         }
+    }
+
+    /// The request id, for the access log.
+    pub fn set_request_id(&mut self, id: &str) {
+        self.request_id = id.to_string();
+    }
+
+    /// The endpoints whose answer is relayed, its status, and whether the decode served alone.
+    pub fn set_served(&mut self, served: &crate::headers::Served, status: u16) {
+        self.prefill.clone_from(&served.prefill);
+        self.decode.clone_from(&served.decode);
+        self.status = status;
+        self.fallback = served.fallback;
     }
 
     /// Names the connector once routing chose it.
@@ -413,10 +444,12 @@ impl RequestRecord {
         }
         self.first_byte_seen = true;
         let now = Instant::now();
+        let ttft = (now - self.start).as_secs_f64();
+        self.ttft = Some(ttft);
         self.metrics
             .ttft
             .get_or_create(&RouteLabels { route: self.route })
-            .observe((now - self.start).as_secs_f64());
+            .observe(ttft);
         if let Some(p) = self.prefill_done {
             self.metrics
                 .handoff
@@ -441,10 +474,29 @@ impl RequestRecord {
                 model: self.model.clone(),
             })
             .inc();
+        let total = self.start.elapsed().as_secs_f64();
         self.metrics
             .duration
             .get_or_create(&RouteLabels { route: self.route })
-            .observe(self.start.elapsed().as_secs_f64());
+            .observe(total);
+        if self.metrics.access_log.load(Ordering::Relaxed) {
+            let ms = |s: f64| (s * 1e6).round() / 1e3;
+            tracing::info!(
+                target: "pdgate::access",
+                request_id = %self.request_id,
+                route = self.route,
+                status = self.status,
+                outcome,
+                model = %self.model,
+                connector = %self.connector,
+                prefill = %self.prefill,
+                decode = %self.decode,
+                fallback = self.fallback,
+                total_ms = ms(total),
+                ttft_ms = self.ttft.map(ms),
+                "request"
+            );
+        }
     }
 
     /// The request completed.
@@ -454,12 +506,15 @@ impl RequestRecord {
 
     /// The request failed with `err`.
     pub fn finish_error(&mut self, err: &GatewayError) {
+        self.status = err.status().as_u16();
         self.finish(outcome_of(err));
     }
 }
 
 impl Drop for RequestRecord {
     fn drop(&mut self) {
+        // 499: nginx's "client closed request".
+        self.status = 499;
         self.finish("cancelled");
     }
 }

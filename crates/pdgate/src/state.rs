@@ -84,6 +84,9 @@ impl Gateway {
             "policies"
         );
         let metrics = Arc::new(Metrics::new());
+        metrics
+            .access_log
+            .store(config.access_log, std::sync::atomic::Ordering::Relaxed);
         let client_keys = crate::http::auth::ClientKeys::new(&config.security, metrics.clone())
             .map_err(|e| ConfigError::Field {
                 field: "security.api_keys_file".into(),

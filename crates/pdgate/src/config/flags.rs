@@ -87,6 +87,11 @@ pub const KEYS: &[Key] = &[
     ),
     key(
         "http",
+        "access_log",
+        "One log line per finished request at info (target pdgate::access): request id, route, status, outcome, model, connector, endpoints, total and first-byte times",
+    ),
+    key(
+        "http",
         "max_body_bytes",
         "Largest accepted request body in bytes",
     ),

@@ -165,6 +165,8 @@ pub struct Config {
     /// An idle engine connection older than this is closed instead of reused.
     #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub pool_idle_timeout: Duration,
+    /// One log line per finished request at `info` (target `pdgate::access`).
+    pub access_log: bool,
     /// Kubernetes discovery (`discovery = "kubernetes"`): namespace, selector, label keys.
     /// (pdkube's type has no `Serialize`: the table is left out of [`Config::to_table`].)
     #[serde(skip_serializing)]
@@ -217,6 +219,7 @@ impl Default for Config {
             pool_max_idle_per_engine: 4096,
             // The engines' own keep-alive timeouts (vLLM's uvicorn: 5 s) usually close first.
             pool_idle_timeout: Duration::from_secs(60),
+            access_log: true,
             kubernetes: pdkube::KubeDiscoveryConfig::default(),
             security: SecurityConfig::default(),
         }

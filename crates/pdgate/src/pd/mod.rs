@@ -49,9 +49,11 @@ pub(crate) struct Exchange {
 impl Exchange {
     /// Starts measuring a request on the route labelled `route` (a closed set).
     pub(crate) fn new(gw: Arc<Gateway>, route: &'static str, headers: &HeaderMap) -> Self {
-        let record = RequestRecord::start(gw.metrics.clone(), route);
+        let mut record = RequestRecord::start(gw.metrics.clone(), route);
+        let request_id = headers::request_id(headers);
+        record.set_request_id(&request_id);
         Exchange {
-            request_id: headers::request_id(headers),
+            request_id,
             record: Some(record),
             gw,
         }

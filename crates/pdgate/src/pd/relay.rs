@@ -216,9 +216,10 @@ pub(crate) fn respond(
     decode_load: LoadGuard,
     partner: Option<AbortOnDropHandle<PartnerResult>>,
     prefix: Option<Frame<Bytes>>,
-    record: RequestRecord,
+    mut record: RequestRecord,
 ) -> Answer {
     let (parts, body) = head.into_parts();
+    record.set_served(&pd.served, parts.status.as_u16());
     let sse = headers::is_event_stream(&parts.headers);
     let relay = RelayBody::new(
         body,
