@@ -172,17 +172,22 @@ async fn the_demo_serves_every_connector() {
     }
 }
 
-/// The README's configuration example, as written, with its four addresses pointed at pdsim
+/// The example configuration (`deploy/pdgate.toml`, shown in the README), as written, with its four addresses pointed at pdsim
 /// engines of the connectors it names: every request pairs a prefill with a decode of its own
 /// connector (pdsim fails a handoff between connectors), both connectors serve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_configuration_runs_as_written() {
     let readme = include_str!("../../../README.md");
-    let toml = readme
+    let toml = include_str!("../../../deploy/pdgate.toml");
+    let in_readme = readme
         .split("```toml\n")
         .nth(1)
         .and_then(|rest| rest.split("```").next())
         .expect("the README has a TOML example");
+    assert_eq!(
+        in_readme, toml,
+        "README.md shows deploy/pdgate.toml as it is"
+    );
     let engine = |role, connector| {
         let mut c = sim(role, connector);
         c.model = "llama-3-8b".into();

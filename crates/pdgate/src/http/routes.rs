@@ -36,10 +36,22 @@ pub(crate) async fn health() -> StatusCode {
 pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
     let snap = gw.store.load();
     let draining = gw.is_draining();
-    let ready = snap.has_routable_pair() && !draining;
+    let missing = unserved_models(&gw, &snap);
+    let ready = missing.is_empty() && !draining;
+    let reason = if draining {
+        Some("draining".to_string())
+    } else if missing.is_empty() {
+        None
+    } else {
+        Some(format!(
+            "no prefill/decode pair that passed its health checks for {}",
+            missing.join(", ")
+        ))
+    };
     let body = serde_json::json!({
         "ready": ready,
         "draining": draining,
+        "reason": reason,
         "prefill": snap.prefill.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "decode": snap.decode.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "excluded": snap.excluded.iter().map(|(n, why)| serde_json::json!({"endpoint": n, "reason": why})).collect::<Vec<_>>(),
@@ -50,6 +62,34 @@ pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, axum::Json(body)).into_response()
+}
+
+/// The models (or `any model`, for a fleet that names none) without a routable prefill/decode
+/// pair whose endpoints passed their latest health check.
+fn unserved_models(gw: &Gateway, snap: &crate::endpoints::Snapshot) -> Vec<String> {
+    let verified = |e: &crate::endpoints::Endpoint| gw.health.verified(&e.name);
+    let served = |model: Option<&str>| {
+        snap.prefill.iter().any(|p| {
+            p.serves(model)
+                && verified(p)
+                && snap
+                    .decode
+                    .iter()
+                    .any(|d| d.serves(model) && snap.pairs(p, d) && verified(d))
+        })
+    };
+    if snap.models.is_empty() {
+        return if served(None) {
+            Vec::new()
+        } else {
+            vec!["any model".to_string()]
+        };
+    }
+    snap.models
+        .iter()
+        .filter(|m| !served(Some(m.as_str())))
+        .map(|m| format!("model {m:?}"))
+        .collect()
 }
 
 /// `/metrics` on the API port: behind the client keys, and absent (404) when an admin listener
