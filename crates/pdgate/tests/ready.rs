@@ -25,20 +25,27 @@ fn closed_port() -> u16 {
         .port()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unreachable_engines_are_not_ready_from_the_first_check() {
-    let fleet = start_unready(
+/// A shfs pair checked every 100 ms; `unreachable`: its URLs name closed ports.
+async fn checked_pair(unreachable: bool) -> Fleet {
+    start_unready(
         vec![sim(Role::Prefill, Connector::Shfs)],
         vec![sim(Role::Decode, Connector::Shfs)],
         |c| {
             c.health_check_interval = Duration::from_millis(100);
             c.health_check_timeout = Duration::from_millis(200);
-            for ep in c.prefill.iter_mut().chain(c.decode.iter_mut()) {
-                ep.url = format!("http://127.0.0.1:{}", closed_port());
+            if unreachable {
+                for ep in c.prefill.iter_mut().chain(c.decode.iter_mut()) {
+                    ep.url = format!("http://127.0.0.1:{}", closed_port());
+                }
             }
         },
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_engines_are_not_ready_from_the_first_check() {
+    let fleet = checked_pair(true).await;
     // Not ready at any point, although the failures are below the unhealthy threshold (3) for
     // the first checks.
     for _ in 0..10 {
@@ -51,15 +58,7 @@ async fn unreachable_engines_are_not_ready_from_the_first_check() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ready_once_checks_pass_and_not_when_the_last_decode_goes() {
-    let fleet = start_unready(
-        vec![sim(Role::Prefill, Connector::Shfs)],
-        vec![sim(Role::Decode, Connector::Shfs)],
-        |c| {
-            c.health_check_interval = Duration::from_millis(100);
-            c.health_check_timeout = Duration::from_millis(200);
-        },
-    )
-    .await;
+    let fleet = checked_pair(false).await;
     fleet.wait_ready(true).await;
     let (_, body) = ready(&fleet).await;
     assert!(body["reason"].is_null(), "{body}");

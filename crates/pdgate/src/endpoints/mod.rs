@@ -367,6 +367,21 @@ mod tests {
         p
     }
 
+    /// Bootstrap facts of a one-rank Mooncake prefill.
+    fn bootstrap() -> Option<MooncakeBootstrap> {
+        Some(MooncakeBootstrap {
+            port: 8998,
+            ranks: [(
+                0,
+                MooncakeRank {
+                    engine_id: "e".into(),
+                    worker_addr: Default::default(),
+                },
+            )]
+            .into(),
+        })
+    }
+
     fn build(pods: &[Pod], loads: &LoadTable) -> Snapshot {
         let reg = Registry::with_builtins();
         let unhealthy = BTreeSet::from(["sick".to_string()]);
@@ -391,17 +406,7 @@ mod tests {
         let mut mooncake = pod("mc2", "prefill")
             .with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "mooncake")
             .with_label("model.aibrix.ai/name", "a, b");
-        mooncake.mooncake_bootstrap = Some(MooncakeBootstrap {
-            port: 8998,
-            ranks: [(
-                0,
-                MooncakeRank {
-                    engine_id: "e".into(),
-                    worker_addr: Default::default(),
-                },
-            )]
-            .into(),
-        });
+        mooncake.mooncake_bootstrap = bootstrap();
         let pods = vec![
             pod("p1", "prefill"),
             not_ready,
@@ -430,22 +435,9 @@ mod tests {
 
     #[test]
     fn unlabelled_decodes_have_the_default_connector_and_unknown_labels_are_excluded() {
-        let mooncake_prefill = {
-            let mut p =
-                pod("mc", "prefill").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "mooncake");
-            p.mooncake_bootstrap = Some(MooncakeBootstrap {
-                port: 8998,
-                ranks: [(
-                    0,
-                    MooncakeRank {
-                        engine_id: "e".into(),
-                        worker_addr: Default::default(),
-                    },
-                )]
-                .into(),
-            });
-            p
-        };
+        let mut mooncake_prefill =
+            pod("mc", "prefill").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "mooncake");
+        mooncake_prefill.mooncake_bootstrap = bootstrap();
         let pods = vec![
             mooncake_prefill,
             pod("d", "decode"),
