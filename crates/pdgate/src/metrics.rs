@@ -295,6 +295,28 @@ impl Metrics {
     }
 
     /// Counts a request refused by admission control.
+    /// Creates the series of the closed label sets at 0 (admission reasons, roles, legs, and
+    /// the fleet's `connectors`), so that dashboards and alerts see every family before the
+    /// first event.
+    pub fn declare_fleet(&self, connectors: &[String]) {
+        for reason in ["queue_full", "queue_timeout", "endpoint_cap"] {
+            let _ = self.rejected.get_or_create(&ReasonLabels { reason });
+        }
+        for role in ["prefill", "decode"] {
+            let _ = self.ejections.get_or_create(&RoleLabels { role });
+        }
+        for leg in [Leg::Prefill, Leg::Decode] {
+            let _ = self.retries.get_or_create(&LegLabels { leg: leg.as_str() });
+        }
+        for connector in connectors {
+            let labels = ConnectorLabels {
+                connector: connector.clone(),
+            };
+            let _ = self.recomputes.get_or_create(&labels);
+            let _ = self.fallbacks.get_or_create(&labels);
+        }
+    }
+
     /// Creates the series of client `name` at 0, so that dashboards see them before traffic.
     pub fn declare_client(&self, name: &str) {
         for result in CLIENT_RESULTS {

@@ -95,6 +95,9 @@ impl Gateway {
         for name in client_keys.client_names() {
             metrics.declare_client(name);
         }
+        let mut connectors = registry.valid_agent_names();
+        connectors.sort();
+        metrics.declare_fleet(&connectors);
         let engine_authorization = config
             .security
             .engine_authorization()
