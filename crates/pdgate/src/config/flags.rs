@@ -107,6 +107,11 @@ pub const KEYS: &[Key] = &[
     ),
     key(
         "discovery",
+        "bootstrap_port",
+        "Bootstrap port of static prefill endpoints that set none (Mooncake /query, SGLang bootstrap server; engines default to 8998)",
+    ),
+    key(
+        "discovery",
         "bootstrap_refresh",
         "How often bootstrap (/query) answers are refreshed",
     ),

@@ -167,6 +167,10 @@ pub struct Config {
     pub pool_idle_timeout: Duration,
     /// One log line per finished request at `info` (target `pdgate::access`).
     pub access_log: bool,
+    /// Bootstrap port of prefill endpoints that set none (Mooncake `/query`, SGLang bootstrap):
+    /// so that any connector runs from flags alone (`--bootstrap-port`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
     /// Kubernetes discovery (`discovery = "kubernetes"`): namespace, selector, label keys.
     /// (pdkube's type has no `Serialize`: the table is left out of [`Config::to_table`].)
     #[serde(skip_serializing)]
@@ -220,6 +224,7 @@ impl Default for Config {
             // The engines' own keep-alive timeouts (vLLM's uvicorn: 5 s) usually close first.
             pool_idle_timeout: Duration::from_secs(60),
             access_log: true,
+            bootstrap_port: None,
             kubernetes: pdkube::KubeDiscoveryConfig::default(),
             security: SecurityConfig::default(),
         }
@@ -506,7 +511,7 @@ impl Config {
         let mut pods = Vec::with_capacity(self.prefill.len() + self.decode.len());
         for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             for (i, ep) in list.iter().enumerate() {
-                pods.push(endpoint_pod(role, i, ep)?);
+                pods.push(endpoint_pod(role, i, ep, self.bootstrap_port)?);
             }
         }
         Ok(pods)
@@ -514,7 +519,12 @@ impl Config {
 }
 
 /// Turns one configured endpoint into a pod the routing core understands.
-fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, ConfigError> {
+fn endpoint_pod(
+    role: &str,
+    index: usize,
+    ep: &EndpointConfig,
+    default_bootstrap_port: Option<u16>,
+) -> Result<Pod, ConfigError> {
     let field = format!("{role}[{index}].url");
     let uri: http::Uri = ep
         .url
@@ -571,7 +581,7 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
             key.0.clone(),
         );
     }
-    if let Some(port) = ep.bootstrap_port {
+    if let Some(port) = ep.bootstrap_port.or(default_bootstrap_port) {
         for key in kvtransfer::labels::BOOTSTRAP_PORTS {
             pod.annotations.insert(key.to_string(), port.to_string());
         }

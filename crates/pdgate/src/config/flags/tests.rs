@@ -25,6 +25,8 @@ fn every_key_has_a_flag_and_a_section() {
             .map(|k| format!("security.{k}")),
     );
     // Keys without a default (options) are not in the table: they must have a flag all the same.
+    assert!(!defaults.contains_key("bootstrap_port"));
+    keys.push("bootstrap_port".into());
     for unset in [
         "api_keys_file",
         "engine_api_key",
@@ -198,4 +200,24 @@ fn operation_flags_reach_the_config() {
             .to_string();
         assert!(err.contains(field), "{toml}: {err}");
     }
+}
+
+#[test]
+fn a_bootstrap_port_from_flags_reaches_prefills_without_their_own() {
+    let cli = Cli::parse_from([
+        "pdgate",
+        "--prefill",
+        "http://10.0.0.1:8000",
+        "--decode",
+        "http://10.0.0.2:8000",
+        "--kv-connector",
+        "mooncake",
+        "--bootstrap-port",
+        "8999",
+    ]);
+    let c = cli.run.load().unwrap();
+    assert_eq!(c.bootstrap_port, Some(8999));
+    let pods = c.pods().unwrap();
+    assert_eq!(pods[0].mooncake_bootstrap_port(), 8999);
+    assert_eq!(pods[0].sglang_bootstrap_port(), 8999);
 }
