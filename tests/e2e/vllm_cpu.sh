@@ -190,7 +190,7 @@ start_gateway() {
   local attempt port pid deadline
   for attempt in 1 2 3; do
     port=$(free_ports 1)
-    setsid "$PDGATE" "$@" --decode "http://127.0.0.1:$D_PORT" --kv-connector shfs \
+    setsid "$PDGATE" "$@" --decode "http://127.0.0.1:$D_PORT" --kv-connector shfs --expose-target-headers true \
       --listen "127.0.0.1:$port" </dev/null >"$WORK/$name.log" 2>&1 &
     pid=$!
     disown "$pid"

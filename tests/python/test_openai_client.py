@@ -4,59 +4,28 @@ Run by .ci/run: PDGATE_BIN points at the built binary. The gateway runs in its o
 on a free loopback port and is always stopped.
 """
 
-import json
 import os
-import signal
-import socket
-import subprocess
-import time
 import urllib.request
 
 import openai
 import pytest
 
+from procs import free_port, start, stop, wait_http
+
 MODEL = "demo"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def gateway():
     binary = os.environ.get("PDGATE_BIN", "target/debug/pdgate")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "demo", "--listen", f"127.0.0.1:{port}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    port = free_port()
+    proc = start([binary, "demo", "--listen", f"127.0.0.1:{port}"])
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pdgate demo exited: {proc.stdout.read().decode()}")
-            try:
-                with urllib.request.urlopen(f"{base}/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("pdgate demo not ready within 30 s")
-            time.sleep(0.1)
+        wait_http(proc, f"{base}/ready")
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        stop(proc)
 
 
 @pytest.fixture()

@@ -9,13 +9,12 @@ test skips when pyzmq or msgpack is not installed.
 import json
 import os
 import pathlib
-import signal
-import socket
-import subprocess
 import time
 import urllib.request
 
 import pytest
+
+from procs import free_port, start, stop, wait_http
 
 if os.environ.get("CI"):
     import msgpack
@@ -27,12 +26,6 @@ else:
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "crates/pdcache/tests/fixtures/vllm-0.32-kv-events.jsonl"
 END_SEQ = 0xFFFFFFFFFFFFFFFF
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pdsim_bin() -> str:
@@ -66,8 +59,8 @@ def engine():
     sub = ctx.socket(zmq.SUB)
     sub_port = sub.bind_to_random_port("tcp://127.0.0.1")
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    replay_port = _free_port()
-    port = _free_port()
+    replay_port = free_port()
+    port = free_port()
     cfg = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -75,36 +68,16 @@ def engine():
         "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
         "topic": "kv@pdsim",
     }
-    proc = subprocess.Popen(
-        [_pdsim_bin(), "--role", "both", "--connector", "none", "--zero-delay",
-         "--listen", f"127.0.0.1:{port}", "--enable-prompt-tokens-details",
-         "--kv-events-config", json.dumps(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start([_pdsim_bin(), "--role", "both", "--connector", "none", "--zero-delay",
+                  "--listen", f"127.0.0.1:{port}", "--enable-prompt-tokens-details",
+                  "--kv-events-config", json.dumps(cfg)])
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pdsim exited: {proc.stdout.read().decode()}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.1)
-            if time.monotonic() > deadline:
-                raise RuntimeError("pdsim not healthy within 30 s")
+        wait_http(proc, f"{base}/health")
         yield base, sub, replay_port
     finally:
         sub.close(linger=0)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        stop(proc)
 
 
 def _recv(sub, timeout_ms=5000):

@@ -4,6 +4,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
 use crate::body::{BodyError, JsonBody};
+use crate::checks::{self, EngineReject};
 use crate::context::RoutingContext;
 use crate::pod::Pod;
 use crate::rules::strip_client_transfer_fields;
@@ -154,6 +155,22 @@ pub trait KvTransferAgent: Send + Sync + std::fmt::Debug {
     /// transfer handshake says false.
     fn allows_decode_only(&self) -> bool {
         true
+    }
+
+    /// What the engines behind this connector would refuse in `body` sent to `endpoint`, checked
+    /// by the gateway before the prefill leg runs (and pins KV that no decode pulls). The default
+    /// is vLLM's validation ([`checks::check_request`] with vLLM's default limits); an engine
+    /// that validates otherwise overrides it (the gateway checks the body, the model and the
+    /// batch shape for every connector itself).
+    ///
+    /// # Errors
+    /// The [`EngineReject`] the engine would answer with.
+    fn check_request(
+        &self,
+        body: &JsonBody,
+        endpoint: checks::Endpoint,
+    ) -> Result<(), EngineReject> {
+        checks::check_request(body, endpoint, &checks::Limits::default())
     }
 
     /// Whether a prefill pod needs bootstrap facts looked up by discovery

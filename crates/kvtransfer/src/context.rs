@@ -8,7 +8,7 @@ use crate::body::{BodyError, JsonBody};
 /// `merge_prefill_response` (and for the gateway's logs and aborts).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TransferState {
-    /// Mooncake transfer id shared by both legs (`xfer-<request id>`).
+    /// Mooncake transfer id shared by both legs (`xfer-<transfer key>`).
     pub transfer_id: Option<String>,
     /// SGLang bootstrap room (the first one for batches).
     pub bootstrap_room: Option<u64>,
@@ -31,6 +31,10 @@ pub struct TransferState {
 pub struct RoutingContext {
     /// Request id sent as `X-Request-Id` on both legs.
     pub request_id: String,
+    /// What transfer ids (Mooncake's `transfer_id`) derive from: unique per request whatever
+    /// the client sent as its request id. [`RoutingContext::new`] sets it to `request_id`; a
+    /// gateway that takes `request_id` from the client replaces it with a key of its own.
+    pub transfer_key: String,
     /// The client body as received; after merge, the decode body.
     pub req_body: Bytes,
     /// Per-request protocol state set by augment, read by merge.
@@ -42,8 +46,10 @@ impl RoutingContext {
     /// A context for `req_body`; the body is parsed lazily by
     /// [`original_body`](RoutingContext::original_body).
     pub fn new(request_id: impl Into<String>, req_body: Bytes) -> Self {
+        let request_id = request_id.into();
         RoutingContext {
-            request_id: request_id.into(),
+            transfer_key: request_id.clone(),
+            request_id,
             req_body,
             transfer: TransferState::default(),
             parsed: None,

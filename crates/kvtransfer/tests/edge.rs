@@ -270,6 +270,42 @@ fn mooncake_merge_without_augment_derives_same_ids() {
 }
 
 #[test]
+fn mooncake_transfer_ids_follow_the_transfer_key_not_the_request_id() {
+    let pod =
+        Pod::new("p", "10.0.0.1", 8000).with_mooncake_bootstrap(mooncake_bootstrap(&[(0, "e0")]));
+    let b = body(r#"{"prompt":"x"}"#);
+    let mut ids = Vec::new();
+    for key in ["k1", "k2"] {
+        let mut ctx = RoutingContext::from_parsed("same-client-id", b.clone());
+        ctx.transfer_key = key.to_string();
+        let leg = agent("mooncake")
+            .augment_prefill_request(&mut ctx, &pod, &b)
+            .unwrap();
+        agent("mooncake")
+            .merge_prefill_response(&mut ctx, b"", &pod)
+            .unwrap();
+        let prefill_id = json(&leg.body)["kv_transfer_params"]["transfer_id"].clone();
+        assert_eq!(
+            json(&ctx.req_body)["kv_transfer_params"]["transfer_id"],
+            prefill_id
+        );
+        ids.push(prefill_id);
+    }
+    assert_eq!(ids, ["xfer-k1", "xfer-k2"]);
+}
+
+#[test]
+fn the_request_check_hook_is_vllm_by_default_and_off_for_sglang() {
+    let bad = body(r#"{"prompt":"x","max_tokens":0}"#);
+    let ep = kvtransfer::checks::Endpoint::Completions;
+    for name in ["shfs", "nixl", "mooncake"] {
+        let err = agent(name).check_request(&bad, ep).unwrap_err();
+        assert_eq!(err.param, Some("max_tokens"), "{name}");
+    }
+    assert!(agent("sglang").check_request(&bad, ep).is_ok());
+}
+
+#[test]
 fn mooncake_without_bootstrap_info_is_clear_error() {
     let pod = Pod::new("prefill-9", "10.0.0.1", 8000);
     let b = body(r#"{"prompt":"x"}"#);

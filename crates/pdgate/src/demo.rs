@@ -65,6 +65,11 @@ pub async fn start(listen: SocketAddr, latency: LatencyModel) -> Result<Demo, Er
         listen,
         // A laptop demo has no load balancer to tell.
         drain_delay: Duration::ZERO,
+        // The demo shows where each request went.
+        security: crate::config::SecurityConfig {
+            expose_target_headers: true,
+            ..crate::config::SecurityConfig::default()
+        },
         ..Config::default()
     };
     for (connector, role) in FLEET {

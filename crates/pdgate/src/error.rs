@@ -131,6 +131,28 @@ pub enum GatewayError {
         /// Seconds the client should wait.
         retry_after_secs: u64,
     },
+    /// A named client went beyond one of its limits (`[[security.clients]]`).
+    #[error("rate limit reached for client {client:?}: {limit}; retry later")]
+    ClientLimit {
+        /// The client's configured name.
+        client: String,
+        /// Which limit.
+        limit: &'static str,
+        /// Seconds the client should wait.
+        retry_after_secs: u64,
+    },
+    /// No API key, or one that is not configured.
+    #[error("{}", unauthorized_message(.missing))]
+    Unauthorized {
+        /// Whether no key was presented at all.
+        missing: bool,
+    },
+    /// The memory for request bodies being read is in use (`security.max_buffered_body_bytes`).
+    #[error("the gateway is reading too many request bodies; retry later")]
+    Busy {
+        /// Seconds the client should wait.
+        retry_after_secs: u64,
+    },
     /// An engine could not be reached, broke the exchange, or did not answer in time.
     #[error("{leg} engine {endpoint} {detail}")]
     Upstream {
@@ -158,9 +180,34 @@ pub enum GatewayError {
     /// The KV-transfer agent refused the request or the prefill answer.
     #[error("KV transfer: {0}")]
     Agent(#[from] kvtransfer::AgentError),
+    /// A request an engine would refuse, refused before any leg with the engine's status,
+    /// message and `param` (`kvtransfer::checks`).
+    #[error("{0}")]
+    Rejected(kvtransfer::EngineReject),
+    /// The request body did not arrive within `request_body_timeout`.
+    #[error("the request body did not arrive within {after:?}")]
+    BodyTimeout {
+        /// The limit.
+        after: std::time::Duration,
+    },
     /// A bug or an impossible state.
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// Whether an endpoint name is an address (`host:port`, `[v6]:port`): pod names and configured
+/// names have no `:port` tail.
+fn is_address(name: &str) -> bool {
+    name.rsplit_once(':')
+        .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+}
+
+fn unauthorized_message(missing: &bool) -> &'static str {
+    if *missing {
+        "You didn't provide an API key. Send it as `Authorization: Bearer KEY`."
+    } else {
+        "Incorrect API key provided."
+    }
 }
 
 impl GatewayError {
@@ -180,8 +227,14 @@ impl GatewayError {
             | GatewayError::ModelNotFound { .. }
             | GatewayError::NotFound { .. }
             | GatewayError::MethodNotAllowed { .. }
-            | GatewayError::HeadersTooLarge { .. } => Source::Client,
-            GatewayError::NoEndpoint { .. } | GatewayError::Overloaded { .. } => Source::Routing,
+            | GatewayError::HeadersTooLarge { .. }
+            | GatewayError::Rejected(_)
+            | GatewayError::Unauthorized { .. }
+            | GatewayError::ClientLimit { .. }
+            | GatewayError::BodyTimeout { .. } => Source::Client,
+            GatewayError::NoEndpoint { .. }
+            | GatewayError::Overloaded { .. }
+            | GatewayError::Busy { .. } => Source::Routing,
             GatewayError::Upstream { leg, .. } | GatewayError::UpstreamStatus { leg, .. } => {
                 Source::Engine(*leg)
             }
@@ -215,14 +268,23 @@ impl GatewayError {
     pub fn status(&self) -> StatusCode {
         match self {
             GatewayError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            GatewayError::Rejected(r) => {
+                StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST)
+            }
+            GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            GatewayError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             GatewayError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             GatewayError::ModelNotFound { .. } | GatewayError::NotFound { .. } => {
                 StatusCode::NOT_FOUND
             }
-            GatewayError::NoEndpoint { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            GatewayError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::NoEndpoint { .. } | GatewayError::Busy { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            GatewayError::Overloaded { .. } | GatewayError::ClientLimit { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             GatewayError::Upstream { kind, .. } => match kind {
                 UpstreamKind::Timeout | UpstreamKind::Silent => StatusCode::GATEWAY_TIMEOUT,
                 UpstreamKind::Connect | UpstreamKind::Broken => StatusCode::BAD_GATEWAY,
@@ -238,9 +300,15 @@ impl GatewayError {
             GatewayError::BadRequest { .. }
             | GatewayError::PayloadTooLarge { .. }
             | GatewayError::MethodNotAllowed { .. }
-            | GatewayError::HeadersTooLarge { .. } => "invalid_request_error",
+            | GatewayError::HeadersTooLarge { .. }
+            | GatewayError::BodyTimeout { .. }
+            | GatewayError::Unauthorized { .. } => "invalid_request_error",
+            GatewayError::Rejected(r) => r.error_type(),
+            GatewayError::ClientLimit { .. } => "rate_limit_error",
             GatewayError::ModelNotFound { .. } | GatewayError::NotFound { .. } => "NotFoundError",
-            GatewayError::NoEndpoint { .. } | GatewayError::Overloaded { .. } => "overloaded_error",
+            GatewayError::NoEndpoint { .. }
+            | GatewayError::Overloaded { .. }
+            | GatewayError::Busy { .. } => "overloaded_error",
             GatewayError::Upstream { .. }
             | GatewayError::UpstreamStatus { .. }
             | GatewayError::Agent(_) => "upstream_error",
@@ -248,10 +316,26 @@ impl GatewayError {
         }
     }
 
+    /// The message for the client: as `Display` (which the log gets), except that an endpoint
+    /// named by its address (`host:port`, the default name of an unnamed static endpoint) is
+    /// not shown: internal addresses stay inside.
+    fn client_message(&self) -> String {
+        match self {
+            GatewayError::Upstream {
+                leg,
+                endpoint,
+                detail,
+                ..
+            } if is_address(endpoint) => format!("{leg} engine {detail}"),
+            _ => self.to_string(),
+        }
+    }
+
     /// The OpenAI-shaped JSON body `{"error":{message,type,param,code}}`.
     pub fn to_json(&self) -> Bytes {
         let param = match self {
             GatewayError::BadRequest { param, .. } => *param,
+            GatewayError::Rejected(r) => r.param,
             _ => None,
         };
         // Field order as vLLM and OpenAI write it: message, type, param, code.
@@ -269,7 +353,7 @@ impl GatewayError {
         }
         let body = Outer {
             error: Inner {
-                message: self.to_string(),
+                message: self.client_message(),
                 kind: self.error_type(),
                 param,
                 code: self.status().as_u16(),
@@ -316,11 +400,26 @@ impl GatewayError {
         );
         match self {
             // The unread body is still on the wire: the connection cannot carry another request.
-            GatewayError::PayloadTooLarge { .. } | GatewayError::HeadersTooLarge { .. } => {
+            GatewayError::PayloadTooLarge { .. }
+            | GatewayError::HeadersTooLarge { .. }
+            | GatewayError::BodyTimeout { .. } => {
                 headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             GatewayError::Overloaded { retry_after_secs } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+            }
+            GatewayError::Unauthorized { .. } => {
+                headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                // The body was not read: the connection cannot carry another request.
+                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            GatewayError::Busy { retry_after_secs }
+            | GatewayError::ClientLimit {
+                retry_after_secs, ..
+            } => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+                // The unread body is still on the wire.
+                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             _ => {}
         }
@@ -389,6 +488,29 @@ mod tests {
             }
             .retryable()
         );
+    }
+
+    #[test]
+    fn clients_see_endpoint_names_but_not_addresses() {
+        let failed = |endpoint: &str| GatewayError::Upstream {
+            leg: Leg::Decode,
+            endpoint: endpoint.into(),
+            kind: UpstreamKind::Connect,
+            detail: "refused the connection".into(),
+        };
+        for address in ["10.0.0.2:8000", "[fd00::2]:8001", "decode.svc:80"] {
+            let err = failed(address);
+            let body = String::from_utf8(err.to_json().to_vec()).unwrap();
+            assert!(!body.contains(address), "{body}");
+            assert!(
+                body.contains("decode engine refused the connection"),
+                "{body}"
+            );
+            // The log (Display) keeps the address.
+            assert!(err.to_string().contains(address));
+        }
+        let named = String::from_utf8(failed("decode-7").to_json().to_vec()).unwrap();
+        assert!(named.contains("decode engine decode-7 refused"), "{named}");
     }
 
     #[test]

@@ -116,6 +116,9 @@ pub struct Served {
     pub decode_only: bool,
     /// Prompt tokens predicted cached (cache-aware routing only).
     pub predicted_cached: Option<u32>,
+    /// Whether the answer names the endpoints (`prefill-target-pod`, `target-pod`):
+    /// `security.expose_target_headers`.
+    pub targets: bool,
 }
 
 impl Served {
@@ -128,9 +131,9 @@ impl Served {
             HeaderName::from_static(CONNECTOR_HEADER),
         ];
         let values = [request_id, &self.prefill, &self.decode, self.connector];
-        for (name, v) in NAMES.into_iter().zip(values) {
+        for (i, (name, v)) in NAMES.into_iter().zip(values).enumerate() {
             // An empty value: no prefill served (decode-only).
-            if v.is_empty() {
+            if v.is_empty() || (!self.targets && (i == 1 || i == 2)) {
                 continue;
             }
             if let Ok(v) = HeaderValue::from_str(v) {
@@ -182,6 +185,7 @@ mod tests {
             fallback: true,
             decode_only: false,
             predicted_cached: None,
+            targets: true,
         }
         .apply("id-1", &mut h);
         assert_eq!(h["x-request-id"], "id-1");
@@ -197,11 +201,25 @@ mod tests {
             fallback: false,
             decode_only: true,
             predicted_cached: Some(48),
+            targets: true,
         }
         .apply("id-2", &mut h);
         assert!(h.get(PREFILL_TARGET_HEADER).is_none());
         assert_eq!(h[DECODE_ONLY_HEADER], "cache-hit");
         assert_eq!(h[PREDICTED_CACHED_HEADER], "48");
         assert!(is_hop_header(&header::CONTENT_LENGTH) && !is_hop_header(&header::CONTENT_TYPE));
+        let mut hidden = HeaderMap::new();
+        Served {
+            prefill: "p:1".into(),
+            decode: "d:2".into(),
+            connector: "shfs",
+            fallback: false,
+            decode_only: false,
+            predicted_cached: None,
+            targets: false,
+        }
+        .apply("id-1", &mut hidden);
+        assert!(hidden.get("prefill-target-pod").is_none() && hidden.get("target-pod").is_none());
+        assert_eq!(hidden["x-request-id"], "id-1");
     }
 }

@@ -64,6 +64,7 @@ pub(crate) mod metrics;
 pub(crate) mod pd;
 pub(crate) mod run;
 pub(crate) mod state;
+pub(crate) mod watch;
 
 pub use cache::{CacheConfig, ModelCacheConfig};
 pub use config::{Config, ConfigError, EndpointConfig, LogFormat, RunArgs};

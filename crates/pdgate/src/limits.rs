@@ -10,12 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use axum::response::Response;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::Config;
 use crate::endpoints::Endpoint;
-use crate::engine::guarded::{GuardedBody, OnEnd};
 use crate::error::GatewayError;
 use crate::metrics::Metrics;
 
@@ -171,18 +169,6 @@ impl RetryBudget {
             })
             .is_ok()
     }
-}
-
-/// The slot goes back when the body ends, cleanly or not (or when it is dropped).
-impl OnEnd for Option<Slot> {
-    fn ended(&mut self, _clean: bool) {
-        *self = None;
-    }
-}
-
-/// Ties `slot` to `response`: released when the body ends.
-pub fn hold(response: Response, slot: Slot) -> Response {
-    response.map(|inner| GuardedBody::wrap(inner, Some(slot)))
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! the configured fleet (endpoint names), never from raw client input.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -53,6 +54,15 @@ struct ReasonLabels {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClientLabels {
+    client: String,
+    result: &'static str,
+}
+
+/// What happened to a named client's request at its limits (`pdgate_client_requests_total`).
+pub const CLIENT_RESULTS: [&str; 3] = ["admitted", "rate_limited", "concurrency_limited"];
+
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -63,6 +73,8 @@ fn latency_histogram() -> Histogram {
 /// All gateway metrics.
 #[derive(Debug)]
 pub struct Metrics {
+    /// Whether each finished request writes an access-log line (`access_log`).
+    pub access_log: AtomicBool,
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     duration: Histograms<RouteLabels>,
@@ -78,6 +90,7 @@ pub struct Metrics {
     healthy: Family<EndpointLabels, Gauge>,
     discovery_changes: Counter,
     rejected: Family<ReasonLabels, Counter>,
+    clients: Family<ClientLabels, Counter>,
     /// Requests holding an admission slot.
     pub admitted: Gauge,
     /// Requests waiting for an admission slot.
@@ -158,6 +171,12 @@ impl Metrics {
         let healthy = Family::<EndpointLabels, Gauge>::default();
         let discovery_changes = Counter::default();
         let rejected = Family::<ReasonLabels, Counter>::default();
+        let clients = Family::<ClientLabels, Counter>::default();
+        registry.register(
+            "client_requests",
+            "Requests of named clients ([[security.clients]]) by result at their limits",
+            clients.clone(),
+        );
         let admitted = Gauge::default();
         let queued = Gauge::default();
         registry.register(
@@ -191,11 +210,13 @@ impl Metrics {
             queued.clone(),
         );
         Metrics {
+            access_log: AtomicBool::new(false),
             registry,
             ejections,
             healthy,
             discovery_changes,
             rejected,
+            clients,
             admitted,
             queued,
             requests,
@@ -274,6 +295,48 @@ impl Metrics {
     }
 
     /// Counts a request refused by admission control.
+    /// Creates the series of the closed label sets at 0 (admission reasons, roles, legs, and
+    /// the fleet's `connectors`), so that dashboards and alerts see every family before the
+    /// first event.
+    pub fn declare_fleet(&self, connectors: &[String]) {
+        for reason in ["queue_full", "queue_timeout", "endpoint_cap"] {
+            let _ = self.rejected.get_or_create(&ReasonLabels { reason });
+        }
+        for role in ["prefill", "decode"] {
+            let _ = self.ejections.get_or_create(&RoleLabels { role });
+        }
+        for leg in [Leg::Prefill, Leg::Decode] {
+            let _ = self.retries.get_or_create(&LegLabels { leg: leg.as_str() });
+        }
+        for connector in connectors {
+            let labels = ConnectorLabels {
+                connector: connector.clone(),
+            };
+            let _ = self.recomputes.get_or_create(&labels);
+            let _ = self.fallbacks.get_or_create(&labels);
+        }
+    }
+
+    /// Creates the series of client `name` at 0, so that dashboards see them before traffic.
+    pub fn declare_client(&self, name: &str) {
+        for result in CLIENT_RESULTS {
+            let _ = self.clients.get_or_create(&ClientLabels {
+                client: name.to_string(),
+                result,
+            });
+        }
+    }
+
+    /// Counts one request of the named client `name` (`result` from [`CLIENT_RESULTS`]).
+    pub fn count_client(&self, name: &str, result: &'static str) {
+        self.clients
+            .get_or_create(&ClientLabels {
+                client: name.to_string(),
+                result,
+            })
+            .inc();
+    }
+
     pub fn count_rejected(&self, reason: &'static str) {
         self.rejected.get_or_create(&ReasonLabels { reason }).inc();
     }
@@ -339,6 +402,17 @@ pub struct RequestRecord {
     prefill_done: Option<Instant>,
     first_byte_seen: bool,
     finished: bool,
+    /// For the access log: the request id, the endpoints that served, the answer's status,
+    /// the time to the first byte, whether the decode served alone.
+    request_id: String,
+    prefill: String,
+    decode: String,
+    status: u16,
+    ttft: Option<f64>,
+    fallback: bool,
+    /// Cache-aware routing: the decode served alone by choice, and the predicted cached tokens.
+    decode_only: bool,
+    predicted_cached: Option<u32>,
 }
 
 impl RequestRecord {
@@ -353,7 +427,30 @@ impl RequestRecord {
             prefill_done: None,
             first_byte_seen: false,
             finished: false,
+            request_id: String::new(),
+            prefill: String::new(),
+            decode: String::new(),
+            status: 200,
+            ttft: None,
+            fallback: false,
+            decode_only: false,
+            predicted_cached: None,
         }
+    }
+
+    /// The request id, for the access log.
+    pub fn set_request_id(&mut self, id: &str) {
+        self.request_id = id.to_string();
+    }
+
+    /// The endpoints whose answer is relayed, its status, and whether the decode served alone.
+    pub fn set_served(&mut self, served: &crate::headers::Served, status: u16) {
+        self.prefill.clone_from(&served.prefill);
+        self.decode.clone_from(&served.decode);
+        self.status = status;
+        self.fallback = served.fallback;
+        self.decode_only = served.decode_only;
+        self.predicted_cached = served.predicted_cached;
     }
 
     /// Names the connector once routing chose it.
@@ -381,10 +478,12 @@ impl RequestRecord {
         }
         self.first_byte_seen = true;
         let now = Instant::now();
+        let ttft = (now - self.start).as_secs_f64();
+        self.ttft = Some(ttft);
         self.metrics
             .ttft
             .get_or_create(&RouteLabels { route: self.route })
-            .observe((now - self.start).as_secs_f64());
+            .observe(ttft);
         if let Some(p) = self.prefill_done {
             self.metrics
                 .handoff
@@ -409,10 +508,31 @@ impl RequestRecord {
                 model: self.model.clone(),
             })
             .inc();
+        let total = self.start.elapsed().as_secs_f64();
         self.metrics
             .duration
             .get_or_create(&RouteLabels { route: self.route })
-            .observe(self.start.elapsed().as_secs_f64());
+            .observe(total);
+        if self.metrics.access_log.load(Ordering::Relaxed) {
+            let ms = |s: f64| (s * 1e6).round() / 1e3;
+            tracing::info!(
+                target: "pdgate::access",
+                request_id = %self.request_id,
+                route = self.route,
+                status = self.status,
+                outcome,
+                model = %self.model,
+                connector = %self.connector,
+                prefill = %self.prefill,
+                decode = %self.decode,
+                fallback = self.fallback,
+                decode_only = self.decode_only,
+                predicted_cached_tokens = self.predicted_cached,
+                total_ms = ms(total),
+                ttft_ms = self.ttft.map(ms),
+                "request"
+            );
+        }
     }
 
     /// The request completed.
@@ -422,12 +542,15 @@ impl RequestRecord {
 
     /// The request failed with `err`.
     pub fn finish_error(&mut self, err: &GatewayError) {
+        self.status = err.status().as_u16();
         self.finish(outcome_of(err));
     }
 }
 
 impl Drop for RequestRecord {
     fn drop(&mut self) {
+        // 499: nginx's "client closed request".
+        self.status = 499;
         self.finish("cancelled");
     }
 }

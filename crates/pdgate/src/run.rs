@@ -38,6 +38,7 @@ pub struct RunningGateway {
     cancel: CancellationToken,
     tasks: JoinSet<()>,
     pods: watch::Sender<PodSet>,
+    admin_addr: Option<SocketAddr>,
 }
 
 impl RunningGateway {
@@ -66,16 +67,43 @@ impl RunningGateway {
             gateway.config.health_section(),
             cancel.clone(),
         ));
+        tasks.spawn(
+            gateway
+                .client_keys
+                .clone()
+                .watch(gateway.config.security.reload_interval, cancel.clone()),
+        );
         let app = crate::http::router(gateway.clone());
-        let idle = gateway.config.client_idle_timeout;
+        let limits = crate::http::listener::ConnectionLimits::of(&gateway.config);
+        let mut admin_addr = None;
+        if let Some(admin) = gateway.config.security.admin_listen {
+            let admin_listener = listen(admin)?;
+            admin_addr = Some(admin_listener.local_addr()?);
+            tasks.spawn(crate::http::listener::serve(
+                admin_listener,
+                crate::http::routes::admin_router(gateway.clone()),
+                limits,
+                None,
+                cancel.clone(),
+            ));
+        }
+        let tls = gateway.server_tls.clone();
+        if let Some(tls) = &tls {
+            tasks.spawn(
+                tls.clone()
+                    .watch(gateway.config.security.reload_interval, cancel.clone()),
+            );
+        }
         tasks.spawn(crate::http::listener::serve(
             listener,
             app,
-            idle,
+            limits,
+            tls.map(|t| t.acceptor().clone()),
             cancel.clone(),
         ));
         Ok(RunningGateway {
             addr,
+            admin_addr,
             gateway,
             cancel,
             tasks,
@@ -96,9 +124,19 @@ impl RunningGateway {
         self.addr
     }
 
-    /// `http://addr`.
+    /// The admin listener's address (`security.admin_listen`), if any.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
+    }
+
+    /// `http://addr`, or `https://addr` when the listener serves TLS.
     pub fn base_url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.gateway.config.security.tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// The shared state.

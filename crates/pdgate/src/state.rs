@@ -45,6 +45,16 @@ pub struct Gateway {
     pub(crate) health: Arc<Health>,
     /// The gateway-wide request limit.
     pub(crate) admission: Admission,
+    /// The client API keys (none: the API is open).
+    pub(crate) client_keys: Arc<crate::http::auth::ClientKeys>,
+    /// The listener's TLS (`security.tls_cert`), if configured.
+    pub(crate) server_tls: Option<crate::http::tls::ServerTls>,
+    /// `Authorization` for engine legs (`security.engine_api_key`).
+    pub(crate) engine_authorization: Option<http::HeaderValue>,
+    /// Whether client `Authorization` headers go to engines.
+    pub(crate) forward_client_authorization: bool,
+    /// Bounds the memory held by request bodies being read.
+    pub(crate) body_budget: crate::http::budget::BodyBudget,
     /// Bounds retries across requests.
     pub(crate) retry_budget: RetryBudget,
     /// Set at the start of a graceful shutdown: `/ready` answers 503 from then on.
@@ -88,15 +98,49 @@ impl Gateway {
             None
         };
         let metrics = Arc::new(metrics);
+        metrics
+            .access_log
+            .store(config.access_log, std::sync::atomic::Ordering::Relaxed);
+        let client_keys = crate::http::auth::ClientKeys::new(&config.security, metrics.clone())
+            .map_err(|e| ConfigError::Field {
+                field: "security.api_keys_file".into(),
+                message: e.to_string(),
+            })?;
+        for name in client_keys.client_names() {
+            metrics.declare_client(name);
+        }
+        let mut connectors = registry.valid_agent_names();
+        connectors.sort();
+        metrics.declare_fleet(&connectors);
+        let engine_authorization = config
+            .security
+            .engine_authorization()
+            .map_err(|(field, message)| ConfigError::Field { field, message })?;
+        let tls_error = |field: &str, e: crate::http::tls::TlsError| ConfigError::Field {
+            field: format!("security.{field}"),
+            message: e.to_string(),
+        };
+        let engine_tls = crate::http::tls::engine_connector(&config.security)
+            .map_err(|e| tls_error("engine_ca_file", e))?;
+        let server_tls = crate::http::tls::ServerTls::from_config(&config.security)
+            .map_err(|e| tls_error("tls_cert", e))?;
         Ok(Arc::new(Gateway {
+            server_tls,
             health: Arc::new(Health::new(&config.health_section(), metrics.clone())),
             admission: Admission::new(&config, metrics.clone()),
             retry_budget: RetryBudget::new(&config),
+            client_keys: Arc::new(client_keys),
+            engine_authorization,
+            forward_client_authorization: config.security.forwards_client_authorization(),
+            body_budget: crate::http::budget::BodyBudget::new(
+                config.security.max_buffered_body_bytes,
+                config.security.body_budget_wait,
+            ),
             draining: AtomicBool::new(false),
             cache,
             prefill_policy,
             decode_policy,
-            client: EnginePool::new(config.pool_section()),
+            client: EnginePool::with_tls(config.pool_section(), Some(engine_tls)),
             default_connector,
             registry,
             store: EndpointStore::default(),

@@ -120,7 +120,8 @@ async fn unreachable_prefill_falls_back() {
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead_url = format!("http://{}", dead.local_addr().unwrap());
     drop(dead);
-    let fleet = start(vec![], vec![], |c| {
+    // Not ready (no pair passes its checks): served by fallback all the same.
+    let fleet = start_unready(vec![], vec![], |c| {
         c.prefill.push(pdgate::config::EndpointConfig {
             url: dead_url.clone(),
             model: Some(MODEL.into()),
@@ -150,7 +151,7 @@ async fn decode_errors_pass_through_and_dead_decodes_are_502() {
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead_url = format!("http://{}", dead.local_addr().unwrap());
     drop(dead);
-    let fleet = start(vec![], vec![], |c| {
+    let fleet = start_unready(vec![], vec![], |c| {
         c.prefill.push(endpoint_for(&p, Some(Connector::Shfs)));
         c.decode.push(pdgate::config::EndpointConfig {
             url: dead_url.clone(),

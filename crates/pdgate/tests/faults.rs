@@ -709,3 +709,47 @@ async fn hanging_decode_is_bounded_then_ejected() {
         "{metrics}"
     );
 }
+
+/// A decode that answers 200 and then breaks every stream is ejected like one that answers 5xx
+/// (passive health counts what happens after the head), and traffic moves to the healthy one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_that_breaks_streams_after_its_head_is_ejected() {
+    let fleet = fleet(Connector::Shfs, |c| {
+        c.decode_policy = "least_request".into();
+        c.outlier_consecutive_failures = 3;
+        // One ejection for the whole test.
+        c.outlier_base_ejection = Duration::from_secs(60);
+        c.outlier_max_ejection = Duration::from_secs(60);
+    })
+    .await;
+    let sick = fleet.decode[0].addr().to_string();
+    set(&fleet.decode[0], |f| f.drop_after_chunks = Some(2));
+    let long = |i: usize| json!({"model": MODEL, "prompt": format!("stream {i}"), "max_tokens": 16, "stream": true});
+    let mut broken = 0;
+    for i in 0..40 {
+        let r = fleet.post("/v1/completions", &long(i)).await;
+        assert_eq!(r.status(), 200);
+        let served_by_sick = r.headers()["target-pod"] == sick.as_str();
+        let text = r.text().await.unwrap_or_default();
+        if served_by_sick && (text.contains("\"error\"") || !text.contains("[DONE]")) {
+            broken += 1;
+        }
+    }
+    // Three broken streams in a row eject it, and nothing is sent to it after that.
+    assert_eq!(broken, 3, "{broken} streams broke");
+    let metrics = fleet.metrics().await;
+    assert!(
+        metrics.contains(&format!(
+            "pdgate_endpoint_healthy{{role=\"decode\",endpoint=\"{sick}\"}} 0"
+        )),
+        "{metrics}"
+    );
+    assert!(metric(&metrics, "pdgate_ejections_total{role=\"decode\"}") >= 1.0);
+    // Once ejected, the sick decode gets nothing: the last requests all end cleanly.
+    for i in 40..50 {
+        let r = fleet.post("/v1/completions", &long(i)).await;
+        assert_ne!(r.headers()["target-pod"], sick.as_str());
+        assert!(r.text().await.unwrap().contains("[DONE]"));
+    }
+    fleet.wait_idle().await;
+}

@@ -15,6 +15,8 @@ use tokio::net::TcpListener;
 
 fn toml_for(prefill: &[&pdsim::SimHandle], decode: &[&pdsim::SimHandle]) -> String {
     let mut s = String::from("kv_connector = \"shfs\"\nmodels = [\"m\"]\ndrain_delay = 0\n");
+    // The test follows requests by the endpoint headers (AIBrix's, off by default).
+    s.push_str("[security]\nexpose_target_headers = true\n");
     for p in prefill {
         s.push_str(&format!("[[prefill]]\nurl = \"{}\"\n", p.base_url()));
     }
@@ -168,4 +170,81 @@ async fn the_demo_serves_every_connector() {
     for engine in &demo.engines {
         assert_eq!(engine.stats().recomputed, 0);
     }
+}
+
+/// The example configuration (`deploy/pdgate.toml`, shown in the README), as written, with its four addresses pointed at pdsim
+/// engines of the connectors it names: every request pairs a prefill with a decode of its own
+/// connector (pdsim fails a handoff between connectors), both connectors serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_configuration_runs_as_written() {
+    let readme = include_str!("../../../README.md");
+    let toml = include_str!("../../../deploy/pdgate.toml");
+    let in_readme = readme
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the README has a TOML example");
+    assert_eq!(
+        in_readme, toml,
+        "README.md shows deploy/pdgate.toml as it is"
+    );
+    let engine = |role, connector| {
+        let mut c = sim(role, connector);
+        c.model = "llama-3-8b".into();
+        pdsim::spawn(c)
+    };
+    let shfs_p = engine(Role::Prefill, Connector::Shfs).await.unwrap();
+    let moon_p = engine(Role::Prefill, Connector::Mooncake).await.unwrap();
+    let shfs_d = engine(Role::Decode, Connector::Shfs).await.unwrap();
+    let moon_d = engine(Role::Decode, Connector::Mooncake).await.unwrap();
+    let bootstrap = moon_p.bootstrap_port().expect("mooncake bootstrap port");
+    let text = toml
+        .replace("http://10.0.0.1:8000", &shfs_p.base_url())
+        .replace("http://10.0.0.4:8000", &moon_p.base_url())
+        .replace("http://10.0.0.3:8000", &shfs_d.base_url())
+        .replace("http://10.0.0.5:8000", &moon_d.base_url())
+        .replace(
+            "bootstrap_port = 8998",
+            &format!("bootstrap_port = {bootstrap}"),
+        );
+    let config = pdgate::config::Config::from_toml(&text).expect("the README's TOML parses");
+    let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("and validates");
+    let pods = gw.config.pods().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let running = RunningGateway::start(gw, listener, pods).await.unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/completions", running.base_url());
+    // Mooncake prefills need their bootstrap facts before they route: wait (bounded).
+    let mut ok = 0;
+    for _ in 0..200 {
+        let r = http
+            .post(&url)
+            .json(&json!({"model": "llama-3-8b", "prompt": "hello", "max_tokens": 2}))
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        let body = r.text().await.unwrap();
+        if moon_p.stats().responses_ok == 0 && status != 200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        assert_eq!(status, 200, "{body}");
+        ok += 1;
+        if ok == 20 {
+            break;
+        }
+    }
+    assert_eq!(ok, 20);
+    for (name, e) in [("shfs decode", &shfs_d), ("mooncake decode", &moon_d)] {
+        let s = e.stats();
+        assert!(s.responses_ok > 0, "{name} served nothing");
+        assert_eq!(s.responses_error, 0, "{name} failed a handoff");
+    }
+    assert!(
+        moon_d.stats().transfers_pulled > 0,
+        "mooncake KV was pulled"
+    );
+    running.shutdown(Duration::from_secs(5)).await;
 }

@@ -28,10 +28,21 @@ impl Endpoint {
 /// Default `max_tokens` when the client sends none.
 pub(crate) const DEFAULT_MAX_TOKENS: u32 = 16;
 
+/// `stream_options` as vLLM checks it: on the raw object, where `{}` counts as absent.
 #[derive(Deserialize)]
 struct StreamOptions {
     #[serde(default)]
     include_usage: Option<bool>,
+    /// Other keys (vLLM's `continuous_usage_stats`, ...): only whether there are any matters.
+    #[serde(flatten)]
+    other: std::collections::BTreeMap<String, serde::de::IgnoredAny>,
+}
+
+impl StreamOptions {
+    /// Python's truthiness of the object: non-empty.
+    fn is_set(&self) -> bool {
+        self.include_usage.is_some() || !self.other.is_empty()
+    }
 }
 
 #[derive(Deserialize)]
@@ -129,7 +140,7 @@ pub(crate) fn parse_with(
         });
     }
     let stream = w.stream.unwrap_or(false);
-    if w.stream_options.is_some() && !stream {
+    if w.stream_options.as_ref().is_some_and(StreamOptions::is_set) && !stream {
         return Err(ApiError::BadRequest {
             message:
                 "Stream options can only be defined when `stream=True`. (parameter=stream_options)"

@@ -13,14 +13,14 @@ use crate::pod::{MooncakeBootstrap, Pod, url_host};
 use crate::rules::{KV_TRANSFER_PARAMS, apply_prefill_leg_rules, strip_client_transfer_fields};
 
 /// The `mooncake` agent: concurrent; prefill and decode share
-/// `transfer_id = "xfer-<request id>"`, decode names the prefill's bootstrap
+/// `transfer_id = "xfer-<transfer key>"` (the context's `transfer_key`), decode names the prefill's bootstrap
 /// address and the engine id of the chosen data-parallel rank.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MooncakeAgent;
 
-/// The transfer id both legs of request `request_id` carry.
-pub fn mooncake_transfer_id(request_id: &str) -> String {
-    format!("xfer-{request_id}")
+/// The transfer id both legs of the request with transfer key `key` carry.
+pub fn mooncake_transfer_id(key: &str) -> String {
+    format!("xfer-{key}")
 }
 
 /// FNV-1a: a stable hash (unlike `DefaultHasher`, fixed across releases), so
@@ -96,7 +96,7 @@ impl KvTransferAgent for MooncakeAgent {
             pick_rank(&ctx.request_id, bootstrap).ok_or_else(|| AgentError::NoBootstrap {
                 pod: prefill_pod.name.clone(),
             })?;
-        let transfer_id = mooncake_transfer_id(&ctx.request_id);
+        let transfer_id = mooncake_transfer_id(&ctx.transfer_key);
         let mut body = request.clone();
         strip_client_transfer_fields(&mut body);
         apply_prefill_leg_rules(&mut body);
@@ -143,7 +143,7 @@ impl KvTransferAgent for MooncakeAgent {
             .transfer
             .transfer_id
             .clone()
-            .unwrap_or_else(|| mooncake_transfer_id(&ctx.request_id));
+            .unwrap_or_else(|| mooncake_transfer_id(&ctx.transfer_key));
         let addr = format!("http://{}:{}", url_host(ip), bootstrap.port);
         decode.set(
             KV_TRANSFER_PARAMS,

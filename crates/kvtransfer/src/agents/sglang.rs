@@ -85,6 +85,16 @@ impl KvTransferAgent for SglangAgent {
         false
     }
 
+    /// SGLang validates sampling parameters its own way (not vLLM's list): only the gateway's
+    /// own body, model and batch checks apply.
+    fn check_request(
+        &self,
+        _body: &JsonBody,
+        _endpoint: crate::checks::Endpoint,
+    ) -> Result<(), crate::checks::EngineReject> {
+        Ok(())
+    }
+
     fn supports_batch(&self) -> bool {
         true
     }

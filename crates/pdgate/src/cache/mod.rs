@@ -636,6 +636,7 @@ mod tests {
             connector: None,
             agent: None,
             load: Arc::new(Load::default()),
+            authorization: None,
         })
     }
 

@@ -27,12 +27,19 @@ pub enum LogFormat {
 /// prefix by `--set`), its name, and the help shown by `--help`.
 #[derive(Clone, Copy, Debug)]
 pub struct Key {
-    /// `http`, `legs`, `policy`, `health`, `limits`, `pool`, `discovery`, `shutdown`.
+    /// `http`, `legs`, `policy`, `health`, `limits`, `pool`, `discovery`, `shutdown`,
+    /// `security`.
     pub section: &'static str,
-    /// The key, as written in the file.
+    /// The key, as written in the file (inside `[section]` when `in_table`).
     pub name: &'static str,
     /// One line of help.
     pub help: &'static str,
+    /// Whether the key lives in the file's `[section]` table (newer keys) rather than at the
+    /// top level (the keys operators' files already use, which keep their place).
+    pub in_table: bool,
+    /// Whether a flag's value is always text (keys with no default to take the type from:
+    /// `engine_api_key = "123"` stays a string).
+    pub text: bool,
 }
 
 const fn key(section: &'static str, name: &'static str, help: &'static str) -> Key {
@@ -40,6 +47,32 @@ const fn key(section: &'static str, name: &'static str, help: &'static str) -> K
         section,
         name,
         help,
+        in_table: false,
+        text: false,
+    }
+}
+
+/// A key inside the file's `[section]` table.
+const fn key_in(section: &'static str, name: &'static str, help: &'static str) -> Key {
+    Key {
+        in_table: true,
+        ..key(section, name, help)
+    }
+}
+
+impl Key {
+    /// The same key, whose flag value is always text.
+    const fn text(self) -> Key {
+        Key { text: true, ..self }
+    }
+
+    /// The key's dotted path in the file: `max_in_flight`, `security.request_body_timeout`.
+    pub fn path(&self) -> String {
+        if self.in_table {
+            format!("{}.{}", self.section, self.name)
+        } else {
+            self.name.to_string()
+        }
     }
 }
 
@@ -51,6 +84,11 @@ pub const KEYS: &[Key] = &[
         "http",
         "client_idle_timeout",
         "A client connection without a request head for this long is closed",
+    ),
+    key(
+        "http",
+        "access_log",
+        "One log line per finished request at info (target pdgate::access): request id, route, status, outcome, model, connector, endpoints, total and first-byte times",
     ),
     key(
         "http",
@@ -66,6 +104,11 @@ pub const KEYS: &[Key] = &[
         "discovery",
         "discovery",
         "Endpoint discovery: static or kubernetes",
+    ),
+    key(
+        "discovery",
+        "bootstrap_port",
+        "Bootstrap port of static prefill endpoints that set none (Mooncake /query, SGLang bootstrap server; engines default to 8998)",
     ),
     key(
         "discovery",
@@ -209,10 +252,93 @@ pub const KEYS: &[Key] = &[
         "shutdown_timeout",
         "Bound on waiting for in-flight requests after the listener closes",
     ),
+    key_in(
+        "security",
+        "request_body_timeout",
+        "A request body must be read completely within this long of its head (408 otherwise)",
+    ),
+    key_in(
+        "security",
+        "max_buffered_body_bytes",
+        "Total bytes of request bodies being read at once; 0 means unbounded",
+    ),
+    key_in(
+        "security",
+        "body_budget_wait",
+        "How long a body waits for room in max-buffered-body-bytes before a 503",
+    ),
+    key_in(
+        "security",
+        "max_streams_per_connection",
+        "HTTP/2 streams one client connection may have open at once",
+    ),
+    key_in(
+        "security",
+        "api_keys_file",
+        "A file of client API keys, one per line, re-read when it changes",
+    ).text(),
+    key_in(
+        "security",
+        "reload_interval",
+        "How often api-keys-file and the TLS files are checked for changes",
+    ),
+    key_in(
+        "security",
+        "tls_cert",
+        "Serve HTTPS with this certificate chain (PEM; with tls-key), re-read when it changes",
+    )
+    .text(),
+    key_in(
+        "security",
+        "tls_key",
+        "The private key (PEM) of tls-cert, re-read when it changes",
+    )
+    .text(),
+    key_in(
+        "security",
+        "engine_ca_file",
+        "CA certificates (PEM) that https:// engines are verified against (default: the system's roots)",
+    )
+    .text(),
+    key_in(
+        "security",
+        "engine_client_cert",
+        "A client certificate (PEM) presented to https:// engines (mTLS; with engine-client-key)",
+    )
+    .text(),
+    key_in(
+        "security",
+        "engine_client_key",
+        "The private key (PEM) of engine-client-cert",
+    )
+    .text(),
+    key_in(
+        "security",
+        "engine_api_key",
+        "The engines' API key, sent to them as the bearer token",
+    ).text(),
+    key_in(
+        "security",
+        "forward_client_authorization",
+        "Forward the client's Authorization header to engines (unset: only when neither client keys nor an engine key are configured)",
+    ),
+    key_in(
+        "security",
+        "expose_target_headers",
+        "Name the serving endpoints in answers (prefill-target-pod, target-pod)",
+    ),
+    key_in(
+        "security",
+        "admin_listen",
+        "Serve /metrics, /health and /ready on this address; /metrics leaves the API port",
+    ).text(),
 ];
 
 /// Environment variables that set a key (as the flag would; a flag wins).
-const ENV: &[(&str, &str)] = &[("kv_connector", "AIBRIX_KV_CONNECTOR_TYPE")];
+const ENV: &[(&str, &str)] = &[
+    ("kv_connector", "AIBRIX_KV_CONNECTOR_TYPE"),
+    ("engine_api_key", "PDGATE_ENGINE_API_KEY"),
+];
 
 /// Values given on the command line (or environment) for [`KEYS`], in the order of [`KEYS`].
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -224,14 +350,28 @@ fn flag_name(key: &str) -> &'static str {
     Box::leak(key.replace('_', "-").into_boxed_str())
 }
 
-/// How the default of `key` is written in help and docs (`none` for an empty list).
+/// How the default of `key` (a dotted path) is written in help and docs (`none` for an empty
+/// list or an unset option).
 pub(crate) fn default_text(defaults: &toml::Table, key: &str) -> String {
-    match defaults.get(key) {
+    match lookup(defaults, key) {
         Some(toml::Value::String(s)) => s.clone(),
         Some(toml::Value::Array(a)) if a.is_empty() => "none".into(),
         Some(v) => v.to_string(),
         None => "none".into(),
     }
+}
+
+/// The value at the dotted `path` of `table`.
+fn lookup<'t>(table: &'t toml::Table, path: &str) -> Option<&'t toml::Value> {
+    let (parents, last) = match path.rsplit_once('.') {
+        Some((parents, last)) => (Some(parents), last),
+        None => (None, path),
+    };
+    let mut at = table;
+    for p in parents.into_iter().flat_map(|p| p.split('.')) {
+        at = at.get(p)?.as_table()?;
+    }
+    at.get(last)
 }
 
 impl clap::Args for KeyFlags {
@@ -244,10 +384,11 @@ impl clap::Args for KeyFlags {
                 .help(format!(
                     "{} [default: {}]",
                     k.help,
-                    default_text(&defaults, k.name)
+                    default_text(&defaults, &k.path())
                 ));
             if let Some((_, var)) = ENV.iter().find(|(name, _)| *name == k.name) {
-                arg = arg.env(*var);
+                // Some are secrets: `--help` never prints what the environment holds.
+                arg = arg.env(*var).hide_env_values(true);
             }
             cmd.arg(arg)
         })
@@ -307,6 +448,19 @@ pub struct RunArgs {
     /// are uncached there; 0 disables (`cache.decode_only_below_tokens`) [default: 0].
     #[arg(long, value_name = "TOKENS")]
     pub decode_only_below_tokens: Option<u32>,
+    /// A path relayed unchanged to a decode (repeatable; replaces `security.passthrough`).
+    #[arg(long = "passthrough", value_name = "PATH")]
+    pub passthrough: Vec<String>,
+    /// A client API key (repeatable, or comma-separated in the environment; added to
+    /// `security.api_keys`).
+    #[arg(
+        long = "api-key",
+        env = "PDGATE_API_KEYS",
+        value_delimiter = ',',
+        value_name = "KEY",
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
     /// Any key, e.g. `--set limits.max_in_flight=0` or `--set kubernetes.debounce_ms=500`
     /// (repeatable; applied after the other flags).
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -333,7 +487,8 @@ fn value_like(
     key: &str,
     raw: &str,
 ) -> Result<toml::Value, ConfigError> {
-    if matches!(like, Some(toml::Value::String(_))) {
+    let is_text = KEYS.iter().any(|k| k.text && k.path() == key);
+    if is_text || matches!(like, Some(toml::Value::String(_))) {
         return Ok(toml::Value::String(raw.to_string()));
     }
     let doc: toml::Table = toml::from_str(&format!("v = {raw}"))
@@ -354,7 +509,7 @@ fn set_path(
 ) -> Result<(), ConfigError> {
     let mut parts: Vec<&str> = path.split('.').map(str::trim).collect();
     if parts.len() > 1
-        && let Some(k) = KEYS.iter().find(|k| k.name == parts[1])
+        && let Some(k) = KEYS.iter().find(|k| k.name == parts[1] && !k.in_table)
     {
         if k.section != parts[0] {
             return Err(field_error(
@@ -364,15 +519,18 @@ fn set_path(
         }
         parts.remove(0);
     }
+    if parts.len() == 1
+        && let Some(k) = KEYS.iter().find(|k| k.name == parts[0] && k.in_table)
+    {
+        // A key of a `[section]` table named without its section.
+        parts.insert(0, k.section);
+    }
     let Some((last, parents)) = parts.split_last() else {
         return Err(field_error(path, "empty key"));
     };
-    let like = if parents.is_empty() {
-        defaults.get(*last)
-    } else {
-        None
-    };
-    let value = value_like(like, path, raw)?;
+    let canonical = parts.join(".");
+    let like = lookup(defaults, &canonical);
+    let value = value_like(like, &canonical, raw)?;
     let mut at = table;
     for p in parents {
         let next = at
@@ -435,6 +593,8 @@ impl RunArgs {
             && self.decode_only_below_tokens.is_none()
             && self.set.is_empty()
             && self.keys.0.is_empty()
+            && self.passthrough.is_empty()
+            && self.api_keys.is_empty()
     }
 
     fn apply(&self, table: &mut toml::Table) -> Result<(), ConfigError> {
@@ -491,8 +651,36 @@ impl RunArgs {
                 }
             }
         }
-        for (key, raw) in &self.keys.0 {
-            set_path(table, &defaults, key, raw)?;
+        let security = table
+            .entry("security")
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if let toml::Value::Table(security) = security {
+            if !self.passthrough.is_empty() {
+                let paths = self.passthrough.iter().cloned().map(toml::Value::String);
+                security.insert("passthrough".into(), toml::Value::Array(paths.collect()));
+            }
+            let keys: Vec<toml::Value> = self
+                .api_keys
+                .iter()
+                .map(|k| k.trim())
+                .filter(|k| !k.is_empty())
+                .map(|k| toml::Value::String(k.to_string()))
+                .collect();
+            if !keys.is_empty() {
+                let list = security
+                    .entry("api_keys")
+                    .or_insert_with(|| toml::Value::Array(Vec::new()));
+                if let toml::Value::Array(list) = list {
+                    list.extend(keys);
+                }
+            }
+        }
+        for (name, raw) in &self.keys.0 {
+            let path = KEYS
+                .iter()
+                .find(|k| k.name == *name)
+                .map_or_else(|| (*name).to_string(), Key::path);
+            set_path(table, &defaults, &path, raw)?;
         }
         for item in &self.set {
             let (path, raw) = item

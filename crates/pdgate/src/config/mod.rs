@@ -3,6 +3,8 @@
 
 mod flags;
 
+pub use crate::http::auth::{ClientConfig, Secret};
+pub use crate::http::guard::SecurityConfig;
 pub use flags::{LogFormat, RunArgs};
 
 use std::collections::BTreeMap;
@@ -69,6 +71,9 @@ pub struct EndpointConfig {
     /// The engine's KV-event replay socket (`pdgate.io/kv-events-replay`).
     #[serde(default)]
     pub kv_events_replay: Option<String>,
+    /// This engine's API key, sent as its bearer token (instead of `security.engine_api_key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<Secret>,
 }
 
 /// The whole gateway configuration.
@@ -167,6 +172,12 @@ pub struct Config {
     /// An idle engine connection older than this is closed instead of reused.
     #[serde(deserialize_with = "de_duration", serialize_with = "ser_duration")]
     pub pool_idle_timeout: Duration,
+    /// One log line per finished request at `info` (target `pdgate::access`).
+    pub access_log: bool,
+    /// Bootstrap port of prefill endpoints that set none (Mooncake `/query`, SGLang bootstrap):
+    /// so that any connector runs from flags alone (`--bootstrap-port`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
     /// Kubernetes discovery (`discovery = "kubernetes"`): namespace, selector, label keys.
     /// (pdkube's type has no `Serialize`: the table is left out of [`Config::to_table`].)
     #[serde(skip_serializing)]
@@ -175,6 +186,8 @@ pub struct Config {
     /// flags and `--set cache.KEY=VALUE`; left out of [`Config::to_table`].)
     #[serde(skip_serializing)]
     pub cache: crate::cache::CacheConfig,
+    /// Edge security: the pass-through allow-list, body-read bounds (`[security]`).
+    pub security: SecurityConfig,
 }
 
 impl Default for Config {
@@ -221,8 +234,11 @@ impl Default for Config {
             pool_max_idle_per_engine: 4096,
             // The engines' own keep-alive timeouts (vLLM's uvicorn: 5 s) usually close first.
             pool_idle_timeout: Duration::from_secs(60),
+            access_log: true,
+            bootstrap_port: None,
             kubernetes: pdkube::KubeDiscoveryConfig::default(),
             cache: crate::cache::CacheConfig::default(),
+            security: SecurityConfig::default(),
         }
     }
 }
@@ -374,10 +390,34 @@ impl Config {
 
     /// Checks every field once, at start-up (and on each reload), naming the field at fault.
     pub fn validate(&self, registry: &Registry) -> Result<(), ConfigError> {
+        self.security
+            .validate()
+            .map_err(|(field, message)| field_error(field, message))?;
         registry
             .validate_default(&self.kv_connector)
             .map_err(|e| field_error("kv_connector", e.to_string()))?;
         self.cache.validate()?;
+        for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            for (i, ep) in list.iter().enumerate() {
+                if let Some(label) = ep.labels.get(kvtransfer::CONNECTOR_TYPE_IDENTIFIER)
+                    && !label.trim().is_empty()
+                    && !registry.contains(label)
+                {
+                    let mut names = registry.valid_agent_names();
+                    names.sort();
+                    return Err(field_error(
+                        format!(
+                            "{role}[{i}].labels.\"{}\"",
+                            kvtransfer::CONNECTOR_TYPE_IDENTIFIER
+                        ),
+                        format!(
+                            "unknown KV connector {label:?} (registered: {})",
+                            names.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
         for (field, name) in [
             ("prefill_policy", &self.prefill_policy),
             ("decode_policy", &self.decode_policy),
@@ -484,7 +524,7 @@ impl Config {
         let mut pods = Vec::with_capacity(self.prefill.len() + self.decode.len());
         for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             for (i, ep) in list.iter().enumerate() {
-                pods.push(endpoint_pod(role, i, ep)?);
+                pods.push(endpoint_pod(role, i, ep, self.bootstrap_port)?);
             }
         }
         Ok(pods)
@@ -492,18 +532,27 @@ impl Config {
 }
 
 /// Turns one configured endpoint into a pod the routing core understands.
-fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, ConfigError> {
+fn endpoint_pod(
+    role: &str,
+    index: usize,
+    ep: &EndpointConfig,
+    default_bootstrap_port: Option<u16>,
+) -> Result<Pod, ConfigError> {
     let field = format!("{role}[{index}].url");
     let uri: http::Uri = ep
         .url
         .parse()
         .map_err(|e| field_error(&field, format!("{:?} is not a URL: {e}", ep.url)))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(field_error(
-            &field,
-            format!("{:?} must start with http://", ep.url),
-        ));
-    }
+    let tls = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => {
+            return Err(field_error(
+                &field,
+                format!("{:?} must start with http:// or https://", ep.url),
+            ));
+        }
+    };
     let host = uri
         .host()
         .ok_or_else(|| field_error(&field, format!("{:?} has no host", ep.url)))?;
@@ -514,7 +563,7 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
         ));
     }
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    let port = uri.port_u16().unwrap_or(80);
+    let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
     let name = ep.name.clone().unwrap_or_else(|| {
         if host.contains(':') {
             format!("[{host}]:{port}")
@@ -526,13 +575,26 @@ fn endpoint_pod(role: &str, index: usize, ep: &EndpointConfig) -> Result<Pod, Co
     pod.ready = true;
     pod.labels = ep.labels.clone();
     pod.annotations = ep.annotations.clone();
+    if tls {
+        pod.annotations.insert(
+            crate::endpoints::ENGINE_SCHEME_ANNOTATION.to_string(),
+            "https".to_string(),
+        );
+    }
     pod.labels
         .insert(kvtransfer::labels::ROLE_NAME.to_string(), role.to_string());
     if let Some(model) = &ep.model {
         pod.labels
             .insert(kvtransfer::labels::MODEL_NAME.to_string(), model.clone());
     }
-    if let Some(port) = ep.bootstrap_port {
+    if let Some(key) = &ep.api_key {
+        // Carried to the endpoint, which keeps it as a sensitive header value only.
+        pod.annotations.insert(
+            crate::endpoints::ENGINE_KEY_ANNOTATION.to_string(),
+            key.0.clone(),
+        );
+    }
+    if let Some(port) = ep.bootstrap_port.or(default_bootstrap_port) {
         for key in kvtransfer::labels::BOOTSTRAP_PORTS {
             pod.annotations.insert(key.to_string(), port.to_string());
         }

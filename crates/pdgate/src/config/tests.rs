@@ -56,9 +56,9 @@ fn operations_doc_lists_every_key_with_its_default() {
     for key in flags::KEYS {
         let row = doc
             .lines()
-            .find(|l| l.starts_with(&format!("| `{}`", key.name)))
+            .find(|l| l.starts_with(&format!("| `{}`", key.path())))
             .unwrap_or_else(|| panic!("docs/operations.md has no row for `{}`", key.name));
-        let default = flags::default_text(&defaults, key.name);
+        let default = flags::default_text(&defaults, &key.path());
         assert!(
             row.contains(&format!("| `{default}`")),
             "docs/operations.md: `{}` should default to `{default}`: {row}",
@@ -87,4 +87,19 @@ fn durations() {
     assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
     assert!(parse_duration("-1").is_err());
     assert!(parse_duration("later").is_err());
+}
+
+#[test]
+fn an_unknown_connector_label_in_the_file_is_a_start_up_error() {
+    let text = "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\nlabels = { \"model.aibrix.ai/kv-connector-type\" = \"moon\" }\n[[decode]]\nurl = \"http://10.0.0.2:8000\"\n";
+    let config = Config::from_toml(text).unwrap();
+    let err = config
+        .validate(&kvtransfer::Registry::with_builtins())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("prefill[0].labels"), "{err}");
+    assert!(
+        err.contains("\"moon\"") && err.contains("mooncake"),
+        "{err}"
+    );
 }

@@ -46,6 +46,8 @@ struct Entry {
     check_failures: u32,
     check_passes: u32,
     check_down: bool,
+    /// Some active check has passed (readiness waits for one).
+    ever_passed: bool,
     traffic_failures: u32,
     ejected_until: Option<Instant>,
     ejections: u32,
@@ -62,6 +64,7 @@ impl Entry {
             check_failures: 0,
             check_passes: 0,
             check_down: false,
+            ever_passed: false,
             traffic_failures: 0,
             ejected_until: None,
             ejections: 0,
@@ -175,6 +178,18 @@ impl Health {
             .collect()
     }
 
+    /// Whether `name` is healthy and has passed an active check at least once (always, with
+    /// active checks off): what `/ready` counts, so that a fleet nobody has reached yet is not
+    /// ready.
+    pub fn verified(&self, name: &str) -> bool {
+        if !self.knobs.health_checks {
+            return true;
+        }
+        self.lock()
+            .get(name)
+            .is_some_and(|e| e.ever_passed && e.healthy())
+    }
+
     /// Whether `name` is known and healthy (unknown endpoints count as healthy).
     #[cfg(test)]
     pub fn is_healthy(&self, name: &str) -> bool {
@@ -192,6 +207,7 @@ impl Health {
         let Some(e) = map.get_mut(name) else { return };
         let before = e.healthy();
         if ok {
+            e.ever_passed = true;
             e.check_failures = 0;
             e.check_passes = e.check_passes.saturating_add(1);
             if e.check_down && e.check_passes >= self.knobs.healthy_threshold {

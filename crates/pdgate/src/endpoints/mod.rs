@@ -16,6 +16,14 @@ use arc_swap::ArcSwap;
 use kvtransfer::{KvTransferAgent, Pod, Registry};
 
 /// The role an engine plays.
+/// Pod annotation (and what an `https://` endpoint URL sets): `https` reaches the engine over
+/// TLS (`security.engine_ca_file`).
+pub(crate) const ENGINE_SCHEME_ANNOTATION: &str = "pdgate.io/engine-scheme";
+
+/// Internal: how a static endpoint's `api_key` reaches its [`Endpoint`] (which removes it from
+/// its copy of the pod and keeps a sensitive header value).
+pub(crate) const ENGINE_KEY_ANNOTATION: &str = "pdgate.internal/engine-api-key";
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     /// Computes the prompt's KV cache.
@@ -85,13 +93,15 @@ pub struct Endpoint {
     pub role: Role,
     /// Models served; empty means any.
     pub models: Vec<String>,
-    /// The connector: for a prefill, resolved from its label and the global default; for a
-    /// decode, the label it declares, if any (then it only pairs with that connector).
+    /// The connector, from the pod's label or else the global default (both roles): a decode
+    /// pairs only with prefills of its connector.
     pub connector: Option<String>,
     /// The agent for a prefill endpoint.
     pub agent: Option<Arc<dyn KvTransferAgent>>,
     /// Live load.
     pub load: Arc<Load>,
+    /// `Authorization` for this engine (its own `api_key`), over `security.engine_api_key`.
+    pub authorization: Option<http::HeaderValue>,
 }
 
 impl Endpoint {
@@ -100,6 +110,7 @@ impl Endpoint {
         crate::engine::client::Target {
             name: &self.name,
             base_url: &self.base_url,
+            authorization: self.authorization.as_ref(),
         }
     }
 
@@ -219,10 +230,14 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 continue;
             }
         };
-        let Some(base_url) = pod.base_url() else {
+        let Some(mut base_url) = pod.base_url() else {
             snap.excluded.push((pod.name.clone(), "no IP".into()));
             continue;
         };
+        if pod.annotation(ENGINE_SCHEME_ANNOTATION) == Some("https") {
+            // `http://...` -> `https://...`: the engine is reached over TLS.
+            base_url.replace_range(..4, "https");
+        }
         if !pod.ready {
             snap.excluded.push((pod.name.clone(), "not ready".into()));
             continue;
@@ -239,28 +254,35 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
         let label = pod
             .label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER)
             .unwrap_or_default();
+        if !label.trim().is_empty() && !inputs.registry.contains(label) {
+            // A misspelt label must not quietly become the default connector: the engine would
+            // be paired with peers that speak another transfer protocol.
+            let mut names = inputs.registry.valid_agent_names();
+            names.sort();
+            let why = format!(
+                "unknown KV connector label {}={label:?} (registered: {})",
+                kvtransfer::CONNECTOR_TYPE_IDENTIFIER,
+                names.join(", ")
+            );
+            tracing::warn!(endpoint = %pod.name, "{why}; endpoint excluded");
+            snap.excluded.push((pod.name.clone(), why));
+            continue;
+        }
+        // As AIBrix's `ResolveAgentForPod`: a pod without the label has the global default
+        // connector, prefill and decode alike, so an unlabelled decode pairs only with prefills
+        // of that connector.
+        let connector = inputs
+            .registry
+            .resolve_connector_type(label, inputs.default_connector);
         let (connector, agent) = match role {
-            Role::Prefill => {
-                let connector = inputs
-                    .registry
-                    .resolve_connector_type(label, inputs.default_connector);
-                match inputs.registry.resolve(&connector) {
-                    Ok(agent) => (Some(connector), Some(agent)),
-                    Err(e) => {
-                        snap.excluded.push((pod.name.clone(), e.to_string()));
-                        continue;
-                    }
+            Role::Prefill => match inputs.registry.resolve(&connector) {
+                Ok(agent) => (Some(connector), Some(agent)),
+                Err(e) => {
+                    snap.excluded.push((pod.name.clone(), e.to_string()));
+                    continue;
                 }
-            }
-            Role::Decode => {
-                let declared = label.trim();
-                let connector = (!declared.is_empty()).then(|| {
-                    inputs
-                        .registry
-                        .resolve_connector_type(declared, inputs.default_connector)
-                });
-                (connector, None)
-            }
+            },
+            Role::Decode => (Some(connector), None),
         };
         if agent.as_ref().is_some_and(|a| a.needs_bootstrap_lookup())
             && pod.mooncake_bootstrap.is_none()
@@ -271,11 +293,30 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
             ));
             continue;
         }
+        let mut pod = pod.clone();
+        let authorization = match pod.annotations.remove(ENGINE_KEY_ANNOTATION) {
+            None => None,
+            Some(key) => match http::HeaderValue::from_str(&format!("Bearer {key}")) {
+                Ok(mut v) => {
+                    v.set_sensitive(true);
+                    Some(v)
+                }
+                Err(_) => {
+                    snap.excluded.push((
+                        pod.name.clone(),
+                        "api_key is not a valid header value".into(),
+                    ));
+                    continue;
+                }
+            },
+        };
+        let pod = &pod;
         let endpoint_models = models_of(pod, inputs.default_models);
         models.extend(endpoint_models.iter().cloned());
         let endpoint = Arc::new(Endpoint {
             name: pod.name.clone(),
             base_url,
+            authorization,
             pod: pod.clone(),
             role,
             models: endpoint_models,
@@ -326,6 +367,21 @@ mod tests {
         p
     }
 
+    /// Bootstrap facts of a one-rank Mooncake prefill.
+    fn bootstrap() -> Option<MooncakeBootstrap> {
+        Some(MooncakeBootstrap {
+            port: 8998,
+            ranks: [(
+                0,
+                MooncakeRank {
+                    engine_id: "e".into(),
+                    worker_addr: Default::default(),
+                },
+            )]
+            .into(),
+        })
+    }
+
     fn build(pods: &[Pod], loads: &LoadTable) -> Snapshot {
         let reg = Registry::with_builtins();
         let unhealthy = BTreeSet::from(["sick".to_string()]);
@@ -350,17 +406,7 @@ mod tests {
         let mut mooncake = pod("mc2", "prefill")
             .with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "mooncake")
             .with_label("model.aibrix.ai/name", "a, b");
-        mooncake.mooncake_bootstrap = Some(MooncakeBootstrap {
-            port: 8998,
-            ranks: [(
-                0,
-                MooncakeRank {
-                    engine_id: "e".into(),
-                    worker_addr: Default::default(),
-                },
-            )]
-            .into(),
-        });
+        mooncake.mooncake_bootstrap = bootstrap();
         let pods = vec![
             pod("p1", "prefill"),
             not_ready,
@@ -385,6 +431,29 @@ mod tests {
         assert_eq!(snap.excluded.len(), 6);
         // shfs/mooncake prefills cannot pair with a nixl-only decode.
         assert!(!snap.has_routable_pair());
+    }
+
+    #[test]
+    fn unlabelled_decodes_have_the_default_connector_and_unknown_labels_are_excluded() {
+        let mut mooncake_prefill =
+            pod("mc", "prefill").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "mooncake");
+        mooncake_prefill.mooncake_bootstrap = bootstrap();
+        let pods = vec![
+            mooncake_prefill,
+            pod("d", "decode"),
+            pod("typo", "decode").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "moon"),
+        ];
+        let snap = build(&pods, &LoadTable::default());
+        // The unlabelled decode speaks the default (shfs): it does not pair with mooncake.
+        assert_eq!(snap.decode.len(), 1);
+        assert_eq!(snap.decode[0].connector.as_deref(), Some("shfs"));
+        assert!(!snap.has_routable_pair());
+        let (name, why) = &snap.excluded[0];
+        assert_eq!(name, "typo");
+        assert!(
+            why.contains("\"moon\"") && why.contains("mooncake"),
+            "{why}"
+        );
     }
 
     #[test]

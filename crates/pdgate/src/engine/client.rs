@@ -23,6 +23,8 @@ pub struct Target<'a> {
     pub name: &'a str,
     /// `http://host:port`.
     pub base_url: &'a str,
+    /// The engine's own `Authorization`, replacing the one the leg's headers carry.
+    pub authorization: Option<&'a HeaderValue>,
 }
 
 /// One request to one engine.
@@ -102,14 +104,31 @@ pub async fn send(
         for (k, v) in leg.extra {
             h.insert(k.clone(), v.clone());
         }
+        if let Some(v) = leg.endpoint.authorization {
+            h.insert(header::AUTHORIZATION, v.clone());
+        }
     }
     let request = builder
         .body(Full::new(leg.body))
         .map_err(|e| GatewayError::Internal(format!("building the {:?} request: {e}", leg.leg)))?;
-    client
+    let response = client
         .request(request)
         .await
-        .map_err(|e| from_pool(leg.leg, leg.endpoint, &e))
+        .map_err(|e| from_pool(leg.leg, leg.endpoint, &e))?;
+    if response.status().is_redirection() {
+        // A redirect names the engine's own (internal) address in `Location`, and following it
+        // would send the request where no endpoint list says: neither relayed nor followed.
+        return Err(upstream(
+            leg.leg,
+            leg.endpoint,
+            UpstreamKind::Broken,
+            format!(
+                "answered with a redirect ({}), which is not relayed",
+                response.status().as_u16()
+            ),
+        ));
+    }
+    Ok(response)
 }
 
 /// A fully read (bounded) engine response.

@@ -10,6 +10,9 @@
 //! hyper-util's pooled client did the same with more machinery than a gateway needs: per request
 //! it hashed the scheme and authority byte by byte, boxed the request future and spawned a task
 //! to put the connection back (bench/profile.sh callgrind: 5% of pdgate's instructions).
+//!
+//! `https://` engines are reached over TLS (rustls, `security.engine_ca_file`); their idle
+//! connections are kept apart from plain ones to the same `host:port`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -23,8 +26,10 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::engine::guarded::{GuardedBody, OnEnd};
@@ -69,10 +74,14 @@ pub struct EnginePool {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
+/// Idle connections by `host:port`: plain (`[0]`) and TLS (`[1]`).
+type IdleLists = [HashMap<Box<str>, Vec<Idle>>; 2];
+
 struct Inner {
-    idle: Mutex<HashMap<Box<str>, Vec<Idle>>>,
+    idle: Mutex<IdleLists>,
     config: PoolConfig,
+    /// The TLS client for `https://` engines.
+    tls: Option<TlsConnector>,
     /// Ends every connection task once the last handle on the pool is gone.
     stop: CancellationToken,
     _stop_on_drop: DropGuard,
@@ -84,14 +93,31 @@ struct Idle {
     since: Instant,
 }
 
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner")
+            .field("idle", &self.idle)
+            .field("config", &self.config)
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 impl EnginePool {
-    /// An empty pool.
+    /// An empty pool for `http://` engines.
+    #[cfg(test)]
     pub fn new(config: PoolConfig) -> Self {
+        Self::with_tls(config, None)
+    }
+
+    /// An empty pool; `https://` engines are reached with `tls` (refused without it).
+    pub fn with_tls(config: PoolConfig, tls: Option<TlsConnector>) -> Self {
         let stop = CancellationToken::new();
         EnginePool {
             inner: Arc::new(Inner {
-                idle: Mutex::new(HashMap::new()),
+                idle: Mutex::new([HashMap::new(), HashMap::new()]),
                 config,
+                tls,
                 _stop_on_drop: stop.clone().drop_guard(),
                 stop,
             }),
@@ -108,11 +134,16 @@ impl EnginePool {
         &self,
         mut request: Request<Full<Bytes>>,
     ) -> Result<Response<EngineBody>, PoolError> {
-        let authority = to_origin_form(&mut request)?;
+        let (authority, tls) = to_origin_form(&mut request)?;
+        if tls && self.inner.tls.is_none() {
+            return Err(PoolError::Target(
+                "https:// engines need the pool's TLS client".into(),
+            ));
+        }
         loop {
-            let (mut sender, pooled) = match self.inner.checkout(authority.as_str()) {
+            let (mut sender, pooled) = match self.inner.checkout(authority.as_str(), tls) {
                 Some(sender) => (sender, true),
-                None => (self.connect(&authority).await?, false),
+                None => (self.connect(&authority, tls).await?, false),
             };
             // A new connection takes its first request before the handshake settles; a pooled
             // one is ready once its previous response has been read to the end.
@@ -130,6 +161,7 @@ impl EnginePool {
                     let checkin = Checkin {
                         pool: self.inner.clone(),
                         authority: authority.clone(),
+                        tls,
                         sender,
                     };
                     return Ok(response.map(|body| engine_body(body, checkin)));
@@ -146,12 +178,12 @@ impl EnginePool {
     /// Idle connections kept for `authority` (`host:port`).
     #[cfg(test)]
     pub fn idle_connections(&self, authority: &str) -> usize {
-        self.inner.lock().get(authority).map_or(0, Vec::len)
+        self.inner.lock()[0].get(authority).map_or(0, Vec::len)
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<Sender, PoolError> {
+    async fn connect(&self, authority: &Authority, tls: bool) -> Result<Sender, PoolError> {
         let limit = self.inner.config.connect_timeout;
-        let address = socket_target(authority);
+        let address = socket_target(authority, tls);
         let tcp = match tokio::time::timeout(limit, TcpStream::connect(address)).await {
             Ok(Ok(tcp)) => tcp,
             Ok(Err(e)) => return Err(PoolError::Connect(e.to_string())),
@@ -162,7 +194,29 @@ impl EnginePool {
             }
         };
         let _ = tcp.set_nodelay(true);
-        let (sender, connection) = http1::handshake(TokioIo::new(tcp)).await?;
+        if let (true, Some(connector)) = (tls, &self.inner.tls) {
+            let name = ServerName::try_from(socket_target(authority, tls).0.to_string())
+                .map_err(|e| PoolError::Connect(format!("TLS server name: {e}")))?;
+            let stream = match tokio::time::timeout(limit, connector.connect(name, tcp)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => return Err(PoolError::Connect(format!("TLS handshake: {e}"))),
+                Err(_) => {
+                    return Err(PoolError::Connect(format!(
+                        "no TLS handshake within {limit:?}"
+                    )));
+                }
+            };
+            return Ok(self.drive(TokioIo::new(stream)).await?);
+        }
+        Ok(self.drive(TokioIo::new(tcp)).await?)
+    }
+
+    /// The HTTP/1.1 handshake on `io`, with the connection's task owned by the pool.
+    async fn drive<IO>(&self, io: IO) -> Result<Sender, hyper::Error>
+    where
+        IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let (sender, connection) = http1::handshake(io).await?;
         let stop = self.inner.stop.clone();
         // Owned through `stop`: the task ends with its connection, or with the pool.
         tokio::spawn(async move {
@@ -176,13 +230,13 @@ impl EnginePool {
 }
 
 impl Inner {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Vec<Idle>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, IdleLists> {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn checkout(&self, authority: &str) -> Option<Sender> {
+    fn checkout(&self, authority: &str, tls: bool) -> Option<Sender> {
         let mut idle = self.lock();
-        let list = idle.get_mut(authority)?;
+        let list = idle[usize::from(tls)].get_mut(authority)?;
         let now = Instant::now();
         while let Some(entry) = list.pop() {
             if !entry.sender.is_closed()
@@ -194,7 +248,7 @@ impl Inner {
         None
     }
 
-    fn checkin(&self, authority: &Authority, sender: Sender) {
+    fn checkin(&self, authority: &Authority, tls: bool, sender: Sender) {
         if sender.is_closed() {
             return;
         }
@@ -202,7 +256,8 @@ impl Inner {
             sender,
             since: Instant::now(),
         };
-        let mut idle = self.lock();
+        let mut lists = self.lock();
+        let idle = &mut lists[usize::from(tls)];
         match idle.get_mut(authority.as_str()) {
             Some(list) => self.push(list, entry),
             // The key is allocated only for an engine's first idle connection.
@@ -228,25 +283,32 @@ impl Inner {
 }
 
 /// Host and port to connect to: `host()` keeps an IPv6 literal's brackets, which a socket address
-/// does not take; `http://` without a port means 80.
-fn socket_target(authority: &Authority) -> (&str, u16) {
+/// does not take; without a port, `http://` means 80 and `https://` 443.
+fn socket_target(authority: &Authority, tls: bool) -> (&str, u16) {
     let host = authority.host();
     let host = host
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(host);
-    (host, authority.port_u16().unwrap_or(80))
+    (
+        host,
+        authority.port_u16().unwrap_or(if tls { 443 } else { 80 }),
+    )
 }
 
-/// Rewrites an absolute `http://host[:port]/path` URI to the origin form an HTTP/1.1 server
-/// expects (`/path`), sets `Host`, and returns the authority.
-fn to_origin_form(request: &mut Request<Full<Bytes>>) -> Result<Authority, PoolError> {
+/// Rewrites an absolute `http[s]://host[:port]/path` URI to the origin form an HTTP/1.1 server
+/// expects (`/path`), sets `Host`, and returns the authority and whether it is TLS.
+fn to_origin_form(request: &mut Request<Full<Bytes>>) -> Result<(Authority, bool), PoolError> {
     let parts = std::mem::take(request.uri_mut()).into_parts();
-    if parts.scheme.as_ref() != Some(&Scheme::HTTP) {
-        return Err(PoolError::Target(
-            "engines are reached over http:// only".into(),
-        ));
-    }
+    let tls = match &parts.scheme {
+        Some(s) if *s == Scheme::HTTP => false,
+        Some(s) if *s == Scheme::HTTPS => true,
+        _ => {
+            return Err(PoolError::Target(
+                "engines are reached over http:// or https:// only".into(),
+            ));
+        }
+    };
     let authority = parts
         .authority
         .ok_or_else(|| PoolError::Target("the engine URI has no host".into()))?;
@@ -259,7 +321,7 @@ fn to_origin_form(request: &mut Request<Full<Bytes>>) -> Result<Authority, PoolE
             .map_err(|e| PoolError::Target(format!("engine host: {e}")))?;
         request.headers_mut().insert(header::HOST, host);
     }
-    Ok(authority)
+    Ok((authority, tls))
 }
 
 /// What puts a connection back when its response ends.
@@ -267,12 +329,13 @@ fn to_origin_form(request: &mut Request<Full<Bytes>>) -> Result<Authority, PoolE
 pub struct Checkin {
     pool: Arc<Inner>,
     authority: Authority,
+    tls: bool,
     sender: Sender,
 }
 
 impl Checkin {
     fn put_back(self) {
-        self.pool.checkin(&self.authority, self.sender);
+        self.pool.checkin(&self.authority, self.tls, self.sender);
     }
 }
 
@@ -509,7 +572,7 @@ mod tests {
     fn socket_targets_take_bare_ipv6_literals_and_default_ports() {
         let target = |a: &str| {
             let a: Authority = a.parse().unwrap();
-            let (host, port) = socket_target(&a);
+            let (host, port) = socket_target(&a, false);
             (host.to_string(), port)
         };
         assert_eq!(target("[fd00::2]:8001"), ("fd00::2".to_string(), 8001));
@@ -518,6 +581,8 @@ mod tests {
             target("prefill-0.engines"),
             ("prefill-0.engines".to_string(), 80)
         );
+        let a: Authority = "prefill-0.engines".parse().unwrap();
+        assert_eq!(socket_target(&a, true).1, 443);
     }
 
     #[tokio::test]

@@ -5,7 +5,7 @@
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use std::sync::Arc;
@@ -13,6 +13,7 @@ use tracing::debug;
 
 use crate::error::GatewayError;
 use crate::headers;
+use crate::http::budget::{BodyBudget, Reservation};
 use crate::pd::{Answer, Exchange};
 use crate::state::Gateway;
 
@@ -42,11 +43,13 @@ pub(crate) fn check_head(_gw: &Gateway, headers: &HeaderMap) -> Result<(), Gatew
     Ok(())
 }
 
-/// Reads a request body once, refusing more than `limit` bytes with 413.
+/// Reads a request body once, refusing more than `limit` bytes with 413, holding its size in
+/// `budget` while it is read (503 when the total is in use).
 pub(crate) async fn read_body(
     headers: &HeaderMap,
     body: Body,
     limit: usize,
+    budget: &BodyBudget,
 ) -> Result<Bytes, GatewayError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -55,16 +58,63 @@ pub(crate) async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(GatewayError::PayloadTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(GatewayError::PayloadTooLarge { limit })
-        }
-        Err(e) => Err(GatewayError::bad_request(
-            format!("could not read the request body: {e}"),
-            None,
-        )),
+    let mut reservation = Reservation::default();
+    let mut body = Limited::new(body, limit);
+    if declared == Some(0) {
+        return Ok(Bytes::new());
     }
+    // A declared body reserves its whole length before any byte is read.
+    if let Some(n) = declared.and_then(|n| usize::try_from(n).ok()) {
+        budget.grow(&mut reservation, n).await?;
+    }
+    let mut buf = BytesMut::new();
+    let mut first: Option<Bytes> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                return Err(GatewayError::PayloadTooLarge { limit });
+            }
+            Err(e) => {
+                return Err(GatewayError::bad_request(
+                    format!("could not read the request body: {e}"),
+                    None,
+                ));
+            }
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let held = buf.len() + first.as_ref().map_or(0, Bytes::len) + data.len();
+        budget.grow(&mut reservation, held).await?;
+        // A body in one frame (most of them) is passed on without a copy.
+        match first.take() {
+            None if buf.is_empty() => first = Some(data),
+            Some(f) => {
+                let whole = declared.and_then(|n| usize::try_from(n).ok());
+                buf.reserve(whole.unwrap_or(0).max(f.len() + data.len()));
+                buf.extend_from_slice(&f);
+                buf.extend_from_slice(&data);
+            }
+            None => buf.extend_from_slice(&data),
+        }
+    }
+    Ok(first.unwrap_or_else(|| buf.freeze()))
+}
+
+/// Reads a request body within the configured `request_body_timeout` (408 otherwise) and
+/// `max_body_bytes` (413). A client that sends a head and then stalls holds nothing but its
+/// connection: the admission slot is taken only after this returns.
+pub(crate) async fn read_request_body(
+    gw: &Gateway,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Bytes, GatewayError> {
+    let after = gw.config.security.request_body_timeout;
+    let read = read_body(headers, body, gw.config.max_body_bytes, &gw.body_budget);
+    tokio::time::timeout(after, read)
+        .await
+        .unwrap_or(Err(GatewayError::BodyTimeout { after }))
 }
 
 /// The end of every exchange: an answer passes (the flow already named the request and handed

@@ -1,4 +1,5 @@
-//! The accept loop of the OpenAI front: HTTP/1.1, and HTTP/2 with prior knowledge (h2c).
+//! The accept loop of the OpenAI front: HTTP/1.1, and HTTP/2 with prior knowledge (h2c); or,
+//! with a certificate configured, HTTPS with HTTP/1.1 or HTTP/2 chosen by ALPN.
 //!
 //! `axum::serve` would do the same, but it tells the versions apart by reading the first bytes
 //! and handing them back to hyper as a separate 24-byte read. hyper then grows the connection's
@@ -7,6 +8,8 @@
 //! Unlike `axum::serve`, a connection that sends no request head for the idle timeout is closed.
 
 use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -14,9 +17,38 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio_rustls::TlsAcceptor;
+use tower::ServiceExt;
+
+use crate::engine::guarded::{GuardedBody, OnEnd};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
+
+/// Per-connection bounds, from the configuration.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnectionLimits {
+    /// `client_idle_timeout`: no request head for this long closes the connection (HTTP/1.1);
+    /// an HTTP/2 connection with no open stream for this long gets GOAWAY.
+    pub(crate) idle: Duration,
+    /// `security.max_streams_per_connection` (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`).
+    pub(crate) max_streams: u32,
+}
+
+impl ConnectionLimits {
+    pub(crate) fn of(config: &crate::config::Config) -> Self {
+        ConnectionLimits {
+            idle: config.client_idle_timeout,
+            max_streams: config.security.max_streams_per_connection,
+        }
+    }
+}
+
+/// Header bytes hyper accepts in one HTTP/2 request head (HTTP/1.1's is bounded by hyper's read
+/// buffer, about 400 KiB): more than the edge accepts, so that the edge answers an oversized head
+/// (431 with a JSON body and a request id) rather than hyper.
+const HYPER_MAX_HEADER_BYTES: usize = 4 * crate::http::edge::MAX_HEADER_BYTES;
 
 /// What an HTTP/2 client sends first.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -29,7 +61,8 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
-    idle: Duration,
+    limits: ConnectionLimits,
+    tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
 ) {
     let mut connections = JoinSet::new();
@@ -39,7 +72,13 @@ pub(crate) async fn serve(
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((tcp, _)) => {
-                    connections.spawn(connection(tcp, app.clone(), idle, shutdown.clone()));
+                    let (app, shutdown) = (app.clone(), shutdown.clone());
+                    match &tls {
+                        None => connections.spawn(connection(tcp, app, limits, shutdown)),
+                        Some(tls) => {
+                            connections.spawn(tls_connection(tcp, tls.clone(), app, limits, shutdown))
+                        }
+                    };
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -63,7 +102,13 @@ async fn accept_failed(e: io::Error) {
     tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
-async fn connection(tcp: TcpStream, app: Router, idle: Duration, shutdown: CancellationToken) {
+async fn connection(
+    tcp: TcpStream,
+    app: Router,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+) {
+    let idle = limits.idle;
     let _ = tcp.set_nodelay(true);
     let first = tokio::select! {
         first = tokio::time::timeout(idle, starts_with_h2_preface(&tcp)) => first,
@@ -80,17 +125,82 @@ async fn connection(tcp: TcpStream, app: Router, idle: Duration, shutdown: Cance
             return;
         }
     };
-    // The router takes hyper's `Incoming` bodies as they are; a clone shares its route table.
-    let service = TowerToHyperService::new(app);
-    let io = TokioIo::new(tcp);
+    serve_connection(tcp, h2, app, limits, shutdown).await;
+}
+
+/// A TLS connection: the handshake (bounded by the idle timeout), then HTTP/2 when the client
+/// chose `h2` by ALPN, HTTP/1.1 otherwise.
+async fn tls_connection(
+    tcp: TcpStream,
+    tls: TlsAcceptor,
+    app: Router,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+) {
+    let _ = tcp.set_nodelay(true);
+    let handshake = tokio::select! {
+        done = tokio::time::timeout(limits.idle, tls.accept(tcp)) => done,
+        () = shutdown.cancelled() => return,
+    };
+    let stream = match handshake {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(e)) => {
+            debug!(error = %e, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            debug!("TLS handshake not done within the idle timeout");
+            return;
+        }
+    };
+    let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
+    serve_connection(stream, h2, app, limits, shutdown).await;
+}
+
+/// Serves one connection whose protocol is known, until it ends or shutdown closes it.
+async fn serve_connection<IO>(
+    io: IO,
+    h2: bool,
+    app: Router,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let idle = limits.idle;
+    let io = TokioIo::new(io);
     let result = if h2 {
+        // HTTP/2 has no head-read timeout: the connection is closed (GOAWAY) once no stream has
+        // been open for `idle`.
+        let streams = Arc::new(Streams::default());
+        let counted = streams.clone();
+        type Incoming = http::Request<hyper::body::Incoming>;
+        let counting = ServiceExt::<Incoming>::map_future(app, move |served| {
+            let guard = StreamGuard::new(counted.clone());
+            async move {
+                served
+                    .await
+                    .map(|r: axum::response::Response| r.map(|b| GuardedBody::wrap(b, guard)))
+            }
+        });
+        let service = TowerToHyperService::new(counting);
         let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
+            .max_concurrent_streams(limits.max_streams)
+            .max_header_list_size(u32::try_from(HYPER_MAX_HEADER_BYTES).unwrap_or(u32::MAX))
+            // Rapid reset: a client that opens and resets streams faster than they are served
+            // gets GOAWAY.
+            .max_pending_accept_reset_streams(Some(limits.max_streams as usize))
+            .max_local_error_reset_streams(Some(1024))
+            .keep_alive_interval(Some(idle))
+            .keep_alive_timeout(Duration::from_secs(20))
             .serve_connection(io, service);
         // Boxed: HTTP/2 connections are rare here, and inline their state would enlarge the task
         // of every HTTP/1.1 connection by ~2.6 KiB (massif, 1,000 open streams).
-        Box::pin(until_shutdown(conn, &shutdown)).await
+        Box::pin(until_shutdown(conn, &shutdown, streams.idle_for(idle))).await
     } else {
+        // The router takes hyper's `Incoming` bodies as they are; a clone shares its route table.
+        let service = TowerToHyperService::new(app);
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(idle)
@@ -98,21 +208,81 @@ async fn connection(tcp: TcpStream, app: Router, idle: Duration, shutdown: Cance
             // a JSON body and a request id) rather than hyper (a bare 431).
             .max_headers(4 * crate::http::edge::MAX_HEADERS)
             .serve_connection(io, service);
-        until_shutdown(conn, &shutdown).await
+        until_shutdown(conn, &shutdown, std::future::pending()).await
     };
     if let Err(e) = result {
         debug!(error = %e, "connection ended with an error");
     }
 }
 
-/// Drives `conn` to its end; when `shutdown` fires first, asks it to finish gracefully.
-async fn until_shutdown<C: GracefulConnection>(conn: C, shutdown: &CancellationToken) -> C::Output {
+/// Drives `conn` to its end; when `shutdown` fires or `idle` ends first, asks it to finish
+/// gracefully.
+async fn until_shutdown<C: GracefulConnection>(
+    conn: C,
+    shutdown: &CancellationToken,
+    idle: impl std::future::Future<Output = ()>,
+) -> C::Output {
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         out = conn.as_mut() => return out,
         () = shutdown.cancelled() => conn.as_mut().graceful_shutdown(),
+        () = idle => {
+            debug!("HTTP/2 connection idle; closing");
+            conn.as_mut().graceful_shutdown();
+        }
     }
     conn.await
+}
+
+/// The open streams of one HTTP/2 connection (a stream is open from its request until its
+/// response body ends or is dropped).
+#[derive(Debug, Default)]
+struct Streams {
+    open: AtomicUsize,
+    changed: Notify,
+}
+
+impl Streams {
+    /// Ends once no stream has been open for `idle`.
+    async fn idle_for(&self, idle: Duration) {
+        loop {
+            // Created before the check: a change in between still wakes it.
+            let changed = self.changed.notified();
+            if self.open.load(Ordering::Acquire) == 0 {
+                if tokio::time::timeout(idle, changed).await.is_err()
+                    && self.open.load(Ordering::Acquire) == 0
+                {
+                    return;
+                }
+            } else {
+                changed.await;
+            }
+        }
+    }
+}
+
+/// One open stream; its drop (the response body's end, or the request dropped unanswered)
+/// closes it.
+#[derive(Debug)]
+struct StreamGuard(Arc<Streams>);
+
+impl StreamGuard {
+    fn new(streams: Arc<Streams>) -> Self {
+        streams.open.fetch_add(1, Ordering::AcqRel);
+        streams.changed.notify_waiters();
+        StreamGuard(streams)
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+        self.0.changed.notify_waiters();
+    }
+}
+
+impl OnEnd for StreamGuard {
+    fn ended(&mut self, _clean: bool) {}
 }
 
 /// Whether the client opens with the HTTP/2 preface, decided without consuming any byte. A

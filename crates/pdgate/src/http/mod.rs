@@ -5,15 +5,22 @@
 //!   OpenAI-shaped answer with `x-request-id`, recording its outcome. Authentication, TLS and
 //!   path checks belong here too.
 //! - [`routes`]: the operational routes (`/v1/models`, `/health`, `/ready`, `/metrics`).
-//! - [`passthrough`]: any other `/v1/*` request, relayed to a decode endpoint unchanged.
+//! - [`guard`]: the request-target checks (canonical paths only, no `CONNECT`, no absolute form)
+//!   and the pass-through allow-list, with their settings (`[security]`).
+//! - [`passthrough`]: the allow-listed paths, relayed to a decode endpoint (transfer fields
+//!   stripped from the body).
 //!
 //! The OpenAI routes (`/v1/completions`, `/v1/chat/completions`) hand an [`Exchange`] to the PD
 //! flow in `pd`.
 
+pub(crate) mod auth;
+pub(crate) mod budget;
 pub(crate) mod edge;
+pub(crate) mod guard;
 pub(crate) mod listener;
 pub(crate) mod passthrough;
 pub(crate) mod routes;
+pub(crate) mod tls;
 
 use std::sync::Arc;
 
@@ -33,7 +40,7 @@ pub(crate) fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/models", only(get(routes::models)))
         .route("/health", only(get(routes::health)))
         .route("/ready", only(get(routes::ready)))
-        .route("/metrics", only(get(routes::metrics)))
+        .route("/metrics", only(get(routes::api_metrics)))
         .fallback(passthrough::passthrough)
         .with_state(gw)
 }
@@ -45,12 +52,14 @@ async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
     // (docs/operations.md, Tracing); `RUST_LOG=pdgate=debug` turns them on.
     let span = tracing::debug_span!("request", id = %ex.request_id, route = route.label());
     let result = async {
+        let pass = ex.gw.client_keys.check(request.headers())?;
         edge::check_head(&ex.gw, request.headers())?;
-        let slot = ex.gw.admission.admit().await?;
+        guard::check_target(request.method(), request.uri(), request.version())?;
         let (parts, body) = request.into_parts();
-        let bytes = edge::read_body(&parts.headers, body, ex.gw.config.max_body_bytes).await?;
+        let bytes = edge::read_request_body(&ex.gw, &parts.headers, body).await?;
+        let slot = ex.gw.admission.admit().await?;
         let answer = pd::serve(&mut ex, route, &parts.headers, bytes).await?;
-        Ok(crate::limits::hold(answer, slot))
+        Ok(auth::hold(answer, slot, pass))
     };
     let result = tracing::Instrument::instrument(result, span).await;
     edge::finish(ex, result)

@@ -1,39 +1,72 @@
-//! Any other `/v1/*` request goes to a decode endpoint unchanged (method, path, query, body);
-//! everything else is a 404.
+//! The allow-listed paths (`security.passthrough`) go to a decode endpoint: method, path and
+//! query unchanged, the body a JSON object without the client's transfer fields (or empty).
+//! Everything else is a 404, and a request target that is not canonical a 400, both answered
+//! without touching an engine.
 
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
+use bytes::Bytes;
 use http::header;
+use kvtransfer::JsonBody;
+use tracing::debug;
 
 use crate::endpoints::LoadGuard;
 use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg};
 use crate::headers::{self, DECODE_TARGET_HEADER};
-use crate::http::edge;
+use crate::http::auth::{self, Pass};
+use crate::http::{edge, guard};
 use crate::pd::relay::RelayBody;
 use crate::pd::{Answer, Exchange};
 use crate::state::Gateway;
 
 /// The fallback route.
 pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
-    if !request.uri().path().starts_with("/v1/") {
+    // A client without a key learns nothing, not even which paths exist.
+    let pass = match gw.client_keys.check(request.headers()) {
+        Ok(pass) => pass,
+        Err(err) => return edge::refuse(gw, request.headers(), err),
+    };
+    if let Err(err) = guard::check_target(request.method(), request.uri(), request.version()) {
+        return edge::refuse(gw, request.headers(), err);
+    }
+    if !gw.config.security.allows(request.uri().path()) {
         let path = request.uri().path().to_string();
         return edge::refuse(gw, request.headers(), GatewayError::NotFound { path });
     }
     let mut ex = Exchange::new(gw, "passthrough", request.headers());
     let result = async {
         edge::check_head(&ex.gw, request.headers())?;
-        let slot = ex.gw.admission.admit().await?;
-        let answer = forward(&mut ex, request).await?;
-        Ok(crate::limits::hold(answer, slot))
+        forward(&mut ex, request, pass).await
     }
     .await;
     edge::finish(ex, result)
 }
 
-async fn forward(ex: &mut Exchange, request: Request) -> Result<Answer, GatewayError> {
+/// The body an engine may see: empty, or a JSON object (unique keys, bounded depth) without any
+/// client transfer field. Returns it with its `model`.
+fn clean_body(body: Bytes) -> Result<(Bytes, Option<String>), GatewayError> {
+    if body.is_empty() {
+        return Ok((body, None));
+    }
+    kvtransfer::check_depth(&body, kvtransfer::checks::MAX_JSON_DEPTH)
+        .map_err(GatewayError::Rejected)?;
+    let mut json = JsonBody::parse(body)
+        .map_err(|e| GatewayError::Rejected(kvtransfer::reject_body_error(&e)))?;
+    let stripped = kvtransfer::strip_client_transfer_fields(&mut json);
+    if !stripped.is_empty() {
+        debug!(?stripped, "removed client-supplied transfer fields");
+    }
+    let model = match json.get::<Option<String>>("model") {
+        Some(Ok(m)) => m,
+        _ => None,
+    };
+    Ok((json.to_bytes(), model))
+}
+
+async fn forward(ex: &mut Exchange, request: Request, pass: Pass) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
     let (parts, body) = request.into_parts();
     let path = parts.uri.path().to_string();
@@ -42,10 +75,9 @@ async fn forward(ex: &mut Exchange, request: Request) -> Result<Answer, GatewayE
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or(path);
-    let body = edge::read_body(&parts.headers, body, gw.config.max_body_bytes).await?;
-    let model = serde_json::from_slice::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(str::to_string));
+    let body = edge::read_request_body(&gw, &parts.headers, body).await?;
+    let slot = gw.admission.admit().await?;
+    let (body, model) = clean_body(body)?;
     let snap = gw.store.load();
     let decodes: Vec<_> = snap
         .decode
@@ -61,6 +93,11 @@ async fn forward(ex: &mut Exchange, request: Request) -> Result<Answer, GatewayE
     };
     let decode = &decodes[i];
     let mut forwarded = headers::forwarded(&parts.headers);
+    guard::engine_credentials(
+        &mut forwarded,
+        gw.forward_client_authorization,
+        gw.engine_authorization.as_ref(),
+    );
     if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
         forwarded.insert(header::CONTENT_TYPE, ct.clone());
     }
@@ -89,9 +126,39 @@ async fn forward(ex: &mut Exchange, request: Request) -> Result<Answer, GatewayE
     let mut response = Answer::new(Body::new(relay));
     *response.status_mut() = head_parts.status;
     headers::copy_end_to_end(&head_parts.headers, response.headers_mut());
-    if let Ok(v) = http::HeaderValue::from_str(&decode.name) {
+    if gw.config.security.expose_target_headers
+        && let Ok(v) = http::HeaderValue::from_str(&decode.name)
+    {
         response.headers_mut().insert(DECODE_TARGET_HEADER, v);
     }
     headers::stamp_request_id(response.headers_mut(), &ex.request_id);
-    Ok(response)
+    Ok(auth::hold(response, slot, pass))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relayed_bodies_lose_every_client_transfer_field() {
+        let body = br#"{"model":"m","input":"x","KV_TRANSFER_PARAMS":{"remote_host":"h"},"Remote_Port":1,"vllm_xargs":{"transfer_id":"t","keep":1}}"#;
+        let (clean, model) = clean_body(Bytes::from_static(body)).unwrap();
+        assert_eq!(model.as_deref(), Some("m"));
+        let v: serde_json::Value = serde_json::from_slice(&clean).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"model":"m","input":"x","vllm_xargs":{"keep":1}})
+        );
+        assert!(clean_body(Bytes::new()).unwrap().0.is_empty());
+        for bad in [
+            &b"[1]"[..],
+            b"\"s\"",
+            br#"{"a":1,"a":2}"#,
+            br#"{"a":1} x"#,
+            b"\xff",
+        ] {
+            let err = clean_body(Bytes::copy_from_slice(bad)).unwrap_err();
+            assert_eq!(err.status(), http::StatusCode::BAD_REQUEST, "{bad:?}");
+        }
+    }
 }

@@ -5,13 +5,17 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::IntoResponse;
+use http::HeaderMap;
 use http::StatusCode;
 use http::header::{self, HeaderValue};
 
 use crate::pd::Answer;
 use crate::state::Gateway;
 
-pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Answer {
+pub(crate) async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Answer {
+    if let Err(err) = gw.client_keys.check(&headers) {
+        return crate::http::edge::refuse(gw, &headers, err);
+    }
     let snap = gw.store.load();
     let data: Vec<_> = snap
         .models
@@ -32,10 +36,22 @@ pub(crate) async fn health() -> StatusCode {
 pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
     let snap = gw.store.load();
     let draining = gw.is_draining();
-    let ready = snap.has_routable_pair() && !draining;
+    let missing = unserved_models(&gw, &snap);
+    let ready = missing.is_empty() && !draining;
+    let reason = if draining {
+        Some("draining".to_string())
+    } else if missing.is_empty() {
+        None
+    } else {
+        Some(format!(
+            "no prefill/decode pair that passed its health checks for {}",
+            missing.join(", ")
+        ))
+    };
     let body = serde_json::json!({
         "ready": ready,
         "draining": draining,
+        "reason": reason,
         "prefill": snap.prefill.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "decode": snap.decode.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "excluded": snap.excluded.iter().map(|(n, why)| serde_json::json!({"endpoint": n, "reason": why})).collect::<Vec<_>>(),
@@ -46,6 +62,60 @@ pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, axum::Json(body)).into_response()
+}
+
+/// The models (or `any model`, for a fleet that names none) without a routable prefill/decode
+/// pair whose endpoints passed their latest health check.
+fn unserved_models(gw: &Gateway, snap: &crate::endpoints::Snapshot) -> Vec<String> {
+    let verified = |e: &crate::endpoints::Endpoint| gw.health.verified(&e.name);
+    let served = |model: Option<&str>| {
+        snap.prefill.iter().any(|p| {
+            p.serves(model)
+                && verified(p)
+                && snap
+                    .decode
+                    .iter()
+                    .any(|d| d.serves(model) && snap.pairs(p, d) && verified(d))
+        })
+    };
+    if snap.models.is_empty() {
+        return if served(None) {
+            Vec::new()
+        } else {
+            vec!["any model".to_string()]
+        };
+    }
+    snap.models
+        .iter()
+        .filter(|m| !served(Some(m.as_str())))
+        .map(|m| format!("model {m:?}"))
+        .collect()
+}
+
+/// `/metrics` on the API port: behind the client keys, and absent (404) when an admin listener
+/// serves it.
+pub(crate) async fn api_metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Answer {
+    if gw.config.security.admin_listen.is_some() {
+        let err = crate::error::GatewayError::NotFound {
+            path: "/metrics".into(),
+        };
+        return crate::http::edge::refuse(gw, &headers, err);
+    }
+    if let Err(err) = gw.client_keys.check(&headers) {
+        return crate::http::edge::refuse(gw, &headers, err);
+    }
+    metrics(State(gw)).await
+}
+
+/// The admin listener's routes: `/metrics`, `/health`, `/ready`, open (bind it where only
+/// operators reach).
+pub(crate) fn admin_router(gw: Arc<Gateway>) -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .with_state(gw)
 }
 
 pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {

@@ -216,8 +216,11 @@ async fn decode_head(
         };
         match client::send_within(&gw.client, leg, gw.config.decode_timeout).await {
             Ok(head) => {
-                gw.health
-                    .observe(&endpoint.name, !head.status().is_server_error());
+                // A decode's success is counted when its body ends cleanly (the relay), not at
+                // the head: a decode that breaks its streams after a 200 must not look healthy.
+                if head.status().is_server_error() {
+                    gw.health.observe(&endpoint.name, false);
+                }
                 return Ok((head, endpoint, load));
             }
             Err(err) => {

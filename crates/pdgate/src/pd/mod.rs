@@ -50,9 +50,11 @@ pub(crate) struct Exchange {
 impl Exchange {
     /// Starts measuring a request on the route labelled `route` (a closed set).
     pub(crate) fn new(gw: Arc<Gateway>, route: &'static str, headers: &HeaderMap) -> Self {
-        let record = RequestRecord::start(gw.metrics.clone(), route);
+        let mut record = RequestRecord::start(gw.metrics.clone(), route);
+        let request_id = headers::request_id(headers);
+        record.set_request_id(&request_id);
         Exchange {
-            request_id: headers::request_id(headers),
+            request_id,
             record: Some(record),
             gw,
         }
@@ -98,7 +100,7 @@ impl Pd {
             .agent
             .clone()
             .ok_or_else(|| GatewayError::Internal("prefill endpoint without an agent".into()))?;
-        self.ctx = RoutingContext::from_parsed(request_id, self.clean.clone());
+        self.ctx = context(request_id, self.clean.clone());
         self.agent = agent;
         self.served.prefill = next.name.clone();
         self.prefill = next;
@@ -110,6 +112,16 @@ impl Pd {
         self.served.decode = decode.name.clone();
         self.decode = decode;
     }
+}
+
+/// The routing context of one attempt. Its transfer key is the gateway's own (random, so unique
+/// across gateway replicas too): transfer ids must not follow the client's `X-Request-Id`, or two
+/// requests sent with the same id would share (and mix up) one KV transfer. The client's id stays
+/// the request id, on the legs and in the answer.
+fn context(request_id: &str, clean: JsonBody) -> RoutingContext {
+    let mut ctx = RoutingContext::from_parsed(request_id, clean);
+    ctx.transfer_key = uuid::Uuid::new_v4().simple().to_string();
+    ctx
 }
 
 fn body_error(e: kvtransfer::BodyError) -> GatewayError {
@@ -124,6 +136,8 @@ pub(crate) async fn serve(
     body: Bytes,
 ) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
+    kvtransfer::check_depth(&body, kvtransfer::checks::MAX_JSON_DEPTH)
+        .map_err(GatewayError::Rejected)?;
     let mut clean = JsonBody::parse(body).map_err(body_error)?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut clean);
     if !stripped.is_empty() {
@@ -161,7 +175,11 @@ pub(crate) async fn serve(
             Some(param),
         ));
     }
-    let ctx = RoutingContext::from_parsed(ex.request_id.as_str(), clean.clone());
+    // Before any leg: a request the engines would refuse must not run (and pin KV on) a prefill.
+    agent
+        .check_request(&clean, route.check_endpoint())
+        .map_err(GatewayError::Rejected)?;
+    let ctx = context(&ex.request_id, clean.clone());
     if let Some(record) = ex.record() {
         record.set_connector(connector);
         if let Some(m) = view.model.as_deref()
@@ -181,10 +199,17 @@ pub(crate) async fn serve(
         fallback: false,
         decode_only,
         predicted_cached,
+        targets: gw.config.security.expose_target_headers,
     };
+    let mut forwarded = headers::forwarded(headers);
+    crate::http::guard::engine_credentials(
+        &mut forwarded,
+        gw.forward_client_authorization,
+        gw.engine_authorization.as_ref(),
+    );
     let pd = Pd {
         route,
-        forwarded: headers::forwarded(headers),
+        forwarded,
         ctx,
         clean,
         prefill,

@@ -8,6 +8,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::endpoints::LoadGuard;
+use crate::endpoints::health::Health;
 use crate::engine::EngineBody;
 use crate::engine::guarded::GuardedBody;
 use crate::error::{GatewayError, Leg, UpstreamKind};
@@ -47,6 +49,7 @@ pin_project! {
         guards: Vec<LoadGuard>,
         record: RequestRecord,
         endpoint: String,
+        health: Option<Arc<Health>>,
     }
 }
 
@@ -73,7 +76,16 @@ impl RelayBody {
             guards,
             record,
             endpoint,
+            health: None,
         }
+    }
+
+    /// Counts the body's end against the endpoint's passive health: a clean end as a success, a
+    /// stream the engine breaks (or leaves silent) after its head as a failure, like a 5xx, so a
+    /// decode that keeps breaking streams is ejected.
+    pub fn with_health(mut self, health: Arc<Health>) -> Self {
+        self.health = Some(health);
+        self
     }
 
     /// A frame already read from `inner` (while waiting for the first byte), relayed first.
@@ -102,6 +114,20 @@ impl RelayBody {
 pub struct RelayError(pub GatewayError);
 
 type Polled = Poll<Option<Result<Frame<Bytes>, RelayError>>>;
+
+/// A decode failure after its head: logged with the endpoint and cause, and counted against the
+/// endpoint's passive health.
+fn engine_failed(
+    health: Option<&Health>,
+    endpoint: &str,
+    what: &str,
+    cause: &dyn std::fmt::Display,
+) {
+    tracing::warn!(endpoint, cause = %cause, "decode {what} after its response head");
+    if let Some(h) = health {
+        h.observe(endpoint, false);
+    }
+}
 
 fn fail(
     done: &mut bool,
@@ -161,6 +187,9 @@ impl Body for RelayBody {
                 this.idle.as_mut().reset(deadline);
                 // A sized body can end with its last frame (hyper then polls no more): finish here.
                 if this.partner.is_none() && this.inner.is_end_stream() {
+                    if let Some(h) = this.health.as_deref() {
+                        h.observe(this.endpoint, true);
+                    }
                     *this.done = true;
                     this.guards.clear();
                     this.record.finish_ok();
@@ -168,6 +197,12 @@ impl Body for RelayBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
+                engine_failed(
+                    this.health.as_deref(),
+                    this.endpoint,
+                    "broke the stream",
+                    &e,
+                );
                 let err = GatewayError::Upstream {
                     leg: Leg::Decode,
                     endpoint: this.endpoint.clone(),
@@ -177,6 +212,9 @@ impl Body for RelayBody {
                 fail(this.done, *this.sse, this.guards, this.record, err)
             }
             Poll::Ready(None) => {
+                if let Some(h) = this.health.as_deref() {
+                    h.observe(this.endpoint, true);
+                }
                 *this.done = true;
                 this.guards.clear();
                 *this.partner = None;
@@ -185,6 +223,12 @@ impl Body for RelayBody {
             }
             Poll::Pending => {
                 ready!(this.idle.as_mut().poll(cx));
+                engine_failed(
+                    this.health.as_deref(),
+                    this.endpoint,
+                    "went silent",
+                    &format!("nothing for {:?}", this.idle_timeout),
+                );
                 let err = GatewayError::Upstream {
                     leg: Leg::Decode,
                     endpoint: this.endpoint.clone(),
@@ -231,9 +275,10 @@ pub(crate) fn respond(
     decode_load: LoadGuard,
     partner: Option<AbortOnDropHandle<PartnerResult>>,
     prefix: Option<Frame<Bytes>>,
-    record: RequestRecord,
+    mut record: RequestRecord,
 ) -> Answer {
     let (parts, body) = head.into_parts();
+    record.set_served(&pd.served, parts.status.as_u16());
     let sse = headers::is_event_stream(&parts.headers);
     let relay = RelayBody::new(
         body,
@@ -246,6 +291,12 @@ pub(crate) fn respond(
     .with_partner(partner)
     .with_prefix(prefix)
     .with_cached_tokens(pd.prefill_cached);
+    // A 5xx head was counted already; any other answer counts when its body ends.
+    let relay = if parts.status.is_server_error() {
+        relay
+    } else {
+        relay.with_health(gw.health.clone())
+    };
     let mut body = axum::body::Body::new(relay);
     // vLLM aborts when its connection closes; an agent with an abort call also wants to be told.
     if let Some(guard) = AbortOnLeave::new(gw, pd.agent.as_ref(), pd.decode.clone(), request_id) {

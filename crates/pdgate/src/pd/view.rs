@@ -22,6 +22,14 @@ impl Route {
         }
     }
 
+    /// The endpoint `kvtransfer::checks` validates the body for.
+    pub fn check_endpoint(self) -> kvtransfer::checks::Endpoint {
+        match self {
+            Route::Completions => kvtransfer::checks::Endpoint::Completions,
+            Route::Chat => kvtransfer::checks::Endpoint::ChatCompletions,
+        }
+    }
+
     /// Metrics label.
     pub fn label(self) -> &'static str {
         match self {

@@ -74,6 +74,8 @@ pub async fn start_unready(
         config.decode.push(endpoint_for(&e, Some(connector)));
         d.push(e);
     }
+    // The suites assert on who served what.
+    config.security.expose_target_headers = true;
     tweak(&mut config);
     let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("config");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -13,10 +13,36 @@ struct Cli {
 
 #[test]
 fn every_key_has_a_flag_and_a_section() {
-    let mut keys: Vec<String> = Config::default().to_table().keys().cloned().collect();
-    keys.retain(|k| !["prefill", "decode", "models"].contains(&k.as_str()));
+    let defaults = Config::default().to_table();
+    let mut keys: Vec<String> = defaults.keys().cloned().collect();
+    // Lists with flags of their own, and the `[security]` table (its keys are checked below).
+    keys.retain(|k| !["prefill", "decode", "models", "security"].contains(&k.as_str()));
+    let security = defaults["security"].as_table().unwrap();
+    keys.extend(
+        security
+            .keys()
+            .filter(|k| !["passthrough", "api_keys", "clients"].contains(&k.as_str()))
+            .map(|k| format!("security.{k}")),
+    );
+    // Keys without a default (options) are not in the table: they must have a flag all the same.
+    assert!(!defaults.contains_key("bootstrap_port"));
+    keys.push("bootstrap_port".into());
+    for unset in [
+        "api_keys_file",
+        "engine_api_key",
+        "forward_client_authorization",
+        "admin_listen",
+        "tls_cert",
+        "tls_key",
+        "engine_ca_file",
+        "engine_client_cert",
+        "engine_client_key",
+    ] {
+        assert!(!security.contains_key(unset), "{unset} has a default now");
+        keys.push(format!("security.{unset}"));
+    }
     keys.sort();
-    let mut flagged: Vec<String> = KEYS.iter().map(|k| k.name.to_string()).collect();
+    let mut flagged: Vec<String> = KEYS.iter().map(Key::path).collect();
     flagged.sort();
     assert_eq!(keys, flagged);
 }
@@ -41,6 +67,42 @@ fn cache_flags_and_set_reach_the_cache_section() {
     assert_eq!(c.cache.load_weight, 64.0);
     let cli = Cli::parse_from(["pdgate", "--set", "cache.block_sise=3"]);
     assert!(cli.run.load().is_err());
+}
+
+#[test]
+fn security_keys_come_from_flags_set_and_the_environment_style_lists() {
+    let cli = Cli::parse_from([
+        "pdgate",
+        "--request-body-timeout",
+        "3s",
+        "--engine-api-key",
+        "123",
+        "--set",
+        "security.max_streams_per_connection=8",
+        "--set",
+        "expose_target_headers=true",
+        "--api-key",
+        "a",
+        "--api-key",
+        "b",
+        "--passthrough",
+        "/v1/custom",
+        "--admin-listen",
+        "127.0.0.1:9100",
+    ]);
+    let c = cli.run.load().unwrap();
+    let s = &c.security;
+    assert_eq!(s.request_body_timeout, Duration::from_secs(3));
+    assert_eq!(s.engine_api_key.as_ref().map(|k| k.0.as_str()), Some("123"));
+    assert_eq!(s.max_streams_per_connection, 8);
+    assert!(s.expose_target_headers);
+    let keys: Vec<&str> = s.api_keys.iter().map(|k| k.0.as_str()).collect();
+    assert_eq!(keys, ["a", "b"]);
+    assert_eq!(s.passthrough, ["/v1/custom"]);
+    assert_eq!(s.admin_listen, Some("127.0.0.1:9100".parse().unwrap()));
+    let cli = Cli::parse_from(["pdgate", "--request-body-timeout", "soon"]);
+    let err = cli.run.load().unwrap_err().to_string();
+    assert!(err.contains("request_body_timeout"), "{err}");
 }
 
 #[test]
@@ -160,4 +222,24 @@ fn operation_flags_reach_the_config() {
             .to_string();
         assert!(err.contains(field), "{toml}: {err}");
     }
+}
+
+#[test]
+fn a_bootstrap_port_from_flags_reaches_prefills_without_their_own() {
+    let cli = Cli::parse_from([
+        "pdgate",
+        "--prefill",
+        "http://10.0.0.1:8000",
+        "--decode",
+        "http://10.0.0.2:8000",
+        "--kv-connector",
+        "mooncake",
+        "--bootstrap-port",
+        "8999",
+    ]);
+    let c = cli.run.load().unwrap();
+    assert_eq!(c.bootstrap_port, Some(8999));
+    let pods = c.pods().unwrap();
+    assert_eq!(pods[0].mooncake_bootstrap_port(), 8999);
+    assert_eq!(pods[0].sglang_bootstrap_port(), 8999);
 }

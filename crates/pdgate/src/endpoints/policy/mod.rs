@@ -148,6 +148,7 @@ mod tests {
                     connector: None,
                     agent: None,
                     load: Arc::new(Load::default()),
+                    authorization: None,
                 })
             })
             .collect()

@@ -24,7 +24,11 @@ async fn server() -> Server {
     let addr = listener.local_addr().unwrap();
     let app = Router::new().route("/", get(|| async { "ok" }));
     let shutdown = CancellationToken::new();
-    let task = tokio::spawn(serve(listener, app, IDLE, shutdown.clone()));
+    let limits = ConnectionLimits {
+        idle: IDLE,
+        max_streams: 64,
+    };
+    let task = tokio::spawn(serve(listener, app, limits, None, shutdown.clone()));
     Server {
         addr,
         shutdown,
