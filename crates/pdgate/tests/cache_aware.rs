@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::{MODEL, sim, start};
+use common::{MODEL, sim, start, two_prefills_one_decode};
 use pdsim::{Connector, Role};
 use serde_json::json;
 
@@ -108,15 +108,8 @@ async fn a_decode_holding_the_prompt_serves_it_alone() {
 
 #[tokio::test]
 async fn chat_conversations_follow_their_earlier_turns() {
-    let fleet = start(
-        vec![
-            sim(Role::Prefill, Connector::Shfs),
-            sim(Role::Prefill, Connector::Shfs),
-        ],
-        vec![sim(Role::Decode, Connector::Shfs)],
-        |c| c.prefill_policy = "cache_aware".into(),
-    )
-    .await;
+    let fleet =
+        two_prefills_one_decode(Connector::Shfs, |c| c.prefill_policy = "cache_aware".into()).await;
     let mut seen: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
     for session in 0..4 {
         let mut messages =
@@ -188,15 +181,8 @@ fn usage_cached(body: &str) -> u64 {
 async fn usage_reports_the_prefills_cached_tokens() {
     // Round robin over two prefills, one decode: the decode caches every prompt it served, so
     // on a prompt's second visit it holds it while the other prefill does not.
-    let fleet = start(
-        vec![
-            sim(Role::Prefill, Connector::Shfs),
-            sim(Role::Prefill, Connector::Shfs),
-        ],
-        vec![sim(Role::Decode, Connector::Shfs)],
-        |c| c.prefill_policy = "round_robin".into(),
-    )
-    .await;
+    let fleet =
+        two_prefills_one_decode(Connector::Shfs, |c| c.prefill_policy = "round_robin".into()).await;
     let mut cached = Vec::new();
     for (group, stream) in [(1, false), (1, false), (2, true), (2, true), (1, false)] {
         let mut body = json!({"model": MODEL, "prompt": prompt(group, 0), "max_tokens": 4});

@@ -105,6 +105,19 @@ pub async fn pair(connector: Connector, tweak: impl FnOnce(&mut Config)) -> Flee
     .await
 }
 
+/// Two prefills and one decode of `connector`.
+pub async fn two_prefills_one_decode(
+    connector: Connector,
+    tweak: impl FnOnce(&mut Config),
+) -> Fleet {
+    start(
+        vec![sim(Role::Prefill, connector), sim(Role::Prefill, connector)],
+        vec![sim(Role::Decode, connector)],
+        tweak,
+    )
+    .await
+}
+
 impl Fleet {
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.gateway.base_url(), path)
