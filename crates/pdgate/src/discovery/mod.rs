@@ -40,7 +40,7 @@ pub(crate) fn probe_targets(gw: &Gateway, pods: &[Pod]) -> Vec<ProbeTarget> {
                 Some("decode") => Role::Decode,
                 _ => return None,
             };
-            let base = pod.base_url()?;
+            let base = crate::endpoints::base_url(pod)?;
             let query_url = if needs_lookup(gw, pod) {
                 let host = pod.url_host()?;
                 Some(format!(
