@@ -331,7 +331,10 @@ async fn https_engines_are_verified_and_shown_the_client_certificate() {
         if with_client_cert {
             assert_eq!(status, 200, "{body}");
             assert!(!text_of(&body).is_empty(), "{body}");
-            assert!(handshakes >= 2, "TLS connections to both engines: {handshakes}");
+            assert!(
+                handshakes >= 2,
+                "TLS connections to both engines: {handshakes}"
+            );
             assert_eq!(fleet.decode[0].stats().responses_ok, 1);
         } else {
             // The engines refuse a gateway without a client certificate: no engine is reached.

@@ -50,11 +50,16 @@ pub(crate) fn probe_targets(gw: &Gateway, pods: &[Pod]) -> Vec<ProbeTarget> {
             } else {
                 None
             };
+            // Models nobody configured are learned from the engine.
+            let unknown_models =
+                pod.label(kvtransfer::labels::MODEL_NAME).is_none() && gw.config.models.is_empty();
             Some(ProbeTarget {
                 name: pod.name.clone(),
                 role,
                 health_url: format!("{base}/health"),
                 query_url,
+                models_url: unknown_models.then(|| format!("{base}/v1/models")),
+                authorization: gw.engine_authorization.clone(),
             })
         })
         .collect()
