@@ -126,6 +126,7 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
         ("prefill", in_flight(&snap.prefill)),
         ("decode", in_flight(&snap.decode)),
     ]);
+    gw.metrics.set_retry_budget(gw.retry_budget.tokens());
     let text = gw.metrics.render();
     (
         [(
