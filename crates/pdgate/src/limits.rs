@@ -161,6 +161,11 @@ impl RetryBudget {
             });
     }
 
+    /// Retry tokens available now.
+    pub fn tokens(&self) -> f64 {
+        self.milli_tokens.load(Ordering::Acquire) as f64 / 1000.0
+    }
+
     /// Takes one retry token, if any.
     pub fn try_withdraw(&self) -> bool {
         self.milli_tokens

@@ -91,6 +91,8 @@ pub struct Metrics {
     discovery_changes: Counter,
     rejected: Family<ReasonLabels, Counter>,
     clients: Family<ClientLabels, Counter>,
+    retry_budget: Gauge<f64, std::sync::atomic::AtomicU64>,
+    retries_refused: Family<LegLabels, Counter>,
     /// Requests holding an admission slot.
     pub admitted: Gauge,
     /// Requests waiting for an admission slot.
@@ -172,6 +174,18 @@ impl Metrics {
         let discovery_changes = Counter::default();
         let rejected = Family::<ReasonLabels, Counter>::default();
         let clients = Family::<ClientLabels, Counter>::default();
+        let retry_budget = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "retry_budget_tokens",
+            "Retry tokens available (retry_budget_ratio per request, at most retry_budget_min)",
+            retry_budget.clone(),
+        );
+        let retries_refused = Family::<LegLabels, Counter>::default();
+        registry.register(
+            "retries_refused",
+            "Retries not made because the retry budget was exhausted, by leg",
+            retries_refused.clone(),
+        );
         registry.register(
             "client_requests",
             "Requests of named clients ([[security.clients]]) by result at their limits",
@@ -217,6 +231,8 @@ impl Metrics {
             discovery_changes,
             rejected,
             clients,
+            retry_budget,
+            retries_refused,
             admitted,
             queued,
             requests,
@@ -266,6 +282,18 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts a retry the budget refused.
+    pub fn count_retry_refused(&self, leg: Leg) {
+        self.retries_refused
+            .get_or_create(&LegLabels { leg: leg.as_str() })
+            .inc();
+    }
+
+    /// Sets the retry tokens available (read at scrape time).
+    pub fn set_retry_budget(&self, tokens: f64) {
+        self.retry_budget.set(tokens);
+    }
+
     /// Counts an ejection of a `role` endpoint.
     pub fn count_ejection(&self, role: &'static str) {
         self.ejections.get_or_create(&RoleLabels { role }).inc();
@@ -307,6 +335,9 @@ impl Metrics {
         }
         for leg in [Leg::Prefill, Leg::Decode] {
             let _ = self.retries.get_or_create(&LegLabels { leg: leg.as_str() });
+            let _ = self
+                .retries_refused
+                .get_or_create(&LegLabels { leg: leg.as_str() });
         }
         for connector in connectors {
             let labels = ConnectorLabels {

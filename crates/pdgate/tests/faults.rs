@@ -685,6 +685,17 @@ async fn the_retry_budget_bounds_retries() {
     assert_eq!(metric(&metrics, "pdgate_retries_total"), 1.0, "{metrics}");
     // Every other request hit the failing prefill; only the first was retried.
     assert_eq!(fallbacks, 3, "{metrics}");
+    // The three refusals and the empty budget are visible.
+    assert_eq!(
+        metric(&metrics, "pdgate_retries_refused_total{leg=\"prefill\"}"),
+        3.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "pdgate_retry_budget_tokens"),
+        0.0,
+        "{metrics}"
+    );
     fleet.wait_idle().await;
 }
 

@@ -71,3 +71,48 @@ async fn ready_once_checks_pass_and_not_when_the_last_decode_goes() {
     let (_, body) = ready(&fleet).await;
     assert!(body["reason"].as_str().unwrap().contains(MODEL), "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_model_configured_v1_models_lists_what_the_engines_serve() {
+    let fleet = start_unready(
+        vec![sim(Role::Prefill, Connector::Shfs)],
+        vec![sim(Role::Decode, Connector::Shfs)],
+        |c| {
+            c.health_check_interval = Duration::from_millis(100);
+            c.models.clear();
+            for ep in c.prefill.iter_mut().chain(c.decode.iter_mut()) {
+                ep.model = None;
+            }
+        },
+    )
+    .await;
+    fleet.wait_ready(true).await;
+    let mut ids = Vec::new();
+    for _ in 0..100 {
+        let v: Value = fleet
+            .http
+            .get(fleet.url("/v1/models"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        ids = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect();
+        if !ids.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ids, [MODEL], "learned from the engines' /v1/models");
+    // And requests for it are served.
+    let r = fleet
+        .post_bounded("/v1/completions", &completion(false))
+        .await;
+    assert_eq!(r.status(), 200);
+}

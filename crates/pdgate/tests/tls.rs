@@ -310,10 +310,11 @@ async fn https_engines_are_verified_and_shown_the_client_certificate() {
                     c.security.engine_client_cert = Some(client.cert.clone());
                     c.security.engine_client_key = Some(client.key.clone());
                 }
-                c.health_checks = false;
             },
         )
         .await;
+        // The health checks reach the engines over TLS too (with the client certificate).
+        fleet.wait_ready(with_client_cert).await;
         let response = reqwest::Client::new()
             .post(fleet.url("/v1/completions"))
             .json(&completion(false))
@@ -330,7 +331,10 @@ async fn https_engines_are_verified_and_shown_the_client_certificate() {
         if with_client_cert {
             assert_eq!(status, 200, "{body}");
             assert!(!text_of(&body).is_empty(), "{body}");
-            assert_eq!(handshakes, 2, "one TLS connection to each engine");
+            assert!(
+                handshakes >= 2,
+                "TLS connections to both engines: {handshakes}"
+            );
             assert_eq!(fleet.decode[0].stats().responses_ok, 1);
         } else {
             // The engines refuse a gateway without a client certificate: no engine is reached.

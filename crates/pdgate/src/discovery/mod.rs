@@ -40,7 +40,7 @@ pub(crate) fn probe_targets(gw: &Gateway, pods: &[Pod]) -> Vec<ProbeTarget> {
                 Some("decode") => Role::Decode,
                 _ => return None,
             };
-            let base = pod.base_url()?;
+            let base = crate::endpoints::base_url(pod)?;
             let query_url = if needs_lookup(gw, pod) {
                 let host = pod.url_host()?;
                 Some(format!(
@@ -50,11 +50,16 @@ pub(crate) fn probe_targets(gw: &Gateway, pods: &[Pod]) -> Vec<ProbeTarget> {
             } else {
                 None
             };
+            // Models nobody configured are learned from the engine.
+            let unknown_models =
+                pod.label(kvtransfer::labels::MODEL_NAME).is_none() && gw.config.models.is_empty();
             Some(ProbeTarget {
                 name: pod.name.clone(),
                 role,
                 health_url: format!("{base}/health"),
                 query_url,
+                models_url: unknown_models.then(|| format!("{base}/v1/models")),
+                authorization: gw.engine_authorization.clone(),
             })
         })
         .collect()

@@ -38,6 +38,11 @@ pub struct ProbeTarget {
     pub health_url: String,
     /// `http://host:bootstrap_port/query` for a Mooncake prefill.
     pub query_url: Option<String>,
+    /// `http://host:port/v1/models`, for an endpoint whose models nobody configured: pdgate
+    /// learns them from the engine on each check.
+    pub models_url: Option<String>,
+    /// `Authorization` for `models_url` (the engines' key).
+    pub authorization: Option<http::HeaderValue>,
 }
 
 #[derive(Debug)]
@@ -46,6 +51,8 @@ struct Entry {
     check_failures: u32,
     check_passes: u32,
     check_down: bool,
+    /// Models the engine's `/v1/models` named at its last check.
+    learned: Vec<String>,
     /// Some active check has passed (readiness waits for one).
     ever_passed: bool,
     traffic_failures: u32,
@@ -64,6 +71,7 @@ impl Entry {
             check_failures: 0,
             check_passes: 0,
             check_down: false,
+            learned: Vec::new(),
             ever_passed: false,
             traffic_failures: 0,
             ejected_until: None,
@@ -175,6 +183,22 @@ impl Health {
             .iter()
             .filter(|(_, e)| !e.healthy())
             .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// Records the models `name`'s engine serves (its `/v1/models`).
+    pub fn learned(&self, name: &str, models: Vec<String>) {
+        if let Some(e) = self.lock().get_mut(name) {
+            e.learned = models;
+        }
+    }
+
+    /// The models the healthy engines named (for `/v1/models` when none is configured).
+    pub fn learned_models(&self) -> BTreeSet<String> {
+        self.lock()
+            .values()
+            .filter(|e| e.healthy())
+            .flat_map(|e| e.learned.iter().cloned())
             .collect()
     }
 
@@ -310,18 +334,54 @@ impl Health {
     }
 }
 
-async fn probe(
-    client: EnginePool,
-    target: ProbeTarget,
-    limit: Duration,
-) -> (String, Result<(), ProbeError>) {
+/// One check's outcome: the endpoint, whether it passed, the models it named (if asked).
+type Checked = (String, Result<(), ProbeError>, Option<Vec<String>>);
+
+async fn probe(client: EnginePool, target: ProbeTarget, limit: Duration) -> Checked {
     let mut result = get_ok(&client, &target.health_url, limit).await;
     if result.is_ok()
         && let Some(q) = &target.query_url
     {
         result = get_ok(&client, q, limit).await;
     }
-    (target.name, result)
+    let mut models = None;
+    if result.is_ok()
+        && let Some(url) = &target.models_url
+    {
+        models = learn_models(&client, url, target.authorization.as_ref(), limit).await;
+    }
+    (target.name, result, models)
+}
+
+/// The model ids of an OpenAI `/v1/models` answer; `None` when it cannot be had (the check
+/// itself still passed: `/health` decides that).
+async fn learn_models(
+    client: &EnginePool,
+    url: &str,
+    authorization: Option<&http::HeaderValue>,
+    limit: Duration,
+) -> Option<Vec<String>> {
+    #[derive(serde::Deserialize)]
+    struct Model {
+        id: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct List {
+        data: Vec<Model>,
+    }
+    match crate::engine::probe::get_with(client, url, authorization, limit, 256 * 1024).await {
+        Ok((status, body)) if status.is_success() => serde_json::from_slice::<List>(&body)
+            .ok()
+            .map(|l| l.data.into_iter().map(|m| m.id).collect()),
+        Ok((status, _)) => {
+            tracing::debug!(url, %status, "engine models not learned");
+            None
+        }
+        Err(e) => {
+            tracing::debug!(url, error = %e, "engine models not learned");
+            None
+        }
+    }
 }
 
 /// Runs active checks every `health_check_interval` (when enabled) and ends ejection periods.
@@ -334,7 +394,7 @@ pub async fn run(
 ) {
     let tick = config.health_check_interval.min(Duration::from_millis(250));
     let mut next_check = Instant::now();
-    let mut probes: JoinSet<(String, Result<(), ProbeError>)> = JoinSet::new();
+    let mut probes: JoinSet<Checked> = JoinSet::new();
     loop {
         let now = Instant::now();
         health.tick(now);
@@ -347,7 +407,10 @@ pub async fn run(
         tokio::select! {
             _ = cancel.cancelled() => return,
             Some(done) = probes.join_next(), if !probes.is_empty() => {
-                if let Ok((name, result)) = done {
+                if let Ok((name, result, models)) = done {
+                    if let Some(models) = models {
+                        health.learned(&name, models);
+                    }
                     match result {
                         Ok(()) => health.check_result(&name, true, ""),
                         Err(why) => health.check_result(&name, false, &why.to_string()),
@@ -369,6 +432,8 @@ mod tests {
             role,
             health_url: format!("http://{name}/health"),
             query_url: None,
+            models_url: None,
+            authorization: None,
         }
     }
 

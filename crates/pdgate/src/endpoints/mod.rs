@@ -20,6 +20,17 @@ use kvtransfer::{KvTransferAgent, Pod, Registry};
 /// TLS (`security.engine_ca_file`).
 pub(crate) const ENGINE_SCHEME_ANNOTATION: &str = "pdgate.io/engine-scheme";
 
+/// `http://host:port`, or `https://...` for a pod annotated [`ENGINE_SCHEME_ANNOTATION`];
+/// `None` without an IP.
+pub(crate) fn base_url(pod: &Pod) -> Option<String> {
+    let mut url = pod.base_url()?;
+    if pod.annotation(ENGINE_SCHEME_ANNOTATION) == Some("https") {
+        // `http://...` -> `https://...`: the engine is reached over TLS.
+        url.replace_range(..4, "https");
+    }
+    Some(url)
+}
+
 /// Internal: how a static endpoint's `api_key` reaches its [`Endpoint`] (which removes it from
 /// its copy of the pod and keeps a sensitive header value).
 pub(crate) const ENGINE_KEY_ANNOTATION: &str = "pdgate.internal/engine-api-key";
@@ -230,14 +241,10 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 continue;
             }
         };
-        let Some(mut base_url) = pod.base_url() else {
+        let Some(base_url) = base_url(pod) else {
             snap.excluded.push((pod.name.clone(), "no IP".into()));
             continue;
         };
-        if pod.annotation(ENGINE_SCHEME_ANNOTATION) == Some("https") {
-            // `http://...` -> `https://...`: the engine is reached over TLS.
-            base_url.replace_range(..4, "https");
-        }
         if !pod.ready {
             snap.excluded.push((pod.name.clone(), "not ready".into()));
             continue;

@@ -49,9 +49,22 @@ pub async fn get(
     limit: Duration,
     max_body: usize,
 ) -> Result<(StatusCode, Bytes), ProbeError> {
-    let request = Request::builder()
-        .method(Method::GET)
-        .uri(url)
+    get_with(client, url, None, limit, max_body).await
+}
+
+/// [`get`] with an `Authorization` header (engines started with an API key guard `/v1/*`).
+pub async fn get_with(
+    client: &EnginePool,
+    url: &str,
+    authorization: Option<&http::HeaderValue>,
+    limit: Duration,
+    max_body: usize,
+) -> Result<(StatusCode, Bytes), ProbeError> {
+    let mut builder = Request::builder().method(Method::GET).uri(url);
+    if let Some(v) = authorization {
+        builder = builder.header(http::header::AUTHORIZATION, v.clone());
+    }
+    let request = builder
         .body(Full::new(Bytes::new()))
         .map_err(|e| ProbeError::Request(e.to_string()))?;
     let failed = |detail: String| ProbeError::Failed {

@@ -17,8 +17,10 @@ pub(crate) async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -
         return crate::http::edge::refuse(gw, &headers, err);
     }
     let snap = gw.store.load();
-    let data: Vec<_> = snap
-        .models
+    // Configured models, and those the healthy engines named when none is configured.
+    let mut models: std::collections::BTreeSet<String> = snap.models.iter().cloned().collect();
+    models.extend(gw.health.learned_models());
+    let data: Vec<_> = models
         .iter()
         .map(|m| {
             serde_json::json!({
@@ -127,6 +129,7 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
         ("prefill", in_flight(&snap.prefill)),
         ("decode", in_flight(&snap.decode)),
     ]);
+    gw.metrics.set_retry_budget(gw.retry_budget.tokens());
     let text = gw.metrics.render();
     (
         [(

@@ -313,6 +313,7 @@ pub(crate) fn retry_target(
     };
     if !gw.retry_budget.try_withdraw() {
         warn!(leg = %leg, "retry budget exhausted; not retrying");
+        gw.metrics.count_retry_refused(leg);
         return None;
     }
     gw.metrics.count_retry(leg);
