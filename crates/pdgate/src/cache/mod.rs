@@ -12,6 +12,7 @@
 //! the chosen endpoints with a TTL. Every endpoint is approximate until it publishes events.
 
 pub(crate) mod config;
+pub(crate) mod events;
 pub(crate) mod metrics;
 pub(crate) mod score;
 pub(crate) mod view;
@@ -26,6 +27,7 @@ use pdcache::subscribe::{Feed, SharedIndex, SubscriberConfig, SubscriberStats, S
 use pdcache::tokenizer::HfTokenizer;
 
 pub use config::{CacheConfig, ModelCacheConfig};
+use events::{EventWatch, EventsNow};
 pub(crate) use metrics::CacheMetrics;
 pub(crate) use view::PrefixView;
 
@@ -67,83 +69,6 @@ struct IndexState {
     matches: Vec<Match>,
     /// Matched blocks by endpoint id, for the last [`Scorer::prepare`].
     blocks: Vec<u32>,
-}
-
-/// Whether an event-publishing endpoint's events still arrive. A decision sent to it should be
-/// followed by a batch (the blocks it stored); when no batch arrived `timeout` after the first
-/// unconfirmed decision, its events are taken as stopped and decisions fall back to
-/// approximate entries for it (which outlive the speculative ones), until a batch arrives.
-#[derive(Debug)]
-struct EventWatch {
-    stats: Arc<SubscriberStats>,
-    /// Batches applied when last looked at.
-    seen: u64,
-    /// The first decision since then that no batch followed.
-    waiting_since: Option<Instant>,
-    stopped: bool,
-}
-
-/// What [`EventWatch::check`] concluded for one decision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum EventsNow {
-    /// Events flow: speculative entries, confirmed by the events.
-    Flowing,
-    /// Events stopped just now (count it once).
-    Stopped,
-    /// Events are still stopped.
-    StillStopped,
-}
-
-impl EventWatch {
-    fn new(stats: Arc<SubscriberStats>) -> Self {
-        let seen = stats.batches.load(std::sync::atomic::Ordering::Relaxed);
-        EventWatch {
-            stats,
-            seen,
-            waiting_since: None,
-            stopped: false,
-        }
-    }
-
-    /// Called for each decision sent to the endpoint; `expects` says whether the decision
-    /// should make the engine publish (the prompt has full blocks the endpoint does not hold).
-    fn check(&mut self, expects: bool, now: Instant, timeout: Duration) -> EventsNow {
-        let batches = self
-            .stats
-            .batches
-            .load(std::sync::atomic::Ordering::Relaxed);
-        self.check_with(batches, expects, now, timeout)
-    }
-
-    fn check_with(
-        &mut self,
-        batches: u64,
-        expects: bool,
-        now: Instant,
-        timeout: Duration,
-    ) -> EventsNow {
-        if batches != self.seen {
-            self.seen = batches;
-            self.waiting_since = None;
-            self.stopped = false;
-        }
-        if self.stopped {
-            return EventsNow::StillStopped;
-        }
-        match self.waiting_since {
-            Some(t) if !timeout.is_zero() && now.saturating_duration_since(t) > timeout => {
-                self.stopped = true;
-                EventsNow::Stopped
-            }
-            Some(_) => EventsNow::Flowing,
-            None => {
-                if expects {
-                    self.waiting_since = Some(now);
-                }
-                EventsNow::Flowing
-            }
-        }
-    }
 }
 
 fn saturate(n: usize) -> u32 {
@@ -621,108 +546,4 @@ impl Cache {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::endpoints::Load;
-    use bytes::Bytes;
-
-    fn ep(name: &str) -> Arc<Endpoint> {
-        Arc::new(Endpoint {
-            name: name.into(),
-            base_url: format!("http://{name}"),
-            pod: kvtransfer::Pod::default(),
-            role: Role::Prefill,
-            models: vec![],
-            connector: None,
-            agent: None,
-            load: Arc::new(Load::default()),
-            authorization: None,
-        })
-    }
-
-    fn cache() -> Cache {
-        let mut registry = prometheus_client::registry::Registry::default();
-        Cache::new(
-            &CacheConfig::default(),
-            &["m".to_string()],
-            CacheMetrics::new(&mut registry),
-        )
-        .unwrap()
-    }
-
-    #[test]
-    fn events_that_stop_after_a_decision_switch_it_to_approximate_until_they_resume() {
-        let t0 = Instant::now();
-        let s = |ms: u64| t0 + Duration::from_millis(ms);
-        let timeout = Duration::from_millis(100);
-        let mut w = EventWatch::new(Arc::new(SubscriberStats::default()));
-        // A decision that stores nothing new expects no event: no wait starts.
-        assert_eq!(w.check_with(0, false, s(0), timeout), EventsNow::Flowing);
-        assert_eq!(w.check_with(0, false, s(500), timeout), EventsNow::Flowing);
-        // One that does, followed by a batch in time: still flowing.
-        assert_eq!(w.check_with(0, true, s(600), timeout), EventsNow::Flowing);
-        assert_eq!(w.check_with(1, false, s(650), timeout), EventsNow::Flowing);
-        // No batch within the timeout of the first unconfirmed decision (at 700): stopped, once.
-        assert_eq!(w.check_with(1, true, s(700), timeout), EventsNow::Flowing);
-        assert_eq!(w.check_with(1, true, s(750), timeout), EventsNow::Flowing);
-        assert_eq!(w.check_with(1, false, s(800), timeout), EventsNow::Flowing);
-        assert_eq!(w.check_with(1, true, s(801), timeout), EventsNow::Stopped);
-        assert_eq!(
-            w.check_with(1, true, s(900), timeout),
-            EventsNow::StillStopped
-        );
-        // A batch arrives: precise again.
-        assert_eq!(w.check_with(2, true, s(950), timeout), EventsNow::Flowing);
-        // A zero timeout never gives up on events.
-        let mut w = EventWatch::new(Arc::new(SubscriberStats::default()));
-        assert_eq!(
-            w.check_with(0, true, s(0), Duration::ZERO),
-            EventsNow::Flowing
-        );
-        assert_eq!(
-            w.check_with(0, true, s(9000), Duration::ZERO),
-            EventsNow::Flowing
-        );
-    }
-
-    #[test]
-    fn a_recorded_decision_is_matched_and_purged_with_its_endpoint() {
-        let c = cache();
-        let snap = Snapshot {
-            prefill: vec![ep("a:1"), ep("b:1")],
-            models: vec!["m".into()],
-            ..Snapshot::default()
-        };
-        let mc = c.model(Some("m"), &snap);
-        assert_eq!(mc.label, "m");
-        let body = JsonBody::parse(Bytes::from(format!(
-            r#"{{"prompt":"{}"}}"#,
-            "z".repeat(640)
-        )))
-        .unwrap();
-        let view = mc.view(&body, Route::Completions);
-        assert_eq!(view.keys.len(), 10);
-        let now = Instant::now();
-        {
-            let mut s = mc.lock();
-            s.prepare(&view);
-            assert_eq!(s.blocks(&snap.prefill[0]), 0);
-            s.record(&snap.prefill[0], &view, now);
-            s.prepare(&view);
-            assert_eq!(s.blocks(&snap.prefill[0]), 10);
-            assert_eq!(s.blocks(&snap.prefill[1]), 0);
-        }
-        // Unknown models share the default index; no label is minted for them.
-        assert_eq!(c.model(Some("nope"), &snap).label, DEFAULT_MODEL);
-        c.refresh_gauges();
-        let gone = Snapshot {
-            prefill: vec![ep("b:1")],
-            models: vec!["m".into()],
-            ..Snapshot::default()
-        };
-        c.retain(&gone);
-        let mut s = mc.lock();
-        s.prepare(&view);
-        assert_eq!(s.blocks(&snap.prefill[0]), 0);
-    }
-}
+mod tests;

@@ -1,0 +1,105 @@
+//! Tests of the cache module: model caches, scoring, event watches.
+
+use super::*;
+use crate::endpoints::Load;
+use bytes::Bytes;
+
+fn ep(name: &str) -> Arc<Endpoint> {
+    Arc::new(Endpoint {
+        name: name.into(),
+        base_url: format!("http://{name}"),
+        pod: kvtransfer::Pod::default(),
+        role: Role::Prefill,
+        models: vec![],
+        connector: None,
+        agent: None,
+        load: Arc::new(Load::default()),
+        authorization: None,
+    })
+}
+
+fn cache() -> Cache {
+    let mut registry = prometheus_client::registry::Registry::default();
+    Cache::new(
+        &CacheConfig::default(),
+        &["m".to_string()],
+        CacheMetrics::new(&mut registry),
+    )
+    .unwrap()
+}
+
+#[test]
+fn events_that_stop_after_a_decision_switch_it_to_approximate_until_they_resume() {
+    let t0 = Instant::now();
+    let s = |ms: u64| t0 + Duration::from_millis(ms);
+    let timeout = Duration::from_millis(100);
+    let mut w = EventWatch::new(Arc::new(SubscriberStats::default()));
+    // A decision that stores nothing new expects no event: no wait starts.
+    assert_eq!(w.check_with(0, false, s(0), timeout), EventsNow::Flowing);
+    assert_eq!(w.check_with(0, false, s(500), timeout), EventsNow::Flowing);
+    // One that does, followed by a batch in time: still flowing.
+    assert_eq!(w.check_with(0, true, s(600), timeout), EventsNow::Flowing);
+    assert_eq!(w.check_with(1, false, s(650), timeout), EventsNow::Flowing);
+    // No batch within the timeout of the first unconfirmed decision (at 700): stopped, once.
+    assert_eq!(w.check_with(1, true, s(700), timeout), EventsNow::Flowing);
+    assert_eq!(w.check_with(1, true, s(750), timeout), EventsNow::Flowing);
+    assert_eq!(w.check_with(1, false, s(800), timeout), EventsNow::Flowing);
+    assert_eq!(w.check_with(1, true, s(801), timeout), EventsNow::Stopped);
+    assert_eq!(
+        w.check_with(1, true, s(900), timeout),
+        EventsNow::StillStopped
+    );
+    // A batch arrives: precise again.
+    assert_eq!(w.check_with(2, true, s(950), timeout), EventsNow::Flowing);
+    // A zero timeout never gives up on events.
+    let mut w = EventWatch::new(Arc::new(SubscriberStats::default()));
+    assert_eq!(
+        w.check_with(0, true, s(0), Duration::ZERO),
+        EventsNow::Flowing
+    );
+    assert_eq!(
+        w.check_with(0, true, s(9000), Duration::ZERO),
+        EventsNow::Flowing
+    );
+}
+
+#[test]
+fn a_recorded_decision_is_matched_and_purged_with_its_endpoint() {
+    let c = cache();
+    let snap = Snapshot {
+        prefill: vec![ep("a:1"), ep("b:1")],
+        models: vec!["m".into()],
+        ..Snapshot::default()
+    };
+    let mc = c.model(Some("m"), &snap);
+    assert_eq!(mc.label, "m");
+    let body = JsonBody::parse(Bytes::from(format!(
+        r#"{{"prompt":"{}"}}"#,
+        "z".repeat(640)
+    )))
+    .unwrap();
+    let view = mc.view(&body, Route::Completions);
+    assert_eq!(view.keys.len(), 10);
+    let now = Instant::now();
+    {
+        let mut s = mc.lock();
+        s.prepare(&view);
+        assert_eq!(s.blocks(&snap.prefill[0]), 0);
+        s.record(&snap.prefill[0], &view, now);
+        s.prepare(&view);
+        assert_eq!(s.blocks(&snap.prefill[0]), 10);
+        assert_eq!(s.blocks(&snap.prefill[1]), 0);
+    }
+    // Unknown models share the default index; no label is minted for them.
+    assert_eq!(c.model(Some("nope"), &snap).label, DEFAULT_MODEL);
+    c.refresh_gauges();
+    let gone = Snapshot {
+        prefill: vec![ep("b:1")],
+        models: vec!["m".into()],
+        ..Snapshot::default()
+    };
+    c.retain(&gone);
+    let mut s = mc.lock();
+    s.prepare(&view);
+    assert_eq!(s.blocks(&snap.prefill[0]), 0);
+}
