@@ -11,9 +11,13 @@ import shutil
 import ssl
 import subprocess
 
-import httpx
 import openai
 import pytest
+
+try:  # the HTTP client the installed openai is built on: httpx2 (openai >= 3), httpx before
+    import httpx2 as http_client_lib
+except ImportError:
+    import httpx as http_client_lib
 
 from procs import free_port, start, stop, wait_http
 
@@ -59,7 +63,7 @@ def gateway(tmp_path_factory):
 
 def client(base, cert, key=KEY):
     return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=30,
-                         http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert)))
+                         http_client=http_client_lib.Client(verify=ssl.create_default_context(cafile=cert)))
 
 
 def test_openai_client_over_https(gateway):
