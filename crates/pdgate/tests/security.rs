@@ -852,13 +852,24 @@ async fn named_clients_get_429_beyond_their_limits_and_are_counted_by_name() {
         requests_per_second: rps,
         max_in_flight: in_flight,
     };
-    let fleet = pair(Connector::Shfs, |c| {
-        c.security.clients = vec![
-            client("team-a", "key-a-0123", None, Some(1)),
-            client("team-b", "key-b-4567", Some(0.5), None),
-        ];
-        c.security.admin_listen = Some("127.0.0.1:0".parse().unwrap());
-    })
+    // The decode streams a token every 200 ms: a 200-token stream holds its place until the
+    // client leaves, however slow the machine.
+    let mut slow = sim(pdsim::Role::Decode, Connector::Shfs);
+    slow.latency = pdsim::LatencyModel {
+        itl: Duration::from_millis(200),
+        ..pdsim::LatencyModel::default()
+    };
+    let fleet = start(
+        vec![sim(pdsim::Role::Prefill, Connector::Shfs)],
+        vec![slow],
+        |c| {
+            c.security.clients = vec![
+                client("team-a", "key-a-0123", None, Some(1)),
+                client("team-b", "key-b-4567", Some(0.5), None),
+            ];
+            c.security.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+        },
+    )
     .await;
     let post = |key: &str, body: Value| {
         fleet
@@ -869,7 +880,7 @@ async fn named_clients_get_429_beyond_their_limits_and_are_counted_by_name() {
             .timeout(Duration::from_secs(30))
             .send()
     };
-    // team-a: one request at a time. A stream of 200 tokens (about 2 s) holds its place.
+    // team-a: one request at a time; a stream it has open holds its place.
     let long = json!({"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": true});
     let held = post("key-a-0123", long).await.unwrap();
     assert_eq!(held.status(), 200);
@@ -882,26 +893,36 @@ async fn named_clients_get_429_beyond_their_limits_and_are_counted_by_name() {
         v["error"]["message"].as_str().unwrap().contains("team-a"),
         "{v}"
     );
-    // Its place comes back with the end of the stream.
-    let _ = held.bytes().await.unwrap();
-    assert_eq!(
-        post("key-a-0123", completion(false))
+    // Its place comes back when the stream ends (here: the client leaves it).
+    drop(held);
+    let mut limited_meanwhile = 0;
+    loop {
+        let status = post("key-a-0123", completion(false))
             .await
             .unwrap()
-            .status(),
-        200
-    );
-    // team-b: one request every 2 s on average, a burst of one.
+            .status();
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 429);
+        limited_meanwhile += 1;
+        assert!(limited_meanwhile < 100, "the place never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // team-b: one request every 2 s on average, a burst of one (short requests: one token).
+    let short = json!({"model": MODEL, "prompt": "x", "max_tokens": 1});
     assert_eq!(
-        post("key-b-4567", completion(false))
-            .await
-            .unwrap()
-            .status(),
+        post("key-b-4567", short.clone()).await.unwrap().status(),
         200
     );
-    let limited = post("key-b-4567", completion(false)).await.unwrap();
+    let limited = post("key-b-4567", short).await.unwrap();
     assert_eq!(limited.status(), 429);
-    assert_eq!(limited.headers()["retry-after"], "2");
+    // The next token is due in under 2 s (whole seconds, rounded up).
+    let wait = limited.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(wait == "1" || wait == "2", "Retry-After {wait}");
     // An unknown key is still a 401, and only the named clients' labels appear in metrics.
     assert_eq!(
         post("key-c", completion(false)).await.unwrap().status(),
@@ -921,10 +942,14 @@ async fn named_clients_get_429_beyond_their_limits_and_are_counted_by_name() {
     };
     let text = scrape().await;
     for line in [
-        r#"pdgate_client_requests_total{client="team-a",result="admitted"} 2"#,
-        r#"pdgate_client_requests_total{client="team-a",result="concurrency_limited"} 1"#,
-        r#"pdgate_client_requests_total{client="team-b",result="rate_limited"} 1"#,
-        r#"pdgate_client_requests_total{client="team-b",result="concurrency_limited"} 0"#,
+        &r#"pdgate_client_requests_total{client="team-a",result="admitted"} 2"#.to_string(),
+        &format!(
+            r#"pdgate_client_requests_total{{client="team-a",result="concurrency_limited"}} {}"#,
+            1 + limited_meanwhile
+        ),
+        &r#"pdgate_client_requests_total{client="team-b",result="rate_limited"} 1"#.to_string(),
+        &r#"pdgate_client_requests_total{client="team-b",result="concurrency_limited"} 0"#
+            .to_string(),
     ] {
         assert!(text.contains(line), "{line} missing:\n{text}");
     }
