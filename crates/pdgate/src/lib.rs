@@ -62,6 +62,7 @@ pub(crate) mod http;
 pub(crate) mod limits;
 pub(crate) mod metrics;
 pub(crate) mod pd;
+pub(crate) mod route;
 pub(crate) mod run;
 pub(crate) mod state;
 pub(crate) mod watch;

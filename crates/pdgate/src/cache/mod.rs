@@ -33,7 +33,7 @@ pub(crate) use view::PrefixView;
 
 use crate::config::ConfigError;
 use crate::endpoints::{Endpoint, Role, Snapshot};
-use crate::pd::Route;
+use crate::route::Route;
 
 /// Pod annotation (and endpoint `kv_events`) naming where an engine publishes its KV events,
 /// e.g. `tcp://10.0.0.5:5557`.

@@ -13,7 +13,7 @@ use pdcache::tokenizer::HfTokenizer;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::pd::Route;
+use crate::route::Route;
 
 /// Which kind of keys a view holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -27,6 +27,21 @@ pub struct Target<'a> {
     pub authorization: Option<&'a HeaderValue>,
 }
 
+/// The engine credentials on a leg's forwarded headers: the client's `Authorization` removed
+/// unless it is to be forwarded, the engine key set when there is one.
+pub(crate) fn engine_credentials(
+    forwarded: &mut HeaderMap,
+    forward_client: bool,
+    engine: Option<&HeaderValue>,
+) {
+    if !forward_client {
+        forwarded.remove(http::header::AUTHORIZATION);
+    }
+    if let Some(v) = engine {
+        forwarded.insert(http::header::AUTHORIZATION, v.clone());
+    }
+}
+
 /// One request to one engine.
 #[derive(Debug)]
 pub struct LegRequest<'a> {

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderValue, Method, Uri, Version};
+use http::{HeaderValue, Method, Uri, Version};
 use serde::{Deserialize, Serialize};
 
 use crate::error::GatewayError;
@@ -209,21 +209,6 @@ impl SecurityConfig {
     /// Whether `path` (already canonical) may be relayed to an engine.
     pub(crate) fn allows(&self, path: &str) -> bool {
         self.passthrough.iter().any(|p| p == path)
-    }
-}
-
-/// The engine credentials on a leg's forwarded headers: the client's `Authorization` removed
-/// unless it is to be forwarded, the engine key set when there is one.
-pub(crate) fn engine_credentials(
-    forwarded: &mut HeaderMap,
-    forward_client: bool,
-    engine: Option<&HeaderValue>,
-) {
-    if !forward_client {
-        forwarded.remove(http::header::AUTHORIZATION);
-    }
-    if let Some(v) = engine {
-        forwarded.insert(http::header::AUTHORIZATION, v.clone());
     }
 }
 

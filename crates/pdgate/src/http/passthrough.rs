@@ -93,7 +93,7 @@ async fn forward(ex: &mut Exchange, request: Request, pass: Pass) -> Result<Answ
     };
     let decode = &decodes[i];
     let mut forwarded = headers::forwarded(&parts.headers);
-    guard::engine_credentials(
+    client::engine_credentials(
         &mut forwarded,
         gw.forward_client_authorization,
         gw.engine_authorization.as_ref(),

@@ -202,7 +202,7 @@ pub(crate) async fn serve(
         targets: gw.config.security.expose_target_headers,
     };
     let mut forwarded = headers::forwarded(headers);
-    crate::http::guard::engine_credentials(
+    crate::engine::client::engine_credentials(
         &mut forwarded,
         gw.forward_client_authorization,
         gw.engine_authorization.as_ref(),
