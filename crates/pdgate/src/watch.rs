@@ -9,7 +9,8 @@ use std::time::{Duration, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
-fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
+/// A file's modification time and size: what "changed" means for every watched file.
+pub(crate) fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
     let m = std::fs::metadata(path).ok()?;
     Some((m.modified().ok()?, m.len()))
 }

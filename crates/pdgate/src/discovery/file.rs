@@ -2,9 +2,8 @@
 //! file changes and validates; a reload that changes other keys logs which ones it cannot apply
 //! to a running gateway.
 
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use kvtransfer::Registry;
 use tokio::sync::watch;
@@ -20,11 +19,6 @@ const LIVE_KEYS: [&str; 2] = ["prefill", "decode"];
 /// How long the config file must stay unchanged before it is read.
 const SETTLE: Duration = Duration::from_millis(100);
 
-fn stamp(path: &PathBuf) -> Option<(SystemTime, u64)> {
-    let meta = std::fs::metadata(path).ok()?;
-    Some((meta.modified().ok()?, meta.len()))
-}
-
 /// Polls the config file and publishes its endpoint set whenever it changes and validates.
 /// A bad edit is logged and ignored: the last good set keeps serving. Ends on `cancel`.
 pub async fn watch_config_file(
@@ -37,7 +31,7 @@ pub async fn watch_config_file(
     let Some(path) = args.config.clone() else {
         return;
     };
-    let mut last = stamp(&path);
+    let mut last = crate::watch::stamp(&path);
     // What the gateway runs with; a reload applies its endpoint set only.
     let mut running = args.load().ok();
     loop {
@@ -45,7 +39,7 @@ pub async fn watch_config_file(
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
-        let now = stamp(&path);
+        let now = crate::watch::stamp(&path);
         if now == last {
             continue;
         }
@@ -55,7 +49,7 @@ pub async fn watch_config_file(
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(SETTLE) => {}
         }
-        if stamp(&path) != now {
+        if crate::watch::stamp(&path) != now {
             continue;
         }
         last = now;
