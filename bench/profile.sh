@@ -15,7 +15,8 @@
 #
 # Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_OUT
 # (output directory, default bench/out/profile-<utc time>), PDGATE_EXTRA_ARGS (more pdgate
-# flags, split on spaces, e.g. "--prefill-policy cache_aware --decode-policy cache_aware").
+# flags, split on spaces, e.g. "--prefill-policy cache_aware --decode-policy cache_aware"),
+# PROFILE_RUST_LOG (pdgate's RUST_LOG, default warn; `info` is the production default).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,7 +25,7 @@ case "$MODE" in
   callgrind) COUNT="${2:-2000}" ;;
   massif) COUNT="${2:-500}" ;;
   *)
-    sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
@@ -82,7 +83,7 @@ gateway=("$GATEWAY" --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.
 gateway+=(${PDGATE_EXTRA_ARGS:-})
 URL="http://127.0.0.1:$G_PORT"
 if [ "$MODE" = callgrind ]; then
-  RUST_LOG=warn valgrind --tool=callgrind --instr-atstart=no \
+  RUST_LOG="${PROFILE_RUST_LOG:-warn}" valgrind --tool=callgrind --instr-atstart=no \
     --callgrind-out-file="$OUT/callgrind.out" "${gateway[@]}" >"$OUT/pdgate.log" 2>&1 &
   GW=$!
   PIDS+=("$GW")

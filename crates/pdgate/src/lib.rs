@@ -28,6 +28,8 @@
 //! - [`config`]: the one configuration type, its flags, validation. `metrics`: Prometheus.
 //!   `headers`: header names and the request id. `error`: [`GatewayError`], typed by where it
 //!   came from ([`Leg`], [`UpstreamKind`]).
+//! - [`telemetry`]: logging set-up, the request's spans (`request`, `prefill`, `kv_handoff`,
+//!   `decode`, `relay`), OpenTelemetry export (`[telemetry]`, off by default).
 //! - `state`: [`Gateway`], the shared state. `run`: [`RunningGateway`], bind/serve/drain.
 //! - [`demo`] (cargo feature `demo`, on by default): simulated engines plus a gateway.
 //!
@@ -65,6 +67,7 @@ pub(crate) mod pd;
 pub(crate) mod route;
 pub(crate) mod run;
 pub(crate) mod state;
+pub mod telemetry;
 pub(crate) mod watch;
 
 pub use cache::{CacheConfig, ModelCacheConfig};
@@ -73,6 +76,7 @@ pub use discovery::file::watch_config_file;
 pub use error::{GatewayError, Leg, Source, UpstreamKind};
 pub use run::{RunningGateway, listen};
 pub use state::{Gateway, PodSet};
+pub use telemetry::{OtlpProtocol, Telemetry, TelemetryConfig};
 
 /// Start-up failures.
 #[derive(Debug, thiserror::Error)]

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use pdgate::config::DiscoveryKind;
-use pdgate::{Gateway, LogFormat, RunArgs, RunningGateway};
+use pdgate::{Config, Gateway, RunArgs, RunningGateway, TelemetryConfig};
 use tracing::{error, info};
 
 /// jemalloc: glibc malloc/free took about a fifth of the gateway's user-space instructions per
@@ -42,19 +42,6 @@ enum Command {
     },
 }
 
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
-}
-
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
@@ -77,9 +64,8 @@ async fn shutdown_signal() {
     }
 }
 
-async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
+async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
     let registry = kvtransfer::Registry::with_builtins();
-    let config = args.load()?;
     let kube_client = if config.discovery == DiscoveryKind::Kubernetes {
         let client = pdkube::client_from_env()
             .await
@@ -131,18 +117,42 @@ async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.run.log_format);
-    let result = match cli.command {
+    // The configuration first: it says where spans go (`[telemetry]`). The demo exports none.
+    let config = match &cli.command {
+        None => match cli.run.load() {
+            Ok(config) => Some(config),
+            Err(e) => return fail(&pdgate::Error::from(e)),
+        },
         #[cfg(feature = "demo")]
-        Some(Command::Demo { listen }) => pdgate::demo::run(listen, shutdown_signal()).await,
-        None => serve(cli.run).await,
+        Some(Command::Demo { .. }) => None,
     };
+    let telemetry_config = config
+        .as_ref()
+        .map_or_else(TelemetryConfig::default, |c| c.telemetry.clone());
+    let telemetry = match pdgate::telemetry::init(cli.run.log_format, &telemetry_config) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("pdgate: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match (cli.command, config) {
+        #[cfg(feature = "demo")]
+        (Some(Command::Demo { listen }), _) => pdgate::demo::run(listen, shutdown_signal()).await,
+        (None, Some(config)) => serve(cli.run, config).await,
+        (None, None) => Ok(()), // not reached: the serve path loaded its config above
+    };
+    telemetry
+        .shutdown(telemetry_config.otlp_export_timeout)
+        .await;
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            error!("{e}");
-            eprintln!("pdgate: {e}");
-            ExitCode::from(2)
-        }
+        Err(e) => fail(&e),
     }
+}
+
+fn fail(e: &pdgate::Error) -> ExitCode {
+    error!("{e}");
+    eprintln!("pdgate: {e}");
+    ExitCode::from(2)
 }

@@ -223,6 +223,11 @@ impl Metrics {
             "Requests waiting for an admission slot",
             queued.clone(),
         );
+        registry.register(
+            "otel_spans_dropped",
+            "Finished spans not exported (OpenTelemetry), by reason: queue_full, export_failed",
+            crate::telemetry::spans_dropped(),
+        );
         Metrics {
             access_log: AtomicBool::new(false),
             registry,
@@ -444,6 +449,8 @@ pub struct RequestRecord {
     /// Cache-aware routing: the decode served alone by choice, and the predicted cached tokens.
     decode_only: bool,
     predicted_cached: Option<u32>,
+    /// The request's spans, ended with the outcome.
+    trace: crate::telemetry::RequestTrace,
 }
 
 impl RequestRecord {
@@ -466,12 +473,28 @@ impl RequestRecord {
             fallback: false,
             decode_only: false,
             predicted_cached: None,
+            trace: crate::telemetry::RequestTrace::default(),
         }
     }
 
     /// The request id, for the access log.
     pub fn set_request_id(&mut self, id: &str) {
         self.request_id = id.to_string();
+    }
+
+    /// The request's spans.
+    pub(crate) fn trace(&mut self) -> &mut crate::telemetry::RequestTrace {
+        &mut self.trace
+    }
+
+    /// The request's span.
+    pub(crate) fn trace_span(&self) -> &tracing::Span {
+        self.trace.span()
+    }
+
+    /// The request id.
+    pub(crate) fn request_id(&self) -> &str {
+        &self.request_id
     }
 
     /// The endpoints whose answer is relayed, its status, and whether the decode served alone.
@@ -497,6 +520,7 @@ impl RequestRecord {
     /// Marks the end of the prefill leg.
     pub fn prefill_done(&mut self) {
         let now = Instant::now();
+        self.trace.prefill_done(&self.request_id);
         self.prefill_done = Some(now);
         self.metrics
             .observe_prefill(&self.connector, (now - self.start).as_secs_f64());
@@ -508,6 +532,7 @@ impl RequestRecord {
             return;
         }
         self.first_byte_seen = true;
+        self.trace.first_byte();
         let now = Instant::now();
         let ttft = (now - self.start).as_secs_f64();
         self.ttft = Some(ttft);
@@ -530,6 +555,7 @@ impl RequestRecord {
             return;
         }
         self.finished = true;
+        self.trace.finish(outcome, self.status);
         self.metrics
             .requests
             .get_or_create(&RequestLabels {

@@ -88,6 +88,7 @@ async fn generate(
         path: endpoint.path(),
         request_id: rid_header.cloned(),
         data_parallel_rank: headers.get("x-data-parallel-rank").cloned(),
+        traceparent: headers.get("traceparent").cloned(),
         body: body.clone(),
     });
     let base_id = rid_header

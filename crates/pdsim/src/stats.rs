@@ -79,6 +79,7 @@ pub(crate) struct Recorded {
     pub path: &'static str,
     pub request_id: Option<HeaderValue>,
     pub data_parallel_rank: Option<HeaderValue>,
+    pub traceparent: Option<HeaderValue>,
     pub body: Bytes,
 }
 
@@ -111,6 +112,7 @@ impl Recent {
                 path: r.path.to_owned(),
                 request_id: r.request_id.as_ref().map(header_text),
                 data_parallel_rank: r.data_parallel_rank.as_ref().map(header_text),
+                traceparent: r.traceparent.as_ref().map(header_text),
                 body: String::from_utf8_lossy(&r.body).into_owned(),
             })
             .collect()
@@ -143,6 +145,9 @@ pub struct RecentRequest {
     pub request_id: Option<String>,
     /// The `X-data-parallel-rank` header, if sent.
     pub data_parallel_rank: Option<String>,
+    /// The W3C `traceparent` header, if sent (the trace context the gateway passed on).
+    #[serde(default)]
+    pub traceparent: Option<String>,
     /// The body as received (lossy UTF-8).
     pub body: String,
 }

@@ -31,6 +31,9 @@ pub use keys::{KEYS, Key};
 const ENV: &[(&str, &str)] = &[
     ("kv_connector", "AIBRIX_KV_CONNECTOR_TYPE"),
     ("engine_api_key", "PDGATE_ENGINE_API_KEY"),
+    ("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    ("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    ("otlp_service_name", "OTEL_SERVICE_NAME"),
 ];
 
 /// Values given on the command line (or environment) for [`KEYS`], in the order of [`KEYS`].

@@ -189,6 +189,8 @@ pub struct Config {
     pub cache: crate::cache::CacheConfig,
     /// Edge security: the pass-through allow-list, body-read bounds (`[security]`).
     pub security: SecurityConfig,
+    /// OpenTelemetry trace export (`[telemetry]`), off by default.
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 impl Default for Config {
@@ -240,6 +242,7 @@ impl Default for Config {
             kubernetes: pdkube::KubeDiscoveryConfig::default(),
             cache: crate::cache::CacheConfig::default(),
             security: SecurityConfig::default(),
+            telemetry: crate::telemetry::TelemetryConfig::default(),
         }
     }
 }
@@ -398,6 +401,9 @@ impl Config {
             .validate_default(&self.kv_connector)
             .map_err(|e| field_error("kv_connector", e.to_string()))?;
         self.cache.validate()?;
+        self.telemetry
+            .validate()
+            .map_err(|(field, message)| field_error(field, message))?;
         for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             for (i, ep) in list.iter().enumerate() {
                 if let Some(label) = ep.labels.get(kvtransfer::CONNECTOR_TYPE_IDENTIFIER)

@@ -109,6 +109,7 @@ pub async fn send(
     let mut builder = Request::builder().method(leg.method).uri(uri);
     if let Some(h) = builder.headers_mut() {
         h.extend(leg.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+        crate::telemetry::inject_leg_context(h);
         h.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),

@@ -48,9 +48,9 @@ pub(crate) fn router(gw: Arc<Gateway>) -> Router {
 /// Admission, body, PD flow; every error answered by the edge.
 async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
     let mut ex = Exchange::new(gw, route.label(), request.headers());
-    // debug: three enabled spans per request cost ~10% of the gateway's instructions at `info`
-    // (docs/operations.md, Tracing); `RUST_LOG=pdgate=debug` turns them on.
-    let span = tracing::debug_span!("request", id = %ex.request_id, route = route.label());
+    // Built only when exported or asked for in the logs (`telemetry`): at the default filter
+    // the span is disabled and costs a cached interest check.
+    let span = ex.span();
     let result = async {
         let pass = ex.gw.client_keys.check(request.headers())?;
         edge::check_head(&ex.gw, request.headers())?;

@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use kvtransfer::MergeOutcome;
 use tokio::time::timeout;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{Instrument, debug_span, warn};
+use tracing::{Instrument, info_span, warn};
 
 use crate::config::PrefillFailurePolicy;
 use crate::endpoints::{Endpoint, LoadGuard};
@@ -46,6 +46,24 @@ impl PrefillJob {
             extra: request.headers,
         }
     }
+}
+
+/// The span of one prefill attempt, a child of the request's: the engine gets its context as
+/// `traceparent` when spans are exported. Disabled (free) otherwise.
+fn prefill_span(request_id: &str, endpoint: &str) -> tracing::Span {
+    info_span!("prefill", request_id, endpoint, otel.kind = "client")
+}
+
+/// The span of the decode leg up to its response head (`retries`: connect failures retried).
+fn decode_span(request_id: &str, endpoint: &str, decode_only: bool) -> tracing::Span {
+    info_span!(
+        "decode",
+        request_id,
+        endpoint,
+        otel.kind = "client",
+        decode_only,
+        retries = tracing::field::Empty,
+    )
 }
 
 /// A decode's response head with the endpoint that sent it and the load it holds.
@@ -92,7 +110,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             pd.agent
                 .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
         let collected = prefill_leg(&gw, PrefillJob::new(&pd, &ex.request_id, prefill_request))
-            .instrument(debug_span!("prefill", id = %ex.request_id, endpoint = %pd.prefill.name))
+            .instrument(prefill_span(&ex.request_id, &pd.prefill.name))
             .await;
         let retryable = match &collected {
             Ok(c) => c.status.is_server_error(),
@@ -109,6 +127,9 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             )
         {
             warn!(id = %ex.request_id, from = %pd.prefill.name, to = %next.name, "prefill failed; retrying on another prefill");
+            if let Some(r) = ex.record() {
+                r.trace().retried();
+            }
             tried.push(next.name.clone());
             pd.switch_prefill(&ex.request_id, next)?;
             continue;
@@ -154,7 +175,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             }
         },
     };
-    let span = debug_span!("decode", id = %ex.request_id, endpoint = %pd.decode.name);
+    let span = decode_span(&ex.request_id, &pd.decode.name, false);
     decode_last(ex, pd, decode_body, span).await
 }
 
@@ -162,8 +183,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
 /// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
 pub(crate) async fn decode_only(ex: &mut Exchange, pd: Pd) -> Result<Answer, GatewayError> {
     let body = pd.clean.to_bytes();
-    let span =
-        debug_span!("decode", id = %ex.request_id, endpoint = %pd.decode.name, decode_only = true);
+    let span = decode_span(&ex.request_id, &pd.decode.name, true);
     decode_last(ex, pd, body, span).await
 }
 
@@ -236,6 +256,8 @@ async fn decode_head(
                     )
                 {
                     warn!(id = %request_id, from = %endpoint.name, to = %next.name, "decode unreachable; retrying on another decode");
+                    tracing::Span::current()
+                        .record("retries", i64::try_from(tried.len()).unwrap_or(i64::MAX));
                     tried.push(next.name.clone());
                     endpoint = next;
                     continue;
@@ -311,7 +333,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         let prefill_task: AbortOnDropHandle<PartnerResult> = {
             let gw = gw.clone();
             let job = PrefillJob::new(&pd, &ex.request_id, prefill_request);
-            let span = debug_span!("prefill", id = %ex.request_id, endpoint = %pd.prefill.name);
+            let span = prefill_span(&ex.request_id, &pd.prefill.name);
             AbortOnDropHandle::new(tokio::spawn(
                 async move {
                     let c = prefill_leg(&gw, job).await?;
@@ -327,7 +349,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         let mut partner = Some(prefill_task);
         let step = {
             let decode = decode_head(&gw, &pd, &ex.request_id, pd.ctx.req_body.clone())
-                .instrument(debug_span!("decode", id = %ex.request_id, endpoint = %pd.decode.name));
+                .instrument(decode_span(&ex.request_id, &pd.decode.name, false));
             tokio::pin!(decode);
             loop {
                 let step = tokio::select! {
@@ -351,6 +373,9 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
                 };
                 retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await?;
+                if let Some(r) = ex.record() {
+                    r.trace().retried();
+                }
                 continue;
             }
         };
@@ -372,6 +397,9 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                 FirstByte::PrefillFailed(err) => {
                     drop((body, decode_load));
                     retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await?;
+                    if let Some(r) = ex.record() {
+                        r.trace().retried();
+                    }
                     continue;
                 }
                 FirstByte::DecodeFailed(err) => {

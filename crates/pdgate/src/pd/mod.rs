@@ -53,6 +53,7 @@ impl Exchange {
         let mut record = RequestRecord::start(gw.metrics.clone(), route);
         let request_id = headers::request_id(headers);
         record.set_request_id(&request_id);
+        *record.trace() = crate::telemetry::RequestTrace::start(&request_id, route, headers);
         Exchange {
             request_id,
             record: Some(record),
@@ -63,6 +64,13 @@ impl Exchange {
     /// The record, while the flow still holds it.
     pub(crate) fn record(&mut self) -> Option<&mut RequestRecord> {
         self.record.as_mut()
+    }
+
+    /// The request's span (disabled unless export or the log filter wants it).
+    pub(crate) fn span(&self) -> tracing::Span {
+        self.record
+            .as_ref()
+            .map_or_else(tracing::Span::none, |r| r.trace_span().clone())
     }
 
     /// Hands the record to the relayed body (which records the outcome from then on).
@@ -141,10 +149,10 @@ pub(crate) async fn serve(
     let mut clean = JsonBody::parse(body).map_err(body_error)?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut clean);
     if !stripped.is_empty() {
-        debug!(?stripped, "removed client-supplied transfer fields");
+        debug!(id = %ex.request_id, ?stripped, "removed client-supplied transfer fields");
     }
     let view = view::RequestView::read(&clean, route)?;
-    debug!(model = ?view.model, stream = view.stream, "request read");
+    debug!(id = %ex.request_id, model = ?view.model, stream = view.stream, "request read");
     gw.retry_budget.deposit();
     let snapshot = gw.store.load();
     let prefix = gw.cache.as_ref().map(|c| {
@@ -158,7 +166,7 @@ pub(crate) async fn serve(
         predicted_cached,
     } = select::pair(&gw, &snapshot, view.model.as_deref(), prefix.as_ref())?;
     if let Some(cached) = predicted_cached {
-        debug!(cached, decode_only, "cache-aware decision");
+        debug!(id = %ex.request_id, cached, decode_only, "cache-aware decision");
     }
     let agent = prefill
         .agent
@@ -187,6 +195,16 @@ pub(crate) async fn serve(
         {
             record.set_model(m);
         }
+        record.trace().routed(crate::telemetry::Routed {
+            connector,
+            model: view.model.as_deref(),
+            prefill: &prefill.name,
+            decode: &decode.name,
+            prefill_policy: &gw.config.prefill_policy,
+            decode_policy: &gw.config.decode_policy,
+            decode_only,
+            predicted_cached,
+        });
     }
     let served = Served {
         prefill: if decode_only {

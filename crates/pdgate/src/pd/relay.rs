@@ -119,11 +119,12 @@ type Polled = Poll<Option<Result<Frame<Bytes>, RelayError>>>;
 /// endpoint's passive health.
 fn engine_failed(
     health: Option<&Health>,
+    id: &str,
     endpoint: &str,
     what: &str,
     cause: &dyn std::fmt::Display,
 ) {
-    tracing::warn!(endpoint, cause = %cause, "decode {what} after its response head");
+    tracing::warn!(id, endpoint, cause = %cause, "decode {what} after its response head");
     if let Some(h) = health {
         h.observe(endpoint, false);
     }
@@ -199,6 +200,7 @@ impl Body for RelayBody {
             Poll::Ready(Some(Err(e))) => {
                 engine_failed(
                     this.health.as_deref(),
+                    this.record.request_id(),
                     this.endpoint,
                     "broke the stream",
                     &e,
@@ -225,6 +227,7 @@ impl Body for RelayBody {
                 ready!(this.idle.as_mut().poll(cx));
                 engine_failed(
                     this.health.as_deref(),
+                    this.record.request_id(),
                     this.endpoint,
                     "went silent",
                     &format!("nothing for {:?}", this.idle_timeout),
@@ -279,6 +282,9 @@ pub(crate) fn respond(
 ) -> Answer {
     let (parts, body) = head.into_parts();
     record.set_served(&pd.served, parts.status.as_u16());
+    record
+        .trace()
+        .relay_started(request_id, &pd.served, pd.prefill_cached);
     let sse = headers::is_event_stream(&parts.headers);
     let relay = RelayBody::new(
         body,

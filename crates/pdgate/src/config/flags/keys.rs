@@ -309,4 +309,37 @@ pub const KEYS: &[Key] = &[
         "admin_listen",
         "Serve /metrics, /health and /ready on this address; /metrics leaves the API port",
     ).text(),
+    key_in(
+        "telemetry",
+        "otlp_endpoint",
+        "Export traces to this OTLP collector (http://host:4318 for http/protobuf, http://host:4317 for grpc); unset: no export",
+    )
+    .text(),
+    key_in(
+        "telemetry",
+        "otlp_protocol",
+        "OTLP transport: http/protobuf or grpc",
+    )
+    .text(),
+    key_in(
+        "telemetry",
+        "otlp_service_name",
+        "The service.name of exported spans",
+    )
+    .text(),
+    key_in(
+        "telemetry",
+        "otlp_sample_ratio",
+        "Share of new traces sampled, 0 to 1 (a client's traceparent decides for its own trace)",
+    ),
+    key_in(
+        "telemetry",
+        "otlp_queue_size",
+        "Finished spans waiting for export; more are dropped and counted (pdgate_otel_spans_dropped_total)",
+    ),
+    key_in(
+        "telemetry",
+        "otlp_export_timeout",
+        "Bound on one export call, and on the flush at shutdown",
+    ),
 ];

@@ -16,7 +16,13 @@ fn every_key_has_a_flag_and_a_section() {
     let defaults = Config::default().to_table();
     let mut keys: Vec<String> = defaults.keys().cloned().collect();
     // Lists with flags of their own, and the `[security]` table (its keys are checked below).
-    keys.retain(|k| !["prefill", "decode", "models", "security"].contains(&k.as_str()));
+    keys.retain(|k| {
+        !["prefill", "decode", "models", "security", "telemetry"].contains(&k.as_str())
+    });
+    let telemetry = defaults["telemetry"].as_table().unwrap();
+    keys.extend(telemetry.keys().map(|k| format!("telemetry.{k}")));
+    assert!(!telemetry.contains_key("otlp_endpoint"));
+    keys.push("telemetry.otlp_endpoint".into());
     let security = defaults["security"].as_table().unwrap();
     keys.extend(
         security
