@@ -39,6 +39,15 @@ fn config(queue: usize) -> TelemetryConfig {
     }
 }
 
+/// A provider whose processor is the queue (of `size`) in front of `exporter`.
+fn queue(exporter: Recording, size: usize) -> (SdkTracerProvider, export::ExportTask) {
+    let (processor, task) = export::start(exporter, &config(size));
+    let provider = SdkTracerProvider::builder()
+        .with_span_processor(processor)
+        .build();
+    (provider, task)
+}
+
 /// Ends `n` spans named `name` through a provider whose processor is the queue.
 fn end_spans(provider: &SdkTracerProvider, name: &'static str, n: usize) {
     let tracer = provider.tracer("test");
@@ -50,10 +59,7 @@ fn end_spans(provider: &SdkTracerProvider, name: &'static str, n: usize) {
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_drops_and_counts_without_waiting() {
     let exporter = Recording::default();
-    let (processor, task) = export::start(exporter.clone(), &config(2));
-    let provider = SdkTracerProvider::builder()
-        .with_span_processor(processor)
-        .build();
+    let (provider, task) = queue(exporter.clone(), 2);
     let before = dropped("queue_full");
     // No await between the spans: the export task cannot run, the queue holds two.
     end_spans(&provider, "burst", 5);
@@ -65,10 +71,7 @@ async fn a_full_queue_drops_and_counts_without_waiting() {
 #[tokio::test(start_paused = true)]
 async fn shutdown_flushes_what_is_queued() {
     let exporter = Recording::default();
-    let (processor, task) = export::start(exporter.clone(), &config(64));
-    let provider = SdkTracerProvider::builder()
-        .with_span_processor(processor)
-        .build();
+    let (provider, task) = queue(exporter.clone(), 64);
     end_spans(&provider, "early", 2);
     tokio::time::sleep(Duration::from_secs(2)).await; // a batch goes out on its own
     assert_eq!(exporter.names.lock().unwrap().len(), 2);
@@ -90,10 +93,7 @@ async fn failed_exports_count_their_spans() {
         fail: true,
         ..Recording::default()
     };
-    let (processor, task) = export::start(exporter, &config(64));
-    let provider = SdkTracerProvider::builder()
-        .with_span_processor(processor)
-        .build();
+    let (provider, task) = queue(exporter, 64);
     let before = dropped("export_failed");
     end_spans(&provider, "lost", 4);
     task.shutdown(Duration::from_secs(5)).await;
