@@ -213,24 +213,26 @@ pub fn init(format: LogFormat, config: &TelemetryConfig) -> Result<Telemetry, Te
     };
     // Per-layer: the text logs build pdgate's spans only when asked, so with export off and the
     // default filter the span callsites are disabled and cost nothing per request.
-    let gate = tracing_subscriber::filter::filter_fn(move |m| with_spans || !is_pdgate_span(m));
+    // The hint matters: a filter without one lifts the process's maximum level to `trace`, and
+    // every disabled `debug!`/`trace!` in the stack (hyper, h2) then costs a callsite check.
+    let gate = tracing_subscriber::filter::filter_fn(move |m| with_spans || !is_pdgate_span(m))
+        .with_max_level_hint(tracing::level_filters::LevelFilter::TRACE);
     let fmt = fmt.with_filter(tracing_subscriber::filter::FilterExt::and(filter, gate));
     let mut telemetry = Telemetry::default();
-    let otel = match &config.otlp_endpoint {
+    let registry = tracing_subscriber::registry().with(fmt);
+    // No `Option` layer for "no export": an absent layer counts as wanting every callsite, which
+    // would build every span for nobody.
+    let exporting = config.otlp_endpoint.is_some();
+    let installed = match &config.otlp_endpoint {
         Some(base) => {
             let (layer, export, provider) = otel_layer(config, base)?;
             telemetry.export = Some(export);
-            telemetry.provider = Some(provider.clone());
-            Some(layer)
+            telemetry.provider = Some(provider);
+            registry.with(layer).try_init()
         }
-        None => None,
+        None => registry.try_init(),
     };
-    let exporting = otel.is_some();
-    tracing_subscriber::registry()
-        .with(fmt)
-        .with(otel)
-        .try_init()
-        .map_err(|e| TelemetryError::Subscriber(e.to_string()))?;
+    installed.map_err(|e| TelemetryError::Subscriber(e.to_string()))?;
     EXPORTING.store(exporting, Ordering::Relaxed);
     Ok(telemetry)
 }
@@ -286,7 +288,10 @@ where
         .with_level(false)
         .with_target(false)
         .with_tracked_inactivity(false)
-        .with_filter(tracing_subscriber::filter::filter_fn(is_pdgate_span));
+        .with_filter(
+            tracing_subscriber::filter::filter_fn(is_pdgate_span)
+                .with_max_level_hint(tracing::level_filters::LevelFilter::INFO),
+        );
     Ok((layer, task, provider))
 }
 
