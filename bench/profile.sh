@@ -159,24 +159,23 @@ elif [ "$MODE" = syscalls ]; then
   PIDS+=("$GW")
   wait_http "$URL$READY" 60
   "$BIN/pdbench" "${load[@]}" --requests 200 >/dev/null
+  # observed TOOL...: COUNT streams with TOOL watching the gateway from the background, then
+  # stopped with SIGINT (strace and perf stat print their summaries then).
+  observed() {
+    "$@" 2>>"$OUT/tools.log" &
+    local tool=$!
+    PIDS+=("$tool")
+    sleep 1
+    "$BIN/pdbench" "${load[@]}" --requests "$COUNT" | grep -E '^result' >&2
+    kill -INT "$tool"
+    wait "$tool" 2>/dev/null || true
+  }
   # Every thread of the gateway, traced from here on.
   attach=()
   for task in /proc/"$GW"/task/*; do attach+=(-p "${task##*/}"); done
-  strace -f -c -S calls -o "$OUT/strace.txt" "${attach[@]}" 2>"$OUT/strace.log" &
-  STRACE=$!
-  PIDS+=("$STRACE")
-  sleep 1
-  "$BIN/pdbench" "${load[@]}" --requests "$COUNT" | grep -E '^result' >&2
-  kill -INT "$STRACE"
-  wait "$STRACE" 2>/dev/null || true
+  observed strace -f -c -S calls -o "$OUT/strace.txt" "${attach[@]}"
   # Context switches and CPU time, without strace's own cost in them.
-  perf stat -e task-clock,context-switches,cpu-migrations -p "$GW" -o "$OUT/perf-stat.txt" &
-  PERF=$!
-  PIDS+=("$PERF")
-  sleep 0.5
-  "$BIN/pdbench" "${load[@]}" --requests "$COUNT" | grep -E '^result' >&2
-  kill -INT "$PERF"
-  wait "$PERF" 2>/dev/null || true
+  observed perf stat -e task-clock,context-switches,cpu-migrations -p "$GW" -o "$OUT/perf-stat.txt"
   events=$((COUNT * EVENTS_PER_STREAM))
   echo "$TARGET system calls for $COUNT streams ($events relayed events), strace -c:"
   awk -v e="$events" -v s="$COUNT" '
