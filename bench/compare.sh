@@ -32,7 +32,8 @@
 #   BENCH_CONCURRENCY   closed-loop client counts                  ["1 16 64 256"]
 #   BENCH_MODES         "plain stream"                             ["plain stream"]
 #   BENCH_GATEWAYS      gateways to compare                        ["pdgate vllm-router floor"]
-#                       (and "pdgate-base" when PDGATE_BASE_BIN is set)
+#                       (and "pdgate-base" when PDGATE_BASE_BIN is set; "floor-drive": the
+#                       reference relay with its decode connection driven by the relaying task)
 #   BENCH_SOAK_STREAMS  concurrent streams in the soak (0 = skip)  [5000]
 #   BENCH_SOAK_DURATION seconds of soak per target                 [40]
 #   BENCH_SHARED        1 = add the one-core, one-client cell shared-c1 [1]
@@ -167,7 +168,7 @@ if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
       drop_target pdgate
     fi
   fi
-  if has_target floor && [ -z "${FLOOR_BIN:-}" ]; then
+  if { has_target floor || has_target floor-drive; } && [ -z "${FLOOR_BIN:-}" ]; then
     log "building the reference relay (example stream_floor)"
     if ! (cd "$ROOT" && timeout 1800 cargo build --release -p pdbench --example stream_floor) \
       >>"$LOGS/build.log" 2>&1; then
@@ -187,9 +188,9 @@ if has_target pdgate-base && [ ! -x "${PDGATE_BASE_BIN:-}" ]; then
   log "no PDGATE_BASE_BIN binary; leaving pdgate-base out"
   drop_target pdgate-base
 fi
-if has_target floor && [ ! -x "$FLOOR" ]; then
-  log "no $FLOOR; leaving floor out"
+if [ ! -x "$FLOOR" ]; then
   drop_target floor
+  drop_target floor-drive
 fi
 
 if [ -n "${VLLM_ROUTER_VENV:-}" ]; then
@@ -237,8 +238,11 @@ start_gateway() {
       RUST_LOG=warn taskset -c "$GATEWAY_CPU" "$exe" --prefill "$p" --decode "$d" \
         --kv-connector shfs --listen "127.0.0.1:$port" "${extra[@]}" >"$LOGS/$name-$port.log" 2>&1 &
       ;;
-    floor)
-      taskset -c "$GATEWAY_CPU" "$FLOOR" "127.0.0.1:$port" "$p" "$d" >"$LOGS/floor-$port.log" 2>&1 &
+    floor | floor-drive)
+      local mode=()
+      [ "$name" = floor-drive ] && mode=(drive)
+      taskset -c "$GATEWAY_CPU" "$FLOOR" "127.0.0.1:$port" "$p" "$d" "${mode[@]}" \
+        >"$LOGS/$name-$port.log" 2>&1 &
       ;;
     vllm-router)
       taskset -c "$GATEWAY_CPU" "$VR_VENV/bin/vllm-router" --vllm-pd-disaggregation \

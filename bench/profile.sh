@@ -22,7 +22,8 @@
 # allocator (feature `system-allocator`; massif cannot see jemalloc).
 #
 # Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_TARGET
-# (`pdgate`, or `floor` for the reference relay, pdbench's example `stream_floor`),
+# (`pdgate`; `floor` for the reference relay, pdbench's example `stream_floor`; `floor-drive`
+# for the same with its decode connection driven by the relaying task),
 # PROFILE_CONCURRENCY (clients, default 4), PROFILE_OUT (output directory, default
 # bench/out/profile-<utc time>), PDGATE_EXTRA_ARGS (more pdgate flags, split on spaces, e.g.
 # "--prefill-policy cache_aware --decode-policy cache_aware").
@@ -61,7 +62,7 @@ fi
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
   cargo build --release --locked -p pdgate -p pdsim -p pdbench --manifest-path "$ROOT/Cargo.toml" >&2
-  if [ "$TARGET" = floor ]; then
+  if [ "$TARGET" != pdgate ]; then
     cargo build --release --locked -p pdbench --example stream_floor \
       --manifest-path "$ROOT/Cargo.toml" >&2
   fi
@@ -114,13 +115,14 @@ case "$TARGET" in
     gateway+=(${PDGATE_EXTRA_ARGS:-})
     READY=/ready
     ;;
-  floor)
+  floor | floor-drive)
     gateway=("${FLOOR_BIN:-$BIN/examples/stream_floor}" "127.0.0.1:$G_PORT"
       "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT")
+    [ "$TARGET" = floor-drive ] && gateway+=(drive)
     READY=/health
     ;;
   *)
-    echo "profile.sh: PROFILE_TARGET is pdgate or floor" >&2
+    echo "profile.sh: PROFILE_TARGET is pdgate, floor or floor-drive" >&2
     exit 2
     ;;
 esac

@@ -28,7 +28,8 @@ def cell_key(cell):
 
 
 def target_key(t):
-    return {"direct": 0, "pdgate": 1, "pdgate-base": 2, "vllm-router": 3, "floor": 4}.get(t, 5), t
+    return {"direct": 0, "pdgate": 1, "pdgate-base": 2, "vllm-router": 3, "floor": 4,
+            "floor-drive": 5}.get(t, 6), t
 
 
 def load(out):

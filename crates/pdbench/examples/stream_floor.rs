@@ -4,16 +4,26 @@
 //! decode engine (shfs): the prefill leg (`max_tokens` 1, not streamed, `do_remote_decode`), then
 //! the decode's response body handed to hyper's server as it is, chunk by chunk.
 //!
-//! `cargo run --release -p pdbench --example stream_floor -- LISTEN PREFILL_URL DECODE_URL`
+//! With a fourth argument `drive`, the decode leg runs on a connection of its own that the
+//! relaying task drives itself (hyper's client connection polled from the response body instead
+//! of its own task): hyper's decoder then runs until the engine's socket is empty and every
+//! event already read reaches the client in one write. That is the relay pdgate's engine pool
+//! would need for fewer writes than events (docs/benchmarks.md).
+//!
+//! `cargo run --release -p pdbench --example stream_floor -- LISTEN PREFILL_URL DECODE_URL [drive]`
 
 use std::convert::Infallible;
+use std::future::{Future, poll_fn};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Either, Full, Limited};
-use hyper::body::Incoming;
+use hyper::body::{Frame, Incoming};
+use hyper::client::conn::http1;
 use hyper::{Request, Response, StatusCode, header};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -21,7 +31,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
 
 type Engines = Client<HttpConnector, Full<Bytes>>;
-type Answer = Response<Either<Incoming, Full<Bytes>>>;
+type Answer = Response<Either<Either<Incoming, Driven>, Full<Bytes>>>;
+type Decode = http1::Connection<TokioIo<tokio::net::TcpStream>, Full<Bytes>>;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -30,7 +41,77 @@ struct Floor {
     prefill: String,
     prefill_host: String,
     decode: String,
+    drive: bool,
     ids: AtomicU64,
+}
+
+/// A decode body whose connection is polled by the task that reads the body.
+struct Driven {
+    conn: Option<Pin<Box<Decode>>>,
+    body: Incoming,
+    _sender: http1::SendRequest<Full<Bytes>>,
+}
+
+impl hyper::body::Body for Driven {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        // Decodes the next chunk already read (or reads), then hands it over.
+        if let Some(conn) = this.conn.as_mut()
+            && conn.as_mut().poll(cx).is_ready()
+        {
+            this.conn = None;
+        }
+        Pin::new(&mut this.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+}
+
+/// The decode leg on a new connection, returned with the connection inside its body.
+async fn driven(url: &str, req: Request<Full<Bytes>>) -> Result<Response<Driven>, String> {
+    let uri: hyper::Uri = url.parse().map_err(|e| format!("{e}"))?;
+    let authority = uri.authority().ok_or("no authority")?.to_string();
+    let tcp = tokio::net::TcpStream::connect(&authority)
+        .await
+        .map_err(|e| e.to_string())?;
+    let _ = tcp.set_nodelay(true);
+    let (mut sender, conn) = http1::handshake(TokioIo::new(tcp))
+        .await
+        .map_err(|e| e.to_string())?;
+    let (mut parts, body) = req.into_parts();
+    parts.uri = uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    parts
+        .headers
+        .insert(header::HOST, authority.parse().map_err(|e| format!("{e}"))?);
+    let mut conn = Some(Box::pin(conn));
+    let mut sending = Box::pin(sender.send_request(Request::from_parts(parts, body)));
+    let head = poll_fn(|cx| {
+        if let Some(c) = conn.as_mut()
+            && c.as_mut().poll(cx).is_ready()
+        {
+            conn = None;
+        }
+        sending.as_mut().poll(cx)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(head.map(|body| Driven {
+        conn,
+        body,
+        _sender: sender,
+    }))
 }
 
 fn post(url: &str, id: &str, body: &Value) -> Result<Request<Full<Bytes>>, String> {
@@ -77,12 +158,21 @@ async fn relay(floor: &Floor, req: Request<Incoming>) -> Result<Answer, String> 
     params["remote_host"] = json!(floor.prefill_host);
     decode["kv_transfer_params"] = params;
     let url = format!("{}{path}", floor.decode);
-    let leg = floor.client.request(post(&url, &id, &decode)?);
+    let request = post(&url, &id, &decode)?;
+    if floor.drive {
+        let head = tokio::time::timeout(LIMIT, driven(&url, request))
+            .await
+            .map_err(|_| "decode timed out")??;
+        return Ok(head.map(|b| Either::Left(Either::Right(b))));
+    }
+    let leg = floor.client.request(request);
     let head = tokio::time::timeout(LIMIT, leg)
         .await
         .map_err(|_| "decode timed out")?;
     // The floor of the per-event path: the engine's body, untouched, is the client's body.
-    Ok(head.map_err(|e| e.to_string())?.map(Either::Left))
+    Ok(head
+        .map_err(|e| e.to_string())?
+        .map(|b| Either::Left(Either::Left(b))))
 }
 
 async fn serve(floor: Arc<Floor>, req: Request<Incoming>) -> Result<Answer, Infallible> {
@@ -99,8 +189,12 @@ async fn serve(floor: Arc<Floor>, req: Request<Incoming>) -> Result<Answer, Infa
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [listen, prefill, decode] = args.as_slice() else {
-        return Err("usage: stream_floor LISTEN PREFILL_URL DECODE_URL".into());
+    let (drive, args) = match args.as_slice() {
+        [rest @ .., last] if last == "drive" => (true, rest),
+        all => (false, all),
+    };
+    let [listen, prefill, decode] = args else {
+        return Err("usage: stream_floor LISTEN PREFILL_URL DECODE_URL [drive]".into());
     };
     let prefill_host = prefill
         .parse::<hyper::Uri>()?
@@ -114,6 +208,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         prefill: prefill.trim_end_matches('/').to_owned(),
         prefill_host,
         decode: decode.trim_end_matches('/').to_owned(),
+        drive,
         ids: AtomicU64::new(0),
     });
     let listener = tokio::net::TcpListener::bind(listen.as_str()).await?;
