@@ -189,6 +189,10 @@ pub struct Config {
     pub cache: crate::cache::CacheConfig,
     /// Edge security: the pass-through allow-list, body-read bounds (`[security]`).
     pub security: SecurityConfig,
+    /// Blame, retries on ejection, half-open probes (`[reliability]`; `--set reliability.KEY=V`,
+    /// left out of [`Config::to_table`] like `[cache]`).
+    #[serde(skip_serializing)]
+    pub reliability: crate::endpoints::reliability::ReliabilityConfig,
 }
 
 impl Default for Config {
@@ -240,6 +244,7 @@ impl Default for Config {
             kubernetes: pdkube::KubeDiscoveryConfig::default(),
             cache: crate::cache::CacheConfig::default(),
             security: SecurityConfig::default(),
+            reliability: crate::endpoints::reliability::ReliabilityConfig::default(),
         }
     }
 }
@@ -508,6 +513,7 @@ impl Config {
             interval: self.outlier_interval,
             base_ejection: self.outlier_base_ejection,
             max_ejection: self.outlier_max_ejection,
+            half_open_probe: self.reliability.half_open_probe,
         }
     }
 

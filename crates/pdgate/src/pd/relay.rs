@@ -46,6 +46,8 @@ pin_project! {
         // The prefill's cached prompt tokens, written into the usage the decode reports.
         cached_tokens: Option<u32>,
         done: bool,
+        // The decode sent an SSE error event: the stream ends as a decode failure.
+        error_event: bool,
         guards: Vec<LoadGuard>,
         record: RequestRecord,
         endpoint: String,
@@ -73,6 +75,7 @@ impl RelayBody {
             sse,
             cached_tokens: None,
             done: false,
+            error_event: false,
             guards,
             record,
             endpoint,
@@ -129,6 +132,37 @@ fn engine_failed(
     }
 }
 
+/// Whether an SSE chunk carries an error event (`data: {"error": ...}`, as vLLM and SGLang
+/// write a failure after the head).
+pub(crate) fn is_error_event(data: &[u8]) -> bool {
+    const EVENT: &[u8] = b"data: {\"error\"";
+    data.windows(EVENT.len()).any(|w| w == EVENT)
+}
+
+/// The engine's body ended: a success for passive health and the record, unless the decode
+/// reported an error event in it.
+fn finish_clean(
+    health: Option<&Health>,
+    endpoint: &str,
+    error_event: bool,
+    record: &mut RequestRecord,
+) {
+    if error_event {
+        engine_failed(health, endpoint, "sent an error event", &"SSE error event");
+        record.finish_error(&GatewayError::Upstream {
+            leg: Leg::Decode,
+            endpoint: endpoint.to_string(),
+            kind: UpstreamKind::Broken,
+            detail: "sent an error event".into(),
+        });
+        return;
+    }
+    if let Some(h) = health {
+        h.observe(endpoint, true);
+    }
+    record.finish_ok();
+}
+
 fn fail(
     done: &mut bool,
     sse: bool,
@@ -175,8 +209,11 @@ impl Body for RelayBody {
         };
         match polled {
             Poll::Ready(Some(Ok(mut frame))) => {
-                if frame.is_data() {
+                if let Some(data) = frame.data_ref() {
                     this.record.first_byte();
+                    if *this.sse && !*this.error_event && is_error_event(data) {
+                        *this.error_event = true;
+                    }
                 }
                 if let (Some(cached), Some(data)) = (*this.cached_tokens, frame.data_ref())
                     && let Some(patched) = usage::patch(data, cached, !*this.sse)
@@ -185,14 +222,18 @@ impl Body for RelayBody {
                 }
                 let deadline = Instant::now() + *this.idle_timeout;
                 this.idle.as_mut().reset(deadline);
-                // A sized body can end with its last frame (hyper then polls no more): finish here.
-                if this.partner.is_none() && this.inner.is_end_stream() {
-                    if let Some(h) = this.health.as_deref() {
-                        h.observe(this.endpoint, true);
-                    }
+                // A sized body can end with its last frame (hyper then polls no more, and drops
+                // the body): finish here, with a concurrent prefill still attached too.
+                if this.inner.is_end_stream() {
+                    *this.partner = None;
+                    finish_clean(
+                        this.health.as_deref(),
+                        this.endpoint,
+                        *this.error_event,
+                        this.record,
+                    );
                     *this.done = true;
                     this.guards.clear();
-                    this.record.finish_ok();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -212,13 +253,15 @@ impl Body for RelayBody {
                 fail(this.done, *this.sse, this.guards, this.record, err)
             }
             Poll::Ready(None) => {
-                if let Some(h) = this.health.as_deref() {
-                    h.observe(this.endpoint, true);
-                }
+                finish_clean(
+                    this.health.as_deref(),
+                    this.endpoint,
+                    *this.error_event,
+                    this.record,
+                );
                 *this.done = true;
                 this.guards.clear();
                 *this.partner = None;
-                this.record.finish_ok();
                 Poll::Ready(None)
             }
             Poll::Pending => {
