@@ -32,7 +32,7 @@ fn failing() -> Faults {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outcomes_tell_the_truth() {
     for connector in [Connector::Shfs, Connector::Mooncake, Connector::Sglang] {
-        let fleet = pair(connector, |c| c.health_checks = false).await;
+        let fleet = pair(connector, |c| c.health.health_checks = false).await;
         // A decode 5xx passed back is a decode error, not a success (nor, for a concurrent
         // connector's sized body, a cancel).
         fleet.decode[0].set_faults(failing());
@@ -84,7 +84,7 @@ async fn an_engine_refusing_an_unknown_model_is_a_client_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_mooncake_prefill_falls_back_to_the_decode_alone() {
-    let fleet = pair(Connector::Mooncake, |c| c.health_checks = false).await;
+    let fleet = pair(Connector::Mooncake, |c| c.health.health_checks = false).await;
     fleet.prefill[0].set_faults(failing());
     for stream in [false, true] {
         let r = fleet
@@ -105,7 +105,7 @@ async fn a_failed_mooncake_prefill_falls_back_to_the_decode_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_sglang_prefill_cannot_fall_back_and_aborts_the_decode() {
     // SGLang decode servers wait for a bootstrap room: no plain request can be served there.
-    let fleet = pair(Connector::Sglang, |c| c.health_checks = false).await;
+    let fleet = pair(Connector::Sglang, |c| c.health.health_checks = false).await;
     fleet.prefill[0].set_faults(failing());
     let r = fleet
         .post_bounded("/v1/completions", &completion(false))
@@ -131,11 +131,11 @@ async fn a_failed_sglang_prefill_cannot_fall_back_and_aborts_the_decode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_open_admits_one_probe_before_full_traffic() {
     let fleet = two_prefills_one_decode(Connector::Shfs, |c| {
-        c.health_checks = false;
-        c.outlier_consecutive_failures = 1;
-        c.outlier_base_ejection = Duration::from_millis(300);
-        c.outlier_max_ejection = Duration::from_millis(300);
-        c.prefill_policy = "round_robin".into();
+        c.health.health_checks = false;
+        c.health.consecutive_failures = 1;
+        c.health.base_ejection = Duration::from_millis(300);
+        c.health.max_ejection = Duration::from_millis(300);
+        c.policy.prefill_policy = "round_robin".into();
     })
     .await;
     let sick = fleet.prefill[0].addr().to_string();
@@ -203,12 +203,12 @@ async fn half_open_admits_one_probe_before_full_traffic() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_waiting_on_an_ejected_prefill_are_retried_at_once() {
     let fleet = two_prefills_one_decode(Connector::Shfs, |c| {
-        c.prefill_timeout = Duration::from_secs(30);
-        c.health_check_interval = Duration::from_millis(100);
-        c.health_check_timeout = Duration::from_millis(200);
-        c.unhealthy_threshold = 2;
-        c.prefill_policy = "round_robin".into();
-        c.retry_budget_min = 20;
+        c.legs.prefill_timeout = Duration::from_secs(30);
+        c.health.health_check_interval = Duration::from_millis(100);
+        c.health.health_check_timeout = Duration::from_millis(200);
+        c.health.unhealthy_threshold = 2;
+        c.policy.prefill_policy = "round_robin".into();
+        c.limits.retry_budget_min = 20;
     })
     .await;
     fleet.prefill[0].set_faults(Faults {

@@ -13,18 +13,12 @@ pub struct ReliabilityConfig {
     /// `prefill_timeout`. Kept below the engines' own KV-wait (vLLM's and SGLang's decode give up
     /// on a transfer after their handoff timeout), so that the gateway, not the decode, notices a
     /// stuck prefill first, blames it and retries the request on another pair.
-    #[serde(
-        deserialize_with = "crate::config::de_duration",
-        serialize_with = "crate::config::ser_duration"
-    )]
+    #[serde(with = "crate::durations::text")]
     pub concurrent_prefill_timeout: Duration,
     /// A decode answering 5xx at least this long after it was sent, while its concurrent prefill
     /// has not answered, failed waiting for KV: the failure counts against the prefill (not the
     /// decode) and the request is retried on another pair. A quicker 5xx is the decode's own.
-    #[serde(
-        deserialize_with = "crate::config::de_duration",
-        serialize_with = "crate::config::ser_duration"
-    )]
+    #[serde(with = "crate::durations::text")]
     pub kv_wait_evidence: Duration,
     /// An ejected endpoint coming back half-open takes one probe request; it returns to full
     /// traffic only when that request succeeds (false: all traffic at once).

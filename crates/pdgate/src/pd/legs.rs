@@ -120,7 +120,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             &pd,
             &ex.request_id,
             prefill_request,
-            gw.config.prefill_timeout,
+            gw.config.legs.prefill_timeout,
         );
         let collected = prefill_leg(&gw, job)
             .instrument(debug_span!("prefill", id = %ex.request_id, endpoint = %pd.prefill.name))
@@ -175,7 +175,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             pd.prefill_cached = None;
             pd.ctx.req_body.clone()
         }
-        Err(err) => match gw.config.on_prefill_failure {
+        Err(err) => match gw.config.legs.on_prefill_failure {
             PrefillFailurePolicy::Fail => return Err(err),
             PrefillFailurePolicy::Fallback => {
                 warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
@@ -252,7 +252,7 @@ async fn decode_head(
             extra: &[],
         };
         let sent = tokio::time::Instant::now();
-        match client::send_within(&gw.client, leg, gw.config.decode_timeout).await {
+        match client::send_within(&gw.client, leg, gw.config.legs.decode_timeout).await {
             // A decode's success is counted when its body ends cleanly (the relay), not at the
             // head: a decode that breaks its streams after a 200 must not look healthy.
             Ok(head) => return Ok(((head, endpoint, load), sent.elapsed())),
@@ -340,6 +340,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     let gw = ex.gw.clone();
     let limit = gw
         .config
+        .legs
         .prefill_timeout
         .min(gw.config.reliability.concurrent_prefill_timeout);
     let mut tried = vec![pd.prefill.name.clone()];
@@ -436,7 +437,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         let (parts, mut body) = head.into_parts();
         let mut prefix = None;
         if let Some(task) = partner.as_mut() {
-            let idle = gw.config.stream_idle_timeout;
+            let idle = gw.config.legs.stream_idle_timeout;
             match first_byte(&mut body, task, idle, &pd.decode).await {
                 // A streaming decode sends its head before it waits for KV (as vLLM does): an
                 // error event as its first frame, late, with the prefill still silent, is the
@@ -541,7 +542,7 @@ async fn fall_back(
     err: GatewayError,
 ) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
-    let fallback = gw.config.on_prefill_failure == PrefillFailurePolicy::Fallback
+    let fallback = gw.config.legs.on_prefill_failure == PrefillFailurePolicy::Fallback
         && pd.agent.allows_decode_only()
         && !err.status().is_client_error();
     // The decode must drop the bootstrapped request before its id is reused (or given up).
