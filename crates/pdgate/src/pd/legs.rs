@@ -410,22 +410,8 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             let kv_wait = partner.is_some() && took >= gw.config.reliability.kv_wait_evidence;
             if kv_wait {
                 // The prefill never handed its KV over: its failure, not the decode's.
-                warn!(
-                    id = %ex.request_id,
-                    prefill = %pd.prefill.name,
-                    decode = %decode.name,
-                    status = %head.status(),
-                    waited = ?took,
-                    "decode gave up waiting for KV while the prefill had not answered; blaming the prefill"
-                );
-                gw.health.observe(&pd.prefill.name, false);
                 drop((partner.take(), head, decode_load));
-                let err = client::upstream(
-                    Leg::Prefill,
-                    pd.prefill.target(),
-                    UpstreamKind::Timeout,
-                    format!("did not hand its KV over within {took:?}"),
-                );
+                let err = kv_wait_failure(&gw, &pd, &ex.request_id, &decode.name, took);
                 match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
                     Ok(()) => continue,
                     Err(err) => return fall_back(ex, pd, err).await,
@@ -446,20 +432,9 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     if decode_sent.elapsed() >= gw.config.reliability.kv_wait_evidence
                         && frame.data_ref().is_some_and(|d| relay::is_error_event(d)) =>
                 {
-                    warn!(
-                        id = %ex.request_id,
-                        prefill = %pd.prefill.name,
-                        decode = %pd.decode.name,
-                        "decode reported a KV failure while the prefill had not answered; blaming the prefill"
-                    );
-                    gw.health.observe(&pd.prefill.name, false);
                     drop((partner.take(), body, decode_load));
-                    let err = client::upstream(
-                        Leg::Prefill,
-                        pd.prefill.target(),
-                        UpstreamKind::Timeout,
-                        "did not hand its KV over".into(),
-                    );
+                    let waited = decode_sent.elapsed();
+                    let err = kv_wait_failure(&gw, &pd, &ex.request_id, &pd.decode.name, waited);
                     match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
                         Ok(()) => continue,
                         Err(err) => return fall_back(ex, pd, err).await,
@@ -498,6 +473,32 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             record,
         ));
     }
+}
+
+/// A decode gave up waiting for KV (a late 5xx or first-frame error event) while its concurrent
+/// prefill had not answered: logged, counted against the prefill, and returned as the prefill's
+/// (retryable) failure.
+fn kv_wait_failure(
+    gw: &Gateway,
+    pd: &Pd,
+    request_id: &str,
+    decode: &str,
+    waited: Duration,
+) -> GatewayError {
+    warn!(
+        id = %request_id,
+        prefill = %pd.prefill.name,
+        decode,
+        ?waited,
+        "decode gave up waiting for KV while the prefill had not answered; blaming the prefill"
+    );
+    gw.health.observe(&pd.prefill.name, false);
+    client::upstream(
+        Leg::Prefill,
+        pd.prefill.target(),
+        UpstreamKind::Timeout,
+        format!("did not hand its KV over within {waited:?}"),
+    )
 }
 
 /// A concurrent prefill failed before any decode byte reached the client: moves `pd` to
