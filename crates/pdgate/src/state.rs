@@ -126,7 +126,10 @@ impl Gateway {
             .map_err(|e| tls_error("tls_cert", e))?;
         Ok(Arc::new(Gateway {
             server_tls,
-            health: Arc::new(Health::new(&config.health.clone(), metrics.clone())),
+            health: Arc::new(
+                Health::new(&config.health.clone(), metrics.clone())
+                    .with_half_open_probe(config.reliability.half_open_probe),
+            ),
             admission: Admission::new(&config.limits, metrics.clone()),
             retry_budget: RetryBudget::new(&config.limits),
             client_keys: Arc::new(client_keys),

@@ -319,10 +319,11 @@ async fn failed_concurrent_prefill_cancels_the_decode_and_fails_fast() {
     // A decode that would wait 30 s for KV that never comes.
     let mut d = sim(Role::Decode, Connector::Mooncake);
     d.handoff_timeout = Duration::from_secs(30);
+    // Without the decode-alone fallback (which serves these requests: `faults.rs`).
     let fleet = start(
         vec![sim(Role::Prefill, Connector::Mooncake)],
         vec![d],
-        |_| {},
+        |c| c.legs.on_prefill_failure = PrefillFailurePolicy::Fail,
     )
     .await;
     fleet.prefill[0].set_faults(failing(500));

@@ -99,6 +99,10 @@ pub struct Config {
     pub cache: crate::cache::CacheConfig,
     /// Edge security: the pass-through allow-list, body-read bounds (`[security]`).
     pub security: SecurityConfig,
+    /// Blame, retries on ejection, half-open probes (`[reliability]`; `--set reliability.KEY=V`,
+    /// left out of [`Config::to_table`] like `[cache]`).
+    #[serde(skip_serializing)]
+    pub reliability: crate::endpoints::reliability::ReliabilityConfig,
 }
 
 /// Whether `name` is a section whose keys the file writes at the top level.
@@ -187,6 +191,7 @@ impl Config {
         "kubernetes",
         "cache",
         "security",
+        "reliability",
     ];
 
     /// Parses a table written as the file is (flat keys; with flag overrides merged in). Errors

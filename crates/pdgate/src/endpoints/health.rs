@@ -61,6 +61,8 @@ struct Entry {
     ejected_until: Option<Instant>,
     ejections: u32,
     half_open: bool,
+    /// Half-open with its one probe request under way (since then): not routable meanwhile.
+    probing: Option<Instant>,
     window_start: Instant,
     window_total: u32,
     window_failures: u32,
@@ -79,6 +81,7 @@ impl Entry {
             ejected_until: None,
             ejections: 0,
             half_open: false,
+            probing: None,
             window_start: Instant::now(),
             window_total: 0,
             window_failures: 0,
@@ -86,7 +89,17 @@ impl Entry {
     }
 
     fn healthy(&self) -> bool {
-        !self.check_down && self.ejected_until.is_none()
+        !self.down()
+    }
+
+    /// Failing its checks or ejected (a half-open probe under way is neither).
+    fn down(&self) -> bool {
+        self.check_down || self.ejected_until.is_some()
+    }
+
+    /// Up and not waiting for its half-open probe: takes full traffic.
+    fn serving(&self) -> bool {
+        !self.down() && self.probing.is_none()
     }
 }
 
@@ -184,6 +197,12 @@ impl HealthConfig {
 pub struct Health {
     entries: Mutex<HashMap<String, Entry>>,
     changed: Notify,
+    /// Bumped whenever an endpoint goes down (ejected or failing its checks): legs waiting on
+    /// it wake up ([`Health::went_down`]).
+    downs: tokio::sync::watch::Sender<u64>,
+    /// A half-open endpoint takes one probe request before full traffic
+    /// (`reliability.half_open_probe`).
+    half_open_probe: bool,
     knobs: HealthConfig,
     metrics: Arc<Metrics>,
 }
@@ -198,9 +217,17 @@ impl Health {
         Health {
             entries: Mutex::new(HashMap::new()),
             changed: Notify::new(),
+            downs: tokio::sync::watch::Sender::new(0),
+            half_open_probe: true,
             knobs,
             metrics,
         }
+    }
+
+    /// With `on` false, a half-open endpoint takes full traffic at once.
+    pub fn with_half_open_probe(mut self, on: bool) -> Self {
+        self.half_open_probe = on;
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
@@ -241,10 +268,18 @@ impl Health {
     }
 
     /// Names of endpoints that must not be routed to now.
+    /// A half-open endpoint whose probe is under way is left out too, unless it is the only
+    /// one of its role that is up.
     pub fn unhealthy(&self) -> BTreeSet<String> {
-        self.lock()
-            .iter()
-            .filter(|(_, e)| !e.healthy())
+        let map = self.lock();
+        let serving = |role: Role| {
+            map.values()
+                .filter(move |e| e.target.role == role && e.serving())
+        };
+        map.iter()
+            .filter(|(_, e)| {
+                !e.healthy() || (e.probing.is_some() && serving(e.target.role).next().is_some())
+            })
             .map(|(n, _)| n.clone())
             .collect()
     }
@@ -283,6 +318,39 @@ impl Health {
         self.lock().get(name).is_none_or(Entry::healthy)
     }
 
+    /// Resolves once `name` is down (ejected or failing its checks); pending while it is up or
+    /// unknown. A leg waiting on the endpoint selects on it to give up at once.
+    pub async fn went_down(&self, name: &str) {
+        let mut downs = self.downs.subscribe();
+        loop {
+            if self.lock().get(name).is_some_and(Entry::down) {
+                return;
+            }
+            if downs.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// A request is being sent to `name`: a half-open endpoint's first one is its probe, and
+    /// until it reports, no other request is routed there.
+    pub fn begin(&self, name: &str) {
+        if !self.half_open_probe {
+            return;
+        }
+        let mut map = self.lock();
+        let Some(e) = map.get_mut(name) else { return };
+        if e.half_open && e.probing.is_none() {
+            e.probing = Some(Instant::now());
+            info!(endpoint = %name, "half-open: one probe request");
+            self.changed.notify_one();
+        }
+    }
+
+    fn bump_downs(&self) {
+        self.downs.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
     /// What the active checker should probe.
     pub fn targets(&self) -> Vec<ProbeTarget> {
         self.lock().values().map(|e| e.target.clone()).collect()
@@ -308,6 +376,7 @@ impl Health {
                 e.check_down = true;
                 warn!(endpoint = %name, reason = %why, "endpoint failed its health checks");
                 self.metrics.count_ejection(e.target.role.as_str());
+                self.bump_downs();
             }
         }
         if before != e.healthy() {
@@ -337,6 +406,10 @@ impl Health {
             if e.half_open {
                 e.half_open = false;
                 e.ejections = 0;
+                if e.probing.take().is_some() {
+                    info!(endpoint = %name, "half-open probe succeeded; full traffic again");
+                    self.changed.notify_one();
+                }
             }
             return;
         }
@@ -358,6 +431,9 @@ impl Health {
         let Some(e) = map.get_mut(name) else { return };
         e.traffic_failures = e.traffic_failures.saturating_add(1);
         if !trip || healthy_peers == 0 {
+            if e.probing.take().is_some() {
+                self.changed.notify_one();
+            }
             return;
         }
         let factor = 1u32 << e.ejections.min(16);
@@ -369,6 +445,7 @@ impl Health {
         e.ejections = e.ejections.saturating_add(1);
         e.ejected_until = Some(Instant::now() + period);
         e.half_open = false;
+        e.probing = None;
         e.traffic_failures = 0;
         e.window_total = 0;
         e.window_failures = 0;
@@ -376,6 +453,7 @@ impl Health {
         self.metrics.count_ejection(role.as_str());
         self.set_gauge(e);
         self.changed.notify_one();
+        self.bump_downs();
     }
 
     /// Ends ejection periods that are over (the endpoint comes back half-open).
@@ -388,6 +466,13 @@ impl Health {
                 e.half_open = true;
                 info!(endpoint = %e.target.name, "ejection over; endpoint back on probation");
                 self.set_gauge(e);
+                any = true;
+            }
+            // A probe that never reported (its client left): let another request probe.
+            if e.probing
+                .is_some_and(|t| now.duration_since(t) >= self.knobs.base_ejection)
+            {
+                e.probing = None;
                 any = true;
             }
         }

@@ -57,6 +57,8 @@ pin_project! {
         // The prefill's cached prompt tokens, written into the usage the decode reports.
         cached_tokens: Option<u32>,
         done: bool,
+        // The decode sent an SSE error event: the stream ends as a decode failure.
+        error_event: bool,
         guards: Vec<LoadGuard>,
         record: RequestRecord,
         endpoint: String,
@@ -88,6 +90,7 @@ impl RelayBody {
             sse,
             cached_tokens: None,
             done: false,
+            error_event: false,
             guards,
             record,
             endpoint,
@@ -173,6 +176,37 @@ fn poll_idle(
     polled
 }
 
+/// Whether an SSE chunk carries an error event (`data: {"error": ...}`, as vLLM and SGLang
+/// write a failure after the head).
+pub(crate) fn is_error_event(data: &[u8]) -> bool {
+    // memchr's SIMD search: this runs on every relayed SSE chunk.
+    memchr::memmem::find(data, b"data: {\"error\"").is_some()
+}
+
+/// The engine's body ended: a success for passive health and the record, unless the decode
+/// reported an error event in it.
+fn finish_clean(
+    health: Option<&Health>,
+    endpoint: &str,
+    error_event: bool,
+    record: &mut RequestRecord,
+) {
+    if error_event {
+        engine_failed(health, endpoint, "sent an error event", &"SSE error event");
+        record.finish_error(&GatewayError::Upstream {
+            leg: Leg::Decode,
+            endpoint: endpoint.to_string(),
+            kind: UpstreamKind::Broken,
+            detail: "sent an error event".into(),
+        });
+        return;
+    }
+    if let Some(h) = health {
+        h.observe(endpoint, true);
+    }
+    record.finish_ok();
+}
+
 fn fail(
     done: &mut bool,
     sse: bool,
@@ -224,6 +258,9 @@ impl Body for RelayBody {
                         *this.first_byte = true;
                         this.record.first_byte();
                     }
+                    if *this.sse && !*this.error_event && is_error_event(data) {
+                        *this.error_event = true;
+                    }
                     if let Some(cached) = *this.cached_tokens
                         && let Some(patched) = usage::patch(data, cached, !*this.sse)
                     {
@@ -231,14 +268,18 @@ impl Body for RelayBody {
                     }
                 }
                 *this.last_frame = Instant::now();
-                // A sized body can end with its last frame (hyper then polls no more): finish here.
-                if this.partner.is_none() && this.inner.is_end_stream() {
-                    if let Some(h) = this.health.as_deref() {
-                        h.observe(this.endpoint, true);
-                    }
+                // A sized body can end with its last frame (hyper then polls no more, and drops
+                // the body): finish here, with a concurrent prefill still attached too.
+                if this.inner.is_end_stream() {
+                    *this.partner = None;
+                    finish_clean(
+                        this.health.as_deref(),
+                        this.endpoint,
+                        *this.error_event,
+                        this.record,
+                    );
                     *this.done = true;
                     this.guards.clear();
-                    this.record.finish_ok();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -258,13 +299,15 @@ impl Body for RelayBody {
                 fail(this.done, *this.sse, this.guards, this.record, err)
             }
             Poll::Ready(None) => {
-                if let Some(h) = this.health.as_deref() {
-                    h.observe(this.endpoint, true);
-                }
+                finish_clean(
+                    this.health.as_deref(),
+                    this.endpoint,
+                    *this.error_event,
+                    this.record,
+                );
                 *this.done = true;
                 this.guards.clear();
                 *this.partner = None;
-                this.record.finish_ok();
                 Poll::Ready(None)
             }
             Poll::Pending => {
