@@ -141,14 +141,15 @@ log "engines ready after $((SECONDS - t_eng))s; RSS MB: $(rss_all)"
 grep -h "KV cache size" "$WORK/decode.log" | head -1 || true
 
 # ---- gateways: one config file each ---------------------------------------------------------
-# write_config FILE LISTEN_PORT DECODE_ONLY_BELOW
+# write_config FILE LISTEN_PORT DECODE_ONLY_BELOW HEALTH_CHECKS
 write_config() {
-  local file=$1 port=$2 below=$3 e role
+  local file=$1 port=$2 below=$3 health=$4 e role
   {
     echo "listen = \"127.0.0.1:$port\""
     echo 'kv_connector = "shfs"'
     echo 'prefill_policy = "cache_aware"'
     echo 'decode_policy = "cache_aware"'
+    echo "health_checks = $health"
     echo 'health_check_interval = "1s"'
     echo 'unhealthy_threshold = 2'
     echo '[security]'
@@ -170,13 +171,13 @@ write_config() {
   } >"$file"
 }
 
-# start_gateway NAME PORT_VAR DECODE_ONLY_BELOW: pdgate on a free port (another try when the
-# port was taken meanwhile), JSON access log; the port in PORT_VAR.
+# start_gateway NAME PORT_VAR DECODE_ONLY_BELOW [HEALTH_CHECKS]: pdgate on a free port (another
+# try when the port was taken meanwhile), JSON access log; the port in PORT_VAR.
 start_gateway() {
-  local name=$1 port_var=$2 below=$3 attempt port pid deadline
+  local name=$1 port_var=$2 below=$3 health=${4:-true} attempt port pid deadline
   for attempt in 1 2 3; do
     port=$(free_ports 1)
-    write_config "$WORK/$name.toml" "$port" "$below"
+    write_config "$WORK/$name.toml" "$port" "$below" "$health"
     setsid "$PDGATE" --config "$WORK/$name.toml" --log-format json </dev/null >"$WORK/$name.log" 2>&1 &
     pid=$!
     disown "$pid"
@@ -203,11 +204,16 @@ start_gateway() {
 
 start_gateway gateway-pd GW_PORT 0
 start_gateway gateway-decode-only GWDO_PORT 100000
-log "pdgate ready on :$GW_PORT (both legs) and :$GWDO_PORT (decode-only below 100000 tokens)"
+# Without health checks the restarted engine never leaves the routable set: its subscription
+# stays, and pdgate sees the engine's sequence start again.
+start_gateway gateway-no-health GWNH_PORT 0 false
+log "pdgate ready on :$GW_PORT (both legs), :$GWDO_PORT (decode-only below 100000 tokens)," \
+  ":$GWNH_PORT (no health checks)"
 
 CHECK=(
   "$PY" "$HERE/check_cache_routing.py" --state "$WORK/state.json" --block-size "$BLOCK"
   --gateway "http://127.0.0.1:$GW_PORT" --gateway-decode-only "http://127.0.0.1:$GWDO_PORT"
+  --gateway-no-health "http://127.0.0.1:$GWNH_PORT"
 )
 for e in "${ENGINES[@]}"; do CHECK+=(--engine "$e=http://127.0.0.1:${PORT[$e]}"); done
 
