@@ -282,7 +282,7 @@ pub(crate) fn respond(
     let sse = headers::is_event_stream(&parts.headers);
     let relay = RelayBody::new(
         body,
-        gw.config.stream_idle_timeout,
+        gw.config.legs.stream_idle_timeout,
         sse,
         vec![decode_load],
         record,
