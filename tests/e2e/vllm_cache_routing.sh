@@ -51,17 +51,6 @@ if [[ ! -x "$PDGATE" ]]; then
   exit 1
 fi
 
-free_ports() {
-  "$PY" - "$1" <<'PY'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-PY
-}
 # Per engine: HTTP, NIXL side channel, KV-event replay.
 read -r -a PORTS < <(free_ports 9)
 ENGINES=(prefill1 prefill2 decode)
@@ -123,9 +112,6 @@ stop_engine() {
   kill -KILL -- "-$pg" 2>/dev/null || true
 }
 
-group_rss_mb() {
-  ps -o rss= --sid "$1" 2>/dev/null | awk '{s += $1} END {printf "%d", s / 1024}'
-}
 rss_all() {
   local e out=""
   for e in "${ENGINES[@]}"; do out+="$e $(group_rss_mb "${PG[$e]}") "; done
@@ -171,42 +157,18 @@ write_config() {
   } >"$file"
 }
 
-# start_gateway NAME PORT_VAR DECODE_ONLY_BELOW [HEALTH_CHECKS]: pdgate on a free port (another
-# try when the port was taken meanwhile), JSON access log; the port in PORT_VAR.
-start_gateway() {
-  local name=$1 port_var=$2 below=$3 health=${4:-true} attempt port pid deadline
-  for attempt in 1 2 3; do
-    port=$(free_ports 1)
-    write_config "$WORK/$name.toml" "$port" "$below" "$health"
-    setsid "$PDGATE" --config "$WORK/$name.toml" --log-format json </dev/null >"$WORK/$name.log" 2>&1 &
-    pid=$!
-    disown "$pid"
-    PGIDS+=("$pid")
-    deadline=$((SECONDS + GATEWAY_TIMEOUT))
-    until curl -fsS -m 2 -o /dev/null "http://127.0.0.1:$port/ready" 2>/dev/null; do
-      if ! kill -0 "$pid" 2>/dev/null || ((SECONDS >= deadline)); then
-        break
-      fi
-      sleep 0.5
-    done
-    if kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); then
-      printf -v "$port_var" '%s' "$port"
-      return 0
-    fi
-    if ! grep -q "Address already in use" "$WORK/$name.log"; then
-      break
-    fi
-    log "gateway $name: port $port was taken meanwhile; trying another (attempt $attempt)"
-  done
-  log "gateway $name not ready (see $WORK/$name.log)"
-  return 1
+# routing_gateway_args NAME PORT DECODE_ONLY_BELOW [HEALTH_CHECKS]: a config file and the flags
+# of one gateway (start_gateway, lib.sh), with the JSON access log.
+routing_gateway_args() {
+  write_config "$WORK/$1.toml" "$2" "$3" "${4:-true}"
+  GATEWAY_ARGS=(--config "$WORK/$1.toml" --log-format json)
 }
 
-start_gateway gateway-pd GW_PORT 0
-start_gateway gateway-decode-only GWDO_PORT 100000
+start_gateway gateway-pd GW_PORT routing_gateway_args 0
+start_gateway gateway-decode-only GWDO_PORT routing_gateway_args 100000
 # Without health checks the restarted engine never leaves the routable set: its subscription
 # stays, and pdgate sees the engine's sequence start again.
-start_gateway gateway-no-health GWNH_PORT 0 false
+start_gateway gateway-no-health GWNH_PORT routing_gateway_args 0 false
 log "pdgate ready on :$GW_PORT (both legs), :$GWDO_PORT (decode-only below 100000 tokens)," \
   ":$GWNH_PORT (no health checks)"
 
