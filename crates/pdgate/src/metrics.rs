@@ -480,7 +480,7 @@ impl RequestRecord {
         self.decode.clone_from(&served.decode);
         self.status = status;
         self.fallback = served.fallback;
-        self.decode_only = served.decode_only;
+        self.decode_only = served.decode_only.is_some();
         self.predicted_cached = served.predicted_cached;
     }
 
