@@ -65,6 +65,11 @@ impl PrefixView {
         }
     }
 
+    /// The view of a prompt's token ids (from an engine's `/tokenize`).
+    pub(crate) fn from_tokens(tokens: &[u32], block_size: usize) -> Self {
+        Self::tokens(tokens, block_size)
+    }
+
     /// An empty view (nothing to match: the request is scored by load alone).
     pub(crate) fn empty(block_size: usize) -> Self {
         PrefixView {

@@ -150,10 +150,12 @@ pub(crate) async fn serve(
     debug!(model = ?view.model, stream = view.stream, "request read");
     gw.retry_budget.deposit();
     let snapshot = gw.store.load();
-    let prefix = gw.cache.as_ref().map(|c| {
-        c.model(view.model.as_deref(), &snapshot)
-            .view(&clean, route)
-    });
+    let prefix = match gw.cache.as_ref() {
+        None => None,
+        Some(c) => Some(
+            crate::cache::view_of(c, &gw, &snapshot, &clean, route, view.model.as_deref()).await,
+        ),
+    };
     let select::Pair {
         prefill,
         decode,
