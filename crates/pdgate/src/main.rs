@@ -80,7 +80,7 @@ async fn shutdown_signal() {
 async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
     let registry = kvtransfer::Registry::with_builtins();
     let config = args.load()?;
-    let kube_client = if config.discovery == DiscoveryKind::Kubernetes {
+    let kube_client = if config.discovery.kind == DiscoveryKind::Kubernetes {
         let client = pdkube::client_from_env()
             .await
             .map_err(|e| pdgate::ConfigError::Field {
@@ -123,7 +123,7 @@ async fn serve(args: RunArgs) -> Result<(), pdgate::Error> {
             Duration::from_secs(1),
         ));
     }
-    let deadline = gateway.config.shutdown_timeout;
+    let deadline = gateway.config.shutdown.shutdown_timeout;
     running.run_until(shutdown_signal(), deadline).await;
     Ok(())
 }

@@ -26,30 +26,30 @@ const CONCURRENCY: usize = 8;
 
 /// Short timeouts so faults resolve quickly; every knob the suite relies on is set here.
 fn tight(c: &mut Config) {
-    c.prefill_timeout = Duration::from_millis(800);
-    c.decode_timeout = Duration::from_secs(3);
-    c.stream_idle_timeout = Duration::from_secs(2);
-    c.connect_timeout = Duration::from_millis(500);
-    c.health_check_interval = Duration::from_millis(100);
-    c.health_check_timeout = Duration::from_millis(300);
-    c.unhealthy_threshold = 2;
-    c.healthy_threshold = 1;
-    c.outlier_consecutive_failures = 3;
-    c.outlier_base_ejection = Duration::from_millis(500);
-    c.outlier_max_ejection = Duration::from_secs(2);
-    c.max_retries = 1;
-    c.retry_budget_min = 20;
-    c.drain_delay = Duration::ZERO;
+    c.legs.prefill_timeout = Duration::from_millis(800);
+    c.legs.decode_timeout = Duration::from_secs(3);
+    c.legs.stream_idle_timeout = Duration::from_secs(2);
+    c.pool.connect_timeout = Duration::from_millis(500);
+    c.health.health_check_interval = Duration::from_millis(100);
+    c.health.health_check_timeout = Duration::from_millis(300);
+    c.health.unhealthy_threshold = 2;
+    c.health.healthy_threshold = 1;
+    c.health.consecutive_failures = 3;
+    c.health.base_ejection = Duration::from_millis(500);
+    c.health.max_ejection = Duration::from_secs(2);
+    c.legs.max_retries = 1;
+    c.limits.retry_budget_min = 20;
+    c.shutdown.drain_delay = Duration::ZERO;
 }
 
 /// The longest any request may take under `tight`: every prefill attempt timing out, the decode
 /// head at its bound, and a stream going idle, plus slack for a loaded 2-core machine.
 fn bound(c: &Config) -> Duration {
-    c.prefill_timeout * (c.max_retries + 1)
-        + c.connect_timeout * (c.max_retries + 1)
-        + c.decode_timeout
-        + c.stream_idle_timeout
-        + c.queue_timeout.min(Duration::from_secs(5))
+    c.legs.prefill_timeout * (c.legs.max_retries + 1)
+        + c.pool.connect_timeout * (c.legs.max_retries + 1)
+        + c.legs.decode_timeout
+        + c.legs.stream_idle_timeout
+        + c.limits.queue_timeout.min(Duration::from_secs(5))
         + Duration::from_secs(3)
 }
 
@@ -379,7 +379,7 @@ async fn killed_prefill_and_decode_under_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hanging_prefill_is_retried_then_ejected() {
     let want = expected().await;
-    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    let fleet = fleet(Connector::Shfs, |c| c.health.health_checks = false).await;
     set(&fleet.prefill[0], |f| f.hang = true);
     let Report { share, metrics } = run_load("hang", &fleet, &want).await;
     assert_eq!(share, 1.0, "hang: a timed-out prefill is retried elsewhere");
@@ -403,7 +403,7 @@ async fn slow_engines_answer_correctly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_prefill_5xx_and_decode_5xx() {
     let want = expected().await;
-    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    let fleet = fleet(Connector::Shfs, |c| c.health.health_checks = false).await;
     set(&fleet.prefill[0], |f| {
         f.error_rate = 1.0;
         f.error_status = 503;
@@ -456,9 +456,9 @@ async fn flapping_endpoints() {
 async fn overload_is_refused_with_retry_after() {
     let want = expected().await;
     let fleet = fleet(Connector::Shfs, |c| {
-        c.max_in_flight = 3;
-        c.max_queue = 2;
-        c.queue_timeout = Duration::from_millis(300);
+        c.limits.max_in_flight = 3;
+        c.limits.max_queue = 2;
+        c.limits.queue_timeout = Duration::from_millis(300);
     })
     .await;
     for d in &fleet.decode {
@@ -471,7 +471,7 @@ async fn overload_is_refused_with_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_connector_prefill_failure_retries_both_legs() {
     let want = expected().await;
-    let fleet = fleet(Connector::Sglang, |c| c.health_checks = false).await;
+    let fleet = fleet(Connector::Sglang, |c| c.health.health_checks = false).await;
     set(&fleet.prefill[0], |f| f.error_rate = 1.0);
     let Report { share, metrics } = run_load("sglang-5xx", &fleet, &want).await;
     // A prefill that fails after the decode's response head went out can no longer be retried
@@ -489,7 +489,7 @@ async fn drain_turns_ready_false_first_and_finishes_streams() {
         vec![decode],
         |c| {
             tight(c);
-            c.drain_delay = Duration::from_millis(400);
+            c.shutdown.drain_delay = Duration::from_millis(400);
         },
     )
     .await;
@@ -645,7 +645,7 @@ async fn per_endpoint_cap_refuses_with_retry_after() {
         vec![engine(Role::Decode, Connector::Shfs)],
         |c| {
             tight(c);
-            c.max_in_flight_per_endpoint = 1;
+            c.limits.max_in_flight_per_endpoint = 1;
         },
     )
     .await;
@@ -666,11 +666,11 @@ async fn per_endpoint_cap_refuses_with_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_retry_budget_bounds_retries() {
     let fleet = fleet(Connector::Shfs, |c| {
-        c.health_checks = false;
-        c.outlier_consecutive_failures = 0;
-        c.retry_budget_min = 1;
-        c.retry_budget_ratio = 0.0;
-        c.prefill_policy = "round_robin".into();
+        c.health.health_checks = false;
+        c.health.consecutive_failures = 0;
+        c.limits.retry_budget_min = 1;
+        c.limits.retry_budget_ratio = 0.0;
+        c.policy.prefill_policy = "round_robin".into();
     })
     .await;
     set(&fleet.prefill[0], |f| f.error_rate = 1.0);
@@ -702,7 +702,7 @@ async fn the_retry_budget_bounds_retries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hanging_decode_is_bounded_then_ejected() {
     let want = expected().await;
-    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    let fleet = fleet(Connector::Shfs, |c| c.health.health_checks = false).await;
     set(&fleet.decode[0], |f| f.hang = true);
     let Report { share, metrics } = run_load("decode-hang", &fleet, &want).await;
     // A decode that accepted the request and then hangs is not retried (it may be working);
@@ -726,11 +726,11 @@ async fn hanging_decode_is_bounded_then_ejected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_that_breaks_streams_after_its_head_is_ejected() {
     let fleet = fleet(Connector::Shfs, |c| {
-        c.decode_policy = "least_request".into();
-        c.outlier_consecutive_failures = 3;
+        c.policy.decode_policy = "least_request".into();
+        c.health.consecutive_failures = 3;
         // One ejection for the whole test.
-        c.outlier_base_ejection = Duration::from_secs(60);
-        c.outlier_max_ejection = Duration::from_secs(60);
+        c.health.base_ejection = Duration::from_secs(60);
+        c.health.max_ejection = Duration::from_secs(60);
     })
     .await;
     let sick = fleet.decode[0].addr().to_string();

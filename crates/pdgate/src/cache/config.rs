@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::config::ConfigError;
+use crate::error::ConfigError;
 
 /// Per-model overrides of `[cache]` (`[cache.models."name"]`).
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -42,15 +42,15 @@ pub struct CacheConfig {
     /// Entries kept per endpoint in a model's index (least recently used evicted first).
     pub capacity_per_endpoint: usize,
     /// Lifetime of an approximate entry (a decision's guess about an endpoint without events).
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::durations::de_duration")]
     pub approximate_ttl: Duration,
     /// Lifetime of a speculative entry (a decision's guess until the endpoint's event confirms).
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::durations::de_duration")]
     pub speculative_ttl: Duration,
     /// An endpoint publishing KV events whose events stop (no batch this long after a decision
     /// that should have stored blocks there) is scored approximately until they resume; 0
     /// never gives up on events.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::durations::de_duration")]
     pub events_timeout: Duration,
     /// Serve a request on the decode alone (no prefill leg) when at most this many of its prompt
     /// tokens are uncached there; 0 disables decode-only serving.

@@ -32,8 +32,8 @@ use events::{EventWatch, EventsNow};
 pub(crate) use metrics::CacheMetrics;
 pub(crate) use view::PrefixView;
 
-use crate::config::ConfigError;
 use crate::endpoints::{Endpoint, Role, Snapshot};
+use crate::error::ConfigError;
 use crate::route::Route;
 
 /// Pod annotation (and endpoint `kv_events`) naming where an engine publishes its KV events,

@@ -17,6 +17,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -25,6 +26,7 @@ use tracing::{info, warn};
 use crate::endpoints::Role;
 use crate::engine::EnginePool;
 use crate::engine::probe::{ProbeError, get_ok};
+use crate::error::{ConfigError, field_error};
 use crate::metrics::Metrics;
 
 /// What an active check requests for one endpoint.
@@ -88,32 +90,93 @@ impl Entry {
     }
 }
 
-/// The knobs of health checking (the config keys of the same names, `outlier_`-prefixed for
-/// the passive ones).
-#[derive(Clone, Debug)]
+/// The `health` section: active checks and passive outlier ejection (the file's keys of the
+/// same names, `outlier_`-prefixed for the passive ones).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
-    /// Active checks on.
+    /// Active health checks (`GET /health`, plus `/query` for Mooncake prefills) on every endpoint.
     pub health_checks: bool,
     /// Time between two active checks of one endpoint.
+    #[serde(with = "crate::durations::text")]
     pub health_check_interval: Duration,
     /// Bound on one active check.
+    #[serde(with = "crate::durations::text")]
     pub health_check_timeout: Duration,
-    /// Failed checks in a row that make an endpoint unhealthy.
+    /// Consecutive failed checks that make an endpoint unhealthy.
     pub unhealthy_threshold: u32,
-    /// Passed checks in a row that make it healthy again.
+    /// Consecutive passed checks that make an unhealthy endpoint healthy again.
     pub healthy_threshold: u32,
-    /// Traffic failures in a row that eject an endpoint (0: off).
+    /// Consecutive failures on real traffic that eject an endpoint (0 disables passive ejection).
+    #[serde(rename = "outlier_consecutive_failures")]
     pub consecutive_failures: u32,
-    /// Failed share within `interval` that ejects an endpoint (0: off).
+    /// Share of failed requests within one `interval` that ejects an endpoint (0 disables).
+    #[serde(rename = "outlier_error_rate")]
     pub error_rate: f64,
-    /// Requests within `interval` before the rate counts.
+    /// Requests an endpoint must have served within the interval before its error rate counts.
+    #[serde(rename = "outlier_min_requests")]
     pub min_requests: u32,
-    /// Window of the rate.
+    /// Window of the error-rate detection.
+    #[serde(rename = "outlier_interval", with = "crate::durations::text")]
     pub interval: Duration,
-    /// First ejection period.
+    /// First ejection period; doubled on each repeated ejection, up to `max_ejection`.
+    #[serde(rename = "outlier_base_ejection", with = "crate::durations::text")]
     pub base_ejection: Duration,
     /// Longest ejection period.
+    #[serde(rename = "outlier_max_ejection", with = "crate::durations::text")]
     pub max_ejection: Duration,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            health_checks: true,
+            health_check_interval: Duration::from_secs(5),
+            health_check_timeout: Duration::from_secs(2),
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+            consecutive_failures: 5,
+            error_rate: 0.5,
+            min_requests: 20,
+            interval: Duration::from_secs(10),
+            base_ejection: Duration::from_secs(10),
+            max_ejection: Duration::from_secs(300),
+        }
+    }
+}
+
+impl HealthConfig {
+    /// Checks the section, naming the key at fault.
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        for (field, d) in [
+            ("health_check_interval", self.health_check_interval),
+            ("health_check_timeout", self.health_check_timeout),
+            ("outlier_base_ejection", self.base_ejection),
+            ("outlier_interval", self.interval),
+        ] {
+            if d.is_zero() {
+                return Err(field_error(field, "must be greater than zero"));
+            }
+        }
+        for (field, n) in [
+            ("unhealthy_threshold", self.unhealthy_threshold),
+            ("healthy_threshold", self.healthy_threshold),
+        ] {
+            if n == 0 {
+                return Err(field_error(field, "must be at least 1"));
+            }
+        }
+        if self.max_ejection < self.base_ejection {
+            return Err(field_error(
+                "outlier_max_ejection",
+                "must be at least outlier_base_ejection",
+            ));
+        }
+        if !(self.error_rate.is_finite() && (0.0..=1.0).contains(&self.error_rate)) {
+            return Err(field_error("outlier_error_rate", "must be between 0 and 1"));
+        }
+        Ok(())
+    }
 }
 
 /// Health of every known endpoint.
@@ -423,116 +486,4 @@ pub async fn run(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn target(name: &str, role: Role) -> ProbeTarget {
-        ProbeTarget {
-            name: name.into(),
-            role,
-            health_url: format!("http://{name}/health"),
-            query_url: None,
-            models_url: None,
-            authorization: None,
-        }
-    }
-
-    fn health(consecutive: u32) -> Health {
-        let config = crate::config::Config {
-            outlier_consecutive_failures: consecutive,
-            outlier_error_rate: 0.0,
-            outlier_base_ejection: Duration::from_secs(10),
-            outlier_max_ejection: Duration::from_secs(25),
-            unhealthy_threshold: 2,
-            healthy_threshold: 2,
-            ..crate::config::Config::default()
-        };
-        let h = Health::new(&config.health_section(), Arc::new(Metrics::new()));
-        h.sync(vec![
-            target("p1", Role::Prefill),
-            target("p2", Role::Prefill),
-            target("d1", Role::Decode),
-        ]);
-        h
-    }
-
-    #[test]
-    fn consecutive_traffic_failures_eject_and_half_open_decides() {
-        let h = health(3);
-        h.observe("p1", false);
-        h.observe("p1", false);
-        h.observe("p1", true);
-        h.observe("p1", false);
-        h.observe("p1", false);
-        assert!(h.unhealthy().is_empty(), "a success resets the count");
-        h.observe("p1", false);
-        assert_eq!(h.unhealthy(), BTreeSet::from(["p1".to_string()]));
-        // The last healthy prefill is never ejected.
-        for _ in 0..10 {
-            h.observe("p2", false);
-        }
-        assert!(h.is_healthy("p2"));
-        // Back-off over: half-open; one failure ejects again for twice as long.
-        let later = Instant::now() + Duration::from_secs(11);
-        h.tick(later);
-        assert!(h.unhealthy().is_empty());
-        h.observe("p1", false);
-        assert!(!h.is_healthy("p1"));
-        h.tick(Instant::now() + Duration::from_secs(15));
-        assert!(!h.is_healthy("p1"), "second period is 20 s");
-        h.tick(Instant::now() + Duration::from_secs(21));
-        assert!(h.is_healthy("p1"));
-        h.observe("p1", true);
-        h.observe("p1", false);
-        assert!(
-            h.is_healthy("p1"),
-            "a success on probation clears the record"
-        );
-    }
-
-    #[test]
-    fn an_error_rate_ejects_without_consecutive_failures() {
-        let config = crate::config::Config {
-            outlier_consecutive_failures: 0,
-            outlier_error_rate: 0.3,
-            outlier_min_requests: 10,
-            ..crate::config::Config::default()
-        };
-        let h = Health::new(&config.health_section(), Arc::new(Metrics::new()));
-        h.sync(vec![
-            target("p1", Role::Prefill),
-            target("p2", Role::Prefill),
-        ]);
-        // Every third request fails: never two in a row, but a third of the traffic.
-        for i in 0..9 {
-            h.observe("p1", i % 3 != 0);
-        }
-        assert!(h.is_healthy("p1"), "not enough requests yet");
-        h.observe("p1", false);
-        assert!(!h.is_healthy("p1"), "4 of 10 failed");
-        for i in 0..30 {
-            h.observe("p2", i % 5 != 0);
-        }
-        assert!(h.is_healthy("p2"), "20% stays under the 30% threshold");
-    }
-
-    #[test]
-    fn active_checks_use_thresholds_and_passive_can_be_disabled() {
-        let h = health(0);
-        for _ in 0..10 {
-            h.observe("d1", false);
-        }
-        assert!(h.is_healthy("d1"));
-        h.check_result("d1", false, "503");
-        assert!(h.is_healthy("d1"));
-        h.check_result("d1", false, "503");
-        assert!(!h.is_healthy("d1"));
-        h.check_result("d1", true, "");
-        assert!(!h.is_healthy("d1"));
-        h.check_result("d1", true, "");
-        assert!(h.is_healthy("d1"));
-        h.sync(vec![target("d2", Role::Decode)]);
-        assert_eq!(h.targets().len(), 1);
-        assert!(h.is_healthy("p1"), "unknown endpoints count as healthy");
-    }
-}
+mod tests;

@@ -69,7 +69,7 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
         let head = client::send(&gw.client, leg).await?;
         client::collect(Leg::Prefill, job.endpoint.target(), head).await
     };
-    let limit = gw.config.prefill_timeout;
+    let limit = gw.config.legs.prefill_timeout;
     let result = timeout(limit, work).await.unwrap_or_else(|_| {
         Err(client::timed_out(
             Leg::Prefill,
@@ -145,7 +145,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             pd.prefill_cached = None;
             pd.ctx.req_body.clone()
         }
-        Err(err) => match gw.config.on_prefill_failure {
+        Err(err) => match gw.config.legs.on_prefill_failure {
             PrefillFailurePolicy::Fail => return Err(err),
             PrefillFailurePolicy::Fallback => {
                 warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
@@ -215,7 +215,7 @@ async fn decode_head(
             headers: &pd.forwarded,
             extra: &[],
         };
-        match client::send_within(&gw.client, leg, gw.config.decode_timeout).await {
+        match client::send_within(&gw.client, leg, gw.config.legs.decode_timeout).await {
             Ok(head) => {
                 // A decode's success is counted when its body ends cleanly (the relay), not at
                 // the head: a decode that breaks its streams after a 200 must not look healthy.
@@ -367,7 +367,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         let (parts, mut body) = head.into_parts();
         let mut prefix = None;
         if let Some(task) = partner.as_mut() {
-            let idle = gw.config.stream_idle_timeout;
+            let idle = gw.config.legs.stream_idle_timeout;
             match first_byte(&mut body, task, idle, &pd.decode).await {
                 FirstByte::Frame(frame) => prefix = frame,
                 FirstByte::PrefillDone => partner = None,
