@@ -15,8 +15,8 @@ const BLOCK: u64 = 16;
 /// Predicted cached tokens of the second of two identical requests.
 async fn predicted_on_repeat(engine_tokenize: bool) -> (u64, u64) {
     let fleet = pair(Connector::Shfs, |c| {
-        c.prefill_policy = "cache_aware".into();
-        c.decode_policy = "cache_aware".into();
+        c.policy.prefill_policy = "cache_aware".into();
+        c.policy.decode_policy = "cache_aware".into();
         c.cache.block_size = BLOCK as usize;
         c.cache.engine_tokenize = engine_tokenize;
     })

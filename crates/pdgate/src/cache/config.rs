@@ -68,7 +68,7 @@ pub struct CacheConfig {
     /// (remembered per prompt); off by default: a new prompt waits one engine round trip.
     pub engine_tokenize: bool,
     /// How long a `/tokenize` may take before the request keeps approximate keys.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::durations::de_duration")]
     pub engine_tokenize_timeout: Duration,
     /// Prompts whose engine tokens are remembered (least recently used forgotten first).
     pub engine_tokenize_cache: usize,
