@@ -5,7 +5,9 @@
 # starts a plain baseline engine, two prefill engines and one decode engine, puts
 # pdgate (--kv-connector shfs) in front and runs tests/e2e/check_pd.py:
 # completions and chat, streaming and not, KV transfer proven on the decode
-# engine's /metrics, outputs equal to the baseline, two prefills both used, a
+# engine's /metrics, outputs equal to the baseline, /v1/responses and /v1/messages
+# through PD (prefill engine's prompt tokens, NIXL pulls), /tokenize and /detokenize
+# passed through, two prefills both used, a
 # killed prefill and a killed decode answered cleanly. Cleans up everything.
 #
 # Environment:

@@ -532,7 +532,7 @@ impl RequestRecord {
         self.status = status;
         self.head_sent = true;
         self.fallback = served.fallback;
-        self.decode_only = served.decode_only;
+        self.decode_only = served.decode_only.is_some();
         self.predicted_cached = served.predicted_cached;
     }
 

@@ -238,7 +238,7 @@ async fn redirecting_engine() -> (std::net::SocketAddr, tokio::task::JoinHandle<
                 let mut buf = [0u8; 65536];
                 let _ = tcp.read(&mut buf).await;
                 let answer = format!(
-                    "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://{addr}/v1/responses/\r\nContent-Length: 0\r\n\r\n"
+                    "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://{addr}/v1/embeddings/\r\nContent-Length: 0\r\n\r\n"
                 );
                 let _ = tcp.write_all(answer.as_bytes()).await;
             });
@@ -262,7 +262,7 @@ async fn engine_redirects_are_not_relayed() {
     .await;
     let a = raw(
         fleet.gateway.addr(),
-        &post("/v1/responses", r#"{"model":"m"}"#),
+        &post("/v1/embeddings", r#"{"model":"m"}"#),
     )
     .await;
     assert_eq!(a.status, 502, "{}", a.head);
@@ -572,13 +572,13 @@ async fn asgi_engine_gets_no_escaped_path_and_no_transfer_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn asgi_engine_redirect_is_a_502_without_location() {
-    let Some(asgi) = Asgi::start(&["--redirect", "/v1/responses"]).await else {
+    let Some(asgi) = Asgi::start(&["--redirect", "/v1/embeddings"]).await else {
         return;
     };
     let fleet = pair(Connector::Shfs, asgi_fleet_config(&asgi)).await;
     let a = raw(
         fleet.gateway.addr(),
-        &post("/v1/responses", r#"{"model":"m"}"#),
+        &post("/v1/embeddings", r#"{"model":"m"}"#),
     )
     .await;
     assert_eq!(a.status, 502, "{}", a.head);

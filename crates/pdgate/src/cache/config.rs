@@ -64,6 +64,14 @@ pub struct CacheConfig {
     pub kv_events_port: Option<u16>,
     /// Every endpoint's replay socket is `tcp://<its host>:<port>` (vLLM `replay_endpoint`).
     pub kv_events_replay_port: Option<u16>,
+    /// Token keys for models without a local tokenizer from an engine's `POST /tokenize`
+    /// (remembered per prompt); off by default: a new prompt waits one engine round trip.
+    pub engine_tokenize: bool,
+    /// How long a `/tokenize` may take before the request keeps approximate keys.
+    #[serde(deserialize_with = "crate::durations::de_duration")]
+    pub engine_tokenize_timeout: Duration,
+    /// Prompts whose engine tokens are remembered (least recently used forgotten first).
+    pub engine_tokenize_cache: usize,
 }
 
 impl Default for CacheConfig {
@@ -84,6 +92,9 @@ impl Default for CacheConfig {
             decode_only_max_uncached_ratio: 0.7,
             kv_events_port: None,
             kv_events_replay_port: None,
+            engine_tokenize: false,
+            engine_tokenize_timeout: Duration::from_millis(50),
+            engine_tokenize_cache: 10_000,
         }
     }
 }

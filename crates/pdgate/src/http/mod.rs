@@ -8,8 +8,8 @@
 //! - [`passthrough`]: the allow-listed paths, relayed to a decode endpoint (transfer fields
 //!   stripped from the body).
 //!
-//! The OpenAI routes (`/v1/completions`, `/v1/chat/completions`) hand an [`Exchange`] to the PD
-//! flow in `pd`.
+//! The PD routes (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/messages`)
+//! hand an [`Exchange`] to the PD flow in `pd`.
 
 pub(crate) mod edge;
 pub(crate) mod listener;
@@ -32,6 +32,8 @@ pub(crate) fn router(gw: Arc<Gateway>) -> Router {
     Router::new()
         .route("/v1/completions", only(post(completions)))
         .route("/v1/chat/completions", only(post(chat)))
+        .route("/v1/responses", only(post(responses)))
+        .route("/v1/messages", only(post(messages)))
         .route("/v1/models", only(get(routes::models)))
         .route("/health", only(get(routes::health)))
         .route("/ready", only(get(routes::ready)))
@@ -66,4 +68,12 @@ async fn completions(State(gw): State<Arc<Gateway>>, request: Request) -> Answer
 
 async fn chat(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
     pd_route(gw, Route::Chat, request).await
+}
+
+async fn responses(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
+    pd_route(gw, Route::Responses, request).await
+}
+
+async fn messages(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
+    pd_route(gw, Route::Messages, request).await
 }

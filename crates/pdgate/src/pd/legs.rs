@@ -113,9 +113,10 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     let gw = ex.gw.clone();
     let mut tried = vec![pd.prefill.name.clone()];
     let collected = loop {
+        let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
         let prefill_request =
             pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
         let job = PrefillJob::new(
             &pd,
             &ex.request_id,
@@ -345,9 +346,10 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         .min(gw.config.reliability.concurrent_prefill_timeout);
     let mut tried = vec![pd.prefill.name.clone()];
     loop {
+        let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
         let prefill_request =
             pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
         pd.agent
             .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
         let prefill_task: AbortOnDropHandle<PartnerResult> = {

@@ -124,10 +124,13 @@ fn pick_by(
     }
     let facts: Vec<Facts> = candidates
         .iter()
-        .map(|e| Facts {
-            blocks: scorer.blocks(e),
-            in_flight: e.load.in_flight(),
-            entries: scorer.entries(e),
+        .map(|e| {
+            let (blocks, entries) = scorer.facts(e);
+            Facts {
+                blocks,
+                in_flight: e.load.in_flight(),
+                entries,
+            }
         })
         .collect();
     let choice = score::choose(&facts, view, &cache.config)?;

@@ -81,14 +81,8 @@ pub struct SecurityConfig {
 }
 
 /// The pass-through paths allowed by default: the OpenAI and vLLM routes that neither carry KV
-/// transfer nor change engine state.
-pub const DEFAULT_PASSTHROUGH: [&str; 5] = [
-    "/v1/embeddings",
-    "/v1/responses",
-    "/v1/messages",
-    "/tokenize",
-    "/detokenize",
-];
+/// transfer nor change engine state (`/v1/responses` and `/v1/messages` are PD routes).
+pub const DEFAULT_PASSTHROUGH: [&str; 3] = ["/v1/embeddings", "/tokenize", "/detokenize"];
 
 impl Default for SecurityConfig {
     fn default() -> Self {
