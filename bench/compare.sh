@@ -8,6 +8,12 @@
 # through /proc/PID/clear_refs) are sampled around every cell. Finally a soak: 5,000
 # concurrent open streams against slow-streaming engines. Prints one table of ratios.
 #
+# Targets besides the gateways: `floor`, a reference streaming relay (pdbench's example
+# `stream_floor`: the prefill leg, then the decode's body handed to hyper as it is; not a
+# product), the least a PD relay on hyper can cost per event; and `pdgate-base`, a second pdgate
+# binary (PDGATE_BASE_BIN) to measure a change before and after in the same run. Stream cells
+# report the CPU per relayed SSE event (256 token events, the usage event and [DONE] per stream).
+#
 # Pinning (2 cores): every gateway runs alone on core $GATEWAY_CPU; pdbench and both engines
 # share core $CLIENT_CPU. The direct baseline therefore runs with the gateway core idle.
 # Cell "shared-c1" then moves each gateway onto core $CLIENT_CPU too and repeats one client:
@@ -25,12 +31,20 @@
 #   BENCH_WARMUP        unmeasured requests before each cell       [200, at least the concurrency]
 #   BENCH_CONCURRENCY   closed-loop client counts                  ["1 16 64 256"]
 #   BENCH_MODES         "plain stream"                             ["plain stream"]
-#   BENCH_GATEWAYS      gateways to compare                        ["pdgate vllm-router"]
+#   BENCH_GATEWAYS      gateways to compare                        ["pdgate vllm-router floor"]
+#                       (and "pdgate-base" when PDGATE_BASE_BIN is set; "floor-drive": the
+#                       reference relay with its decode connection driven by the relaying task)
 #   BENCH_SOAK_STREAMS  concurrent streams in the soak (0 = skip)  [5000]
 #   BENCH_SOAK_DURATION seconds of soak per target                 [40]
 #   BENCH_SHARED        1 = add the one-core, one-client cell shared-c1 [1]
 #   BENCH_SKIP_BUILD=1  use existing release binaries
 #   VLLM_ROUTER_VERSION PyPI version of vllm-router                [0.1.17]
+#   VLLM_ROUTER_VENV    a virtualenv with vllm-router installed    [$PDGATE_CACHE/bench-venv if it
+#                       has one, else $PDGATE_CACHE/vllm-router-$VLLM_ROUTER_VERSION, installed]
+#   PDGATE_BIN          the pdgate binary                          [$CARGO_TARGET_DIR/release/pdgate]
+#   PDGATE_BASE_BIN     a second pdgate binary, target pdgate-base [none]
+#   FLOOR_BIN           the reference relay                        [built: example stream_floor]
+#   BENCH_NICE          niceness of everything the script starts   [0]
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,7 +56,13 @@ DURATION="${BENCH_DURATION:-5}"
 WARMUP="${BENCH_WARMUP:-200}"
 CONCURRENCIES="${BENCH_CONCURRENCY:-1 16 64 256}"
 MODES="${BENCH_MODES:-plain stream}"
-GATEWAYS="${BENCH_GATEWAYS:-pdgate vllm-router}"
+GATEWAYS="${BENCH_GATEWAYS:-pdgate vllm-router floor}"
+PDGATE="${PDGATE_BIN:-$TARGET_DIR/release/pdgate}"
+FLOOR="${FLOOR_BIN:-$TARGET_DIR/release/examples/stream_floor}"
+if [ -n "${PDGATE_BASE_BIN:-}" ] && [ -z "${BENCH_GATEWAYS:-}" ]; then
+  GATEWAYS="pdgate pdgate-base vllm-router floor"
+fi
+renice -n "${BENCH_NICE:-0}" -p $$ >/dev/null 2>&1 || true
 SOAK_STREAMS="${BENCH_SOAK_STREAMS:-5000}"
 SOAK_DURATION="${BENCH_SOAK_DURATION:-40}"
 VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
@@ -59,7 +79,7 @@ mkdir -p "$OUT"
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 PROC="$OUT/proc.tsv"
-printf 'cell\ttarget\tcpu_s\trss_kb\tpids\n' >"$PROC"
+printf 'cell\ttarget\tcpu_s\trss_kb\tpids\twarmup\tevents_per_stream\n' >"$PROC"
 
 log() { printf '[compare %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 
@@ -129,37 +149,66 @@ if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt 16384 ]; then
   log "warning: open-file limit $(ulimit -n) is low for the ${SOAK_STREAMS}-stream soak"
 fi
 
+# drop_target NAME: leaves NAME (the whole word) out of $GATEWAYS.
+drop_target() {
+  local t kept=()
+  for t in $GATEWAYS; do [ "$t" = "$1" ] || kept+=("$t"); done
+  GATEWAYS="${kept[*]}"
+}
+has_target() { [[ " $GATEWAYS " == *" $1 "* ]]; }
+
 if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
   log "building release binaries (pdbench, pdsim)"
   (cd "$ROOT" && timeout 1800 cargo build --release -p pdbench -p pdsim) >"$LOGS/build.log" 2>&1 ||
     { log "build failed, see $LOGS/build.log"; exit 1; }
-  if [[ " $GATEWAYS " == *" pdgate "* ]]; then
+  if has_target pdgate && [ -z "${PDGATE_BIN:-}" ]; then
     log "building pdgate"
     if ! (cd "$ROOT" && timeout 1800 cargo build --release -p pdgate) >>"$LOGS/build.log" 2>&1; then
       log "pdgate does not build; leaving it out (see $LOGS/build.log)"
-      GATEWAYS="${GATEWAYS//pdgate/}"
+      drop_target pdgate
+    fi
+  fi
+  if { has_target floor || has_target floor-drive; } && [ -z "${FLOOR_BIN:-}" ]; then
+    log "building the reference relay (example stream_floor)"
+    if ! (cd "$ROOT" && timeout 1800 cargo build --release -p pdbench --example stream_floor) \
+      >>"$LOGS/build.log" 2>&1; then
+      log "stream_floor does not build; leaving it out (see $LOGS/build.log)"
+      drop_target floor
     fi
   fi
 fi
 for b in pdbench pdsim; do
   [ -x "$BIN/$b" ] || { log "missing $BIN/$b"; exit 1; }
 done
-if [[ " $GATEWAYS " == *" pdgate "* ]] && [ ! -x "$BIN/pdgate" ]; then
-  log "no $BIN/pdgate; leaving it out"
-  GATEWAYS="${GATEWAYS//pdgate/}"
+if has_target pdgate && [ ! -x "$PDGATE" ]; then
+  log "no $PDGATE; leaving it out"
+  drop_target pdgate
+fi
+if has_target pdgate-base && [ ! -x "${PDGATE_BASE_BIN:-}" ]; then
+  log "no PDGATE_BASE_BIN binary; leaving pdgate-base out"
+  drop_target pdgate-base
+fi
+if [ ! -x "$FLOOR" ]; then
+  drop_target floor
+  drop_target floor-drive
 fi
 
-VR_VENV="$CACHE/vllm-router-$VLLM_ROUTER_VERSION"
-if [[ " $GATEWAYS " == *" vllm-router "* ]] && [ ! -x "$VR_VENV/bin/vllm-router" ]; then
+if [ -n "${VLLM_ROUTER_VENV:-}" ]; then
+  VR_VENV="$VLLM_ROUTER_VENV"
+elif [ -x "$CACHE/bench-venv/bin/vllm-router" ]; then
+  VR_VENV="$CACHE/bench-venv"
+else
+  VR_VENV="$CACHE/vllm-router-$VLLM_ROUTER_VERSION"
+fi
+if has_target vllm-router && [ ! -x "$VR_VENV/bin/vllm-router" ]; then
   log "installing vllm-router==$VLLM_ROUTER_VERSION into $VR_VENV"
   mkdir -p "$CACHE"
   if ! (timeout 900 python3 -m venv "$VR_VENV" &&
     timeout 900 "$VR_VENV/bin/pip" install -q "vllm-router==$VLLM_ROUTER_VERSION") >"$LOGS/pip.log" 2>&1; then
     log "vllm-router install failed; leaving it out (see $LOGS/pip.log)"
-    GATEWAYS="${GATEWAYS//vllm-router/}"
+    drop_target vllm-router
   fi
 fi
-GATEWAYS="$(echo $GATEWAYS)"
 
 # ---- engines and gateways ------------------------------------------------------------------
 # start_engine ROLE PORT SIDE_PORT [extra pdsim flags...]; sets LAST_PID.
@@ -182,10 +231,18 @@ start_gateway() {
   local name="$1" port="$2" p="$3" d="$4" soak="${5:-}"
   local extra=()
   case "$name" in
-    pdgate)
+    pdgate | pdgate-base)
+      local exe="$PDGATE"
+      [ "$name" = pdgate-base ] && exe="$PDGATE_BASE_BIN"
       [ -n "$soak" ] && extra=(--max-in-flight 0)
-      RUST_LOG=warn taskset -c "$GATEWAY_CPU" "$BIN/pdgate" --prefill "$p" --decode "$d" \
-        --kv-connector shfs --listen "127.0.0.1:$port" "${extra[@]}" >"$LOGS/pdgate-$port.log" 2>&1 &
+      RUST_LOG=warn taskset -c "$GATEWAY_CPU" "$exe" --prefill "$p" --decode "$d" \
+        --kv-connector shfs --listen "127.0.0.1:$port" "${extra[@]}" >"$LOGS/$name-$port.log" 2>&1 &
+      ;;
+    floor | floor-drive)
+      local mode=()
+      [ "$name" = floor-drive ] && mode=(drive)
+      taskset -c "$GATEWAY_CPU" "$FLOOR" "127.0.0.1:$port" "$p" "$d" "${mode[@]}" \
+        >"$LOGS/$name-$port.log" 2>&1 &
       ;;
     vllm-router)
       taskset -c "$GATEWAY_CPU" "$VR_VENV/bin/vllm-router" --vllm-pd-disaggregation \
@@ -208,7 +265,16 @@ start_gateway() {
 run_cell() {
   local cell="$1" target="$2" pid="$3"
   shift 3
-  local t0=0 t1=0 rss=0
+  local t0=0 t1=0 rss=0 warm=0 events=0 stream=0 tokens=0 prev=
+  # The CPU sample spans the warm-up too; ratios.py counts its requests (and their events: per
+  # stream the tokens, the usage event and [DONE]).
+  for a in "$@"; do
+    [ "$prev" = --warmup ] && warm="$a"
+    [ "$prev" = --output-len ] && tokens="$a"
+    [ "$a" = --stream ] && stream=1
+    prev="$a"
+  done
+  [ "$stream" = 1 ] && events=$((tokens + 2))
   if [ "$pid" != - ]; then
     reset_peak_rss "$pid"
     t0=$(cpu_ticks "$pid")
@@ -220,9 +286,9 @@ run_cell() {
   if [ "$pid" != - ]; then
     t1=$(cpu_ticks "$pid")
     rss=$(peak_rss_kb "$pid")
-    printf '%s\t%s\t%s\t%s\t%s\n' "$cell" "$target" \
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$cell" "$target" \
       "$(awk -v a="$t0" -v b="$t1" -v h="$CLK_TCK" 'BEGIN { printf "%.3f", (b - a) / h }')" \
-      "$rss" "$(tree_pids "$pid" | tr '\n' ',')" >>"$PROC"
+      "$rss" "$(tree_pids "$pid" | tr '\n' ',')" "$warm" "$events" >>"$PROC"
   fi
   log "$cell $target: $(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%d ok, %d errors, %.0f req/s" % (r["ok"], r["errors"], r["throughput_rps"]))' "$OUT/$cell-$target.json" 2>/dev/null || echo 'no result')"
 }
@@ -257,7 +323,7 @@ for gw in $GATEWAYS; do
   else
     log "$gw did not become healthy; leaving it out"
     stop_pid "$LAST_PID"
-    GATEWAYS="$(echo "${GATEWAYS//$gw/}")"
+    drop_target "$gw"
   fi
 done
 

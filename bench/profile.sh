@@ -3,39 +3,70 @@
 #
 #   bench/profile.sh callgrind [REQUESTS]   user-space instructions for REQUESTS PD requests
 #                                           (default 2000) at 4 clients, after 200 warm-up requests
+#   bench/profile.sh stream [STREAMS]       the same for STREAMS (default 200) streamed PD
+#                                           requests of 256 tokens at 4 clients: instructions and
+#                                           heap allocations per stream and per relayed SSE event
+#   bench/profile.sh syscalls [STREAMS]     system calls by kind (strace -c, every thread) and
+#                                           context switches (perf stat) per relayed SSE event for
+#                                           STREAMS (default 2000) such streams, not under valgrind
 #   bench/profile.sh massif [STREAMS]       heap at the peak of STREAMS (default 500) concurrent
 #                                           16-token streams, grouped by allocation site
 #
-# Both run pdgate under valgrind in front of two pdsim engines (shfs, the same wire format as
-# vLLM's NixlConnector) and drive it with pdbench, all on loopback ports chosen here. Instruction
-# counts are stable to well under 1% between runs even on a loaded machine, so two builds can be
-# compared without an idle host (wall-clock numbers come from bench/compare.sh). Needs valgrind
-# (`apt-get install valgrind`); builds release binaries unless BENCH_SKIP_BUILD=1, and for massif
-# a pdgate with the system allocator (feature `system-allocator`; massif cannot see jemalloc).
+# All run pdgate under valgrind (or strace) in front of two pdsim engines (shfs, the same wire
+# format as vLLM's NixlConnector) and drive it with pdbench, all on loopback ports chosen here.
+# Instruction counts are stable to well under 1% between runs even on a loaded machine, so two
+# builds can be compared without an idle host (wall-clock numbers come from bench/compare.sh).
+# A relayed event is one SSE event the client receives: 256 tokens, the usage event and [DONE]
+# (258 per stream). Needs valgrind (`apt-get install valgrind`), strace and perf for `syscalls`;
+# builds release binaries unless BENCH_SKIP_BUILD=1, and for massif a pdgate with the system
+# allocator (feature `system-allocator`; massif cannot see jemalloc).
 #
-# Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_OUT
-# (output directory, default bench/out/profile-<utc time>), PDGATE_EXTRA_ARGS (more pdgate
-# flags, split on spaces, e.g. "--prefill-policy cache_aware --decode-policy cache_aware"),
-# PROFILE_RUST_LOG (pdgate's RUST_LOG, default warn; `info` is the production default).
+# Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_TARGET
+# (`pdgate`; `floor` for the reference relay, pdbench's example `stream_floor`; `floor-drive`
+# for the same with its decode connection driven by the relaying task),
+# PROFILE_CONCURRENCY (clients, default 4), PROFILE_OUT (output directory, default
+# bench/out/profile-<utc time>), PDGATE_EXTRA_ARGS (more pdgate flags, split on spaces, e.g.
+# "--prefill-policy cache_aware --decode-policy cache_aware"), PROFILE_RUST_LOG (pdgate's
+# RUST_LOG, default warn; `info` is the production default).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODE="${1:-}"
 case "$MODE" in
   callgrind) COUNT="${2:-2000}" ;;
+  stream) COUNT="${2:-200}" ;;
+  syscalls) COUNT="${2:-2000}" ;;
   massif) COUNT="${2:-500}" ;;
   *)
-    sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
-command -v valgrind >/dev/null || {
-  echo "profile.sh: valgrind not found (apt-get install valgrind)" >&2
-  exit 2
-}
+TARGET="${PROFILE_TARGET:-pdgate}"
+CLIENTS="${PROFILE_CONCURRENCY:-4}"
+STREAM_TOKENS=256
+# Per stream: the token events, the usage event and [DONE].
+EVENTS_PER_STREAM=$((STREAM_TOKENS + 2))
+if [ "$MODE" = syscalls ]; then
+  for tool in strace perf; do
+    command -v "$tool" >/dev/null || {
+      echo "profile.sh: $tool not found" >&2
+      exit 2
+    }
+  done
+else
+  command -v valgrind >/dev/null || {
+    echo "profile.sh: valgrind not found (apt-get install valgrind)" >&2
+    exit 2
+  }
+fi
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
   cargo build --release --locked -p pdgate -p pdsim -p pdbench --manifest-path "$ROOT/Cargo.toml" >&2
+  if [ "$TARGET" != pdgate ]; then
+    cargo build --release --locked -p pdbench --example stream_floor \
+      --manifest-path "$ROOT/Cargo.toml" >&2
+  fi
 fi
 GATEWAY="${PDGATE_BIN:-$BIN/pdgate}"
 if [ "$MODE" = massif ] && [ -z "${PDGATE_BIN:-}" ]; then
@@ -77,33 +108,94 @@ for role in prefill decode; do
   wait_http "http://127.0.0.1:$port/health" 30
 done
 
-gateway=("$GATEWAY" --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT"
-  --kv-connector shfs --listen "127.0.0.1:$G_PORT" --max-in-flight 0)
-# shellcheck disable=SC2206 # word splitting is the point
-gateway+=(${PDGATE_EXTRA_ARGS:-})
+case "$TARGET" in
+  pdgate)
+    gateway=("$GATEWAY" --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT"
+      --kv-connector shfs --listen "127.0.0.1:$G_PORT" --max-in-flight 0)
+    # shellcheck disable=SC2206 # word splitting is the point
+    gateway+=(${PDGATE_EXTRA_ARGS:-})
+    READY=/ready
+    ;;
+  floor | floor-drive)
+    gateway=("${FLOOR_BIN:-$BIN/examples/stream_floor}" "127.0.0.1:$G_PORT"
+      "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT")
+    [ "$TARGET" = floor-drive ] && gateway+=(drive)
+    READY=/health
+    ;;
+  *)
+    echo "profile.sh: PROFILE_TARGET is pdgate, floor or floor-drive" >&2
+    exit 2
+    ;;
+esac
 URL="http://127.0.0.1:$G_PORT"
-if [ "$MODE" = callgrind ]; then
+load=(--url "$URL" --model m --concurrency "$CLIENTS" --timeout 60)
+if [ "$MODE" != callgrind ]; then
+  load+=(--stream --prompt-len 128 --output-len "$STREAM_TOKENS")
+fi
+
+if [ "$MODE" = callgrind ] || [ "$MODE" = stream ]; then
   RUST_LOG="${PROFILE_RUST_LOG:-warn}" valgrind --tool=callgrind --instr-atstart=no \
-    --callgrind-out-file="$OUT/callgrind.out" "${gateway[@]}" >"$OUT/pdgate.log" 2>&1 &
+    --callgrind-out-file="$OUT/callgrind.out" "${gateway[@]}" >"$OUT/gateway.log" 2>&1 &
   GW=$!
   PIDS+=("$GW")
-  wait_http "$URL/ready" 120
-  "$BIN/pdbench" --url "$URL" --model m --concurrency 4 --requests 200 --timeout 60 >/dev/null
+  wait_http "$URL$READY" 120
+  warm=200
+  [ "$MODE" = stream ] && warm=40
+  "$BIN/pdbench" "${load[@]}" --requests "$warm" >/dev/null
   callgrind_control -i on "$GW" >/dev/null
-  "$BIN/pdbench" --url "$URL" --model m --concurrency 4 --requests "$COUNT" --timeout 60 |
-    grep -E '^result' >&2
+  "$BIN/pdbench" "${load[@]}" --requests "$COUNT" | grep -E '^result' >&2
   callgrind_control -i off "$GW" >/dev/null
   callgrind_control -d "$GW" >/dev/null
   sleep 1
   total=$(callgrind_annotate "$OUT"/callgrind.out.* 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }')
-  echo "pdgate user-space instructions: $total for $COUNT PD requests ($((total / COUNT)) per request)"
+  if [ "$MODE" = callgrind ]; then
+    echo "$TARGET user-space instructions: $total for $COUNT PD requests ($((total / COUNT)) per request)"
+  else
+    events=$((COUNT * EVENTS_PER_STREAM))
+    echo "$TARGET user-space instructions: $total for $COUNT streams of $STREAM_TOKENS tokens ($((total / COUNT)) per stream, $((total / events)) per relayed event)"
+    python3 "$ROOT/bench/callgrind_calls.py" "$OUT"/callgrind.out.* --per "$events" "relayed event"
+  fi
   echo "profile: callgrind_annotate --inclusive=yes $OUT/callgrind.out.1 | less"
-else
-  RUST_LOG=warn valgrind --tool=massif --depth=40 --massif-out-file="$OUT/massif.out" \
-    "${gateway[@]}" >"$OUT/pdgate.log" 2>&1 &
+elif [ "$MODE" = syscalls ]; then
+  RUST_LOG=warn "${gateway[@]}" >"$OUT/gateway.log" 2>&1 &
   GW=$!
   PIDS+=("$GW")
-  wait_http "$URL/ready" 120
+  wait_http "$URL$READY" 60
+  "$BIN/pdbench" "${load[@]}" --requests 200 >/dev/null
+  # observed TOOL...: COUNT streams with TOOL watching the gateway from the background, then
+  # stopped with SIGINT (strace and perf stat print their summaries then).
+  observed() {
+    "$@" 2>>"$OUT/tools.log" &
+    local tool=$!
+    PIDS+=("$tool")
+    sleep 1
+    "$BIN/pdbench" "${load[@]}" --requests "$COUNT" | grep -E '^result' >&2
+    kill -INT "$tool"
+    wait "$tool" 2>/dev/null || true
+  }
+  # Every thread of the gateway, traced from here on.
+  attach=()
+  for task in /proc/"$GW"/task/*; do attach+=(-p "${task##*/}"); done
+  observed strace -f -c -S calls -o "$OUT/strace.txt" "${attach[@]}"
+  # Context switches and CPU time, without strace's own cost in them.
+  observed perf stat -e task-clock,context-switches,cpu-migrations -p "$GW" -o "$OUT/perf-stat.txt"
+  events=$((COUNT * EVENTS_PER_STREAM))
+  echo "$TARGET system calls for $COUNT streams ($events relayed events), strace -c:"
+  awk -v e="$events" -v s="$COUNT" '
+    $1 ~ /^[0-9.]+$/ && NF >= 5 {
+      printf "  %-16s %10d calls  %7.3f per event  %7.2f per stream\n", $NF, $4, $4 / e, $4 / s
+    }
+  ' "$OUT/strace.txt"
+  awk -v e="$events" '
+    /task-clock/ { gsub(",", "", $1); printf "  task-clock %.3f us per event (a second run, no strace)\n", $1 * 1000 / e }
+    /context-switches/ { gsub(",", "", $1); printf "  context switches %.3f per event\n", $1 / e }
+  ' "$OUT/perf-stat.txt"
+else
+  RUST_LOG=warn valgrind --tool=massif --depth=40 --massif-out-file="$OUT/massif.out" \
+    "${gateway[@]}" >"$OUT/gateway.log" 2>&1 &
+  GW=$!
+  PIDS+=("$GW")
+  wait_http "$URL$READY" 120
   "$BIN/pdbench" --url "$URL" --model m --concurrency "$COUNT" --duration 20 --warmup 0 \
     --timeout 60 --ramp 5 --stream --prompt-len 128 --output-len 16 | grep -E '^result' >&2
   kill "$GW"

@@ -3,10 +3,12 @@
 
 Usage: ratios.py OUT_DIR [--markdown]
 
-For every cell (plain-cN, stream-cN, shared-c1, soak) and target (direct, pdgate, vllm-router):
-throughput and its ratio to direct, p50/p99 end-to-end latency added over direct,
-TTFT p50 added over direct (streams), the gateway's CPU seconds per 1000 successful
-requests, its peak RSS, and errors.
+For every cell (plain-cN, stream-cN, shared-c1, soak) and target (direct, pdgate, vllm-router,
+floor, pdgate-base): throughput and its ratio to direct, p50/p99 end-to-end latency added over
+direct, TTFT p50 added over direct, TTFT p50/p99 and inter-token p99 (streams), the gateway's
+CPU seconds per 1000 successful requests (the CPU sample spans the cell's warm-up, the count does
+not), its CPU microseconds per relayed SSE event (streams: warm-up and measured streams, each the
+tokens plus the usage event and [DONE]), its peak RSS, and errors.
 """
 
 import csv
@@ -26,7 +28,8 @@ def cell_key(cell):
 
 
 def target_key(t):
-    return {"direct": 0, "pdgate": 1}.get(t, 2), t
+    return {"direct": 0, "pdgate": 1, "pdgate-base": 2, "vllm-router": 3, "floor": 4,
+            "floor-drive": 5}.get(t, 6), t
 
 
 def load(out):
@@ -66,7 +69,8 @@ def main():
     markdown = "--markdown" in sys.argv[2:]
     results, proc = load(out)
     header = ["cell", "target", "req/s", "x direct", "p50 ms", "+p50 ms", "p99 ms",
-              "+p99 ms", "+ttft p50", "cpu s/1k", "rss MiB", "errors"]
+              "+p99 ms", "+ttft p50", "ttft p50", "ttft p99", "itl p99", "cpu s/1k",
+              "cpu us/ev", "rss MiB", "errors"]
     rows = []
     cells = sorted({c for c, _ in results}, key=cell_key)
     for cell in cells:
@@ -84,10 +88,15 @@ def main():
             t50, bt50 = pct(r, "ttft_ms", "p50"), pct(base, "ttft_ms", "p50")
             add = lambda a, b: None if a is None or b is None else a - b  # noqa: E731
             pr = proc.get((cell, t))
-            cpu = rss = None
+            cpu = rss = per_event = None
             if pr and r.get("ok"):
                 cpu = float(pr["cpu_s"]) * 1000.0 / r["ok"]
                 rss = int(pr["rss_kb"]) / 1024.0
+                events = int(pr.get("events_per_stream") or 0)
+                if events:
+                    streams = r["ok"] + int(pr.get("warmup") or 0)
+                    per_event = float(pr["cpu_s"]) * 1e6 / (streams * events)
+            t99, i99 = pct(r, "ttft_ms", "p99"), pct(r, "itl_ms", "p99")
             errs = r.get("errors_by_class") or {}
             err = ",".join(f"{k}={v}" for k, v in sorted(errs.items())) or "0"
             rows.append([
@@ -95,7 +104,11 @@ def main():
                 fmt(p50, ".3f"), "" if t == "direct" else fmt(add(p50, b50), "+.3f"),
                 fmt(p99, ".3f"), "" if t == "direct" else fmt(add(p99, b99), "+.3f"),
                 "" if t == "direct" or t50 is None else fmt(add(t50, bt50), "+.3f"),
+                "" if t50 is None else fmt(t50, ".3f"),
+                "" if t99 is None else fmt(t99, ".3f"),
+                "" if i99 is None else fmt(i99, ".3f"),
                 "" if t == "direct" else fmt(cpu, ".3f"),
+                "" if per_event is None else fmt(per_event, ".2f"),
                 "" if t == "direct" else fmt(rss, ".1f"),
                 err,
             ])

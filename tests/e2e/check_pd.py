@@ -272,6 +272,78 @@ def check_pd_case(
     return reply
 
 
+def api_body(route: str, stream: bool, tag: str) -> dict:
+    """A greedy /v1/responses or /v1/messages request with a prompt unique per tag."""
+    words = " ".join(["the prefill engine sends kv blocks to the decode engine"] * 3)
+    content = f"{tag} {words} request {tag}"
+    if route == "responses":
+        return {"model": MODEL, "input": content, "max_output_tokens": 8, "temperature": 0, "stream": stream}
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+            "temperature": 0, "stream": stream}
+
+
+def api_text(stream: bool, reply: Reply) -> tuple[str, str]:
+    """(generated text, problem) of a /v1/responses or /v1/messages answer, JSON or SSE."""
+    if not stream:
+        doc = reply.json()
+        if doc.get("object") == "response":
+            return "".join(c.get("text", "") for o in doc["output"] for c in o.get("content", [])), ""
+        return "".join(c.get("text", "") for c in doc["content"]), ""
+    parts, ended = [], False
+    for event in reply.body.decode().split("\n\n"):
+        data = [ln[len("data: "):] for ln in event.split("\n") if ln.startswith("data: ")]
+        if not data or data[0] == "[DONE]":
+            continue
+        doc = json.loads(data[0])
+        kind = doc.get("type", "")
+        if kind == "error" or ("error" in doc and not kind):
+            return "", f"stream error event: {data[0][:200]}"
+        if kind == "response.output_text.delta":
+            parts.append(doc["delta"])
+        elif kind == "content_block_delta":
+            parts.append(doc["delta"].get("text", ""))
+        ended = ended or kind in ("response.completed", "message_stop")
+    return "".join(parts), "" if ended else "stream ended without response.completed / message_stop"
+
+
+def phase_api_routes(res: Result, gw, args) -> None:
+    """/v1/responses and /v1/messages through PD (the prefill engine computes the prompt, the
+    decode pulls it over NIXL), answers equal to the baseline's; /tokenize and /detokenize pass."""
+    for route in ("responses", "messages"):
+        for stream in (False, True):
+            name = f"1P1D {route} stream={stream}"
+            body = api_body(route, stream, f"{route}-{stream}-{uuid.uuid4().hex[:8]}")
+            base = request("POST", f"{args.baseline}/v1/{route}", body)
+            if not res.check(base.status == 200, f"{name}: baseline engine answers", base.body[:300].decode()):
+                continue
+            want, _ = api_text(stream, base)
+            pre_before = metrics(args.prefill[0])["vllm:prompt_tokens_total"]
+            before = metrics(args.decode)
+            reply = gw.send(route, body)
+            after = metrics(args.decode)
+            pre_used = metrics(args.prefill[0])["vllm:prompt_tokens_total"] - pre_before
+            if not res.check(reply.status == 200, f"{name}: status 200", f"{reply.status} {reply.body[:300]!r}"):
+                continue
+            got, problem = api_text(stream, reply)
+            res.check(not problem, f"{name}: answer parses", problem)
+            res.check(got == want and got != "", f"{name}: output equals single-engine baseline", f"{got!r} != {want!r}")
+            moved = after["vllm:nixl_bytes_transferred_sum"] - before["vllm:nixl_bytes_transferred_sum"]
+            res.check(pre_used > 0, f"{name}: the prefill engine computed the prompt ({pre_used:.0f} tokens)", "")
+            res.check(moved > 0, f"{name}: decode pulled KV over NIXL ({moved:.0f} bytes)", f"delta {moved}")
+            h = reply.headers
+            res.check(bool(h.get("prefill-target-pod")) and "x-pdgate-decode-only" not in h,
+                      f"{name}: served by a prefill/decode pair", str(h))
+    text = "the prefill engine sends kv blocks"
+    want = request("POST", f"{args.baseline}/tokenize", {"model": MODEL, "prompt": text})
+    got = request("POST", f"{gw.url}/tokenize", {"model": MODEL, "prompt": text})
+    res.check(got.status == 200 and want.status == 200 and got.json()["tokens"] == want.json()["tokens"],
+              "/tokenize passes through", f"{got.status} {got.body[:200]!r}")
+    tokens = want.json().get("tokens", []) if want.status == 200 else []
+    back = request("POST", f"{gw.url}/detokenize", {"model": MODEL, "tokens": tokens})
+    res.check(back.status == 200 and text in back.json().get("prompt", ""), "/detokenize passes through",
+              f"{back.status} {back.body[:200]!r}")
+
+
 # vLLM 0.32's decode engine dies (EngineCore AssertionError in the NIXL scheduler,
 # API server exits) when kv_transfer_params asks for a remote prefill but lacks
 # the remote fields. The gateway must never forward client-supplied params.
@@ -463,6 +535,8 @@ def main() -> int:
         ap.error("give --direct or both --gateway-one and --gateway-two")
     try:
         phase_single(res, one, args)
+        if not args.direct:
+            phase_api_routes(res, one, args)
         phase_two_prefills(res, two, args)
         if args.direct:
             phase_stale_params(res, args)

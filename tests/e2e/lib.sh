@@ -3,6 +3,8 @@
 #   E2E_NAME=vllm_x; source "$HERE/lib.sh"
 #
 # Gives: the cached vLLM virtualenv ($VENV, $PY, via install_vllm.sh) and tiny model ($MODEL_DIR),
+# free_ports N, group_rss_mb PGID, start_gateway (pdgate on a free port, ready within
+# GATEWAY_TIMEOUT seconds),
 # a work dir ($WORK, kept on failure or with PDGATE_E2E_KEEP_LOGS=1), log(), the process-group
 # list PGIDS (every process a stage starts leads its own group; stop_all ends those groups only,
 # TERM then KILL after STOP_GRACE seconds), an EXIT trap that stops everything and prints the
@@ -15,6 +17,59 @@ MODEL_DIR="$E2E_CACHE/tiny-llama"
 PY="$VENV/bin/python"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/pdgate-$E2E_NAME.XXXXXX")"
 PGIDS=()
+
+free_ports() {
+  "$PY" - "$1" <<'PY'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+PY
+}
+
+# Resident memory of a process group's session, in MB.
+group_rss_mb() {
+  ps -o rss= --sid "$1" 2>/dev/null | awk '{s += $1} END {printf "%d", s / 1024}'
+}
+
+# start_gateway NAME PORT_VAR ARGS_FN [ARGS...]: starts $PDGATE on a free port with the arguments
+# `ARGS_FN NAME PORT ARGS...` leaves in GATEWAY_ARGS (they must make it listen on
+# 127.0.0.1:PORT), in its own session, logging to $WORK/NAME.log; ready means /ready is 200.
+# A port taken between picking and binding (engines open ports of their own) gets another try.
+# The port goes to PORT_VAR.
+start_gateway() {
+  local name=$1 port_var=$2 args_fn=$3
+  shift 3
+  local attempt port pid deadline
+  for attempt in 1 2 3; do
+    port=$(free_ports 1)
+    "$args_fn" "$name" "$port" "$@"
+    setsid "$PDGATE" "${GATEWAY_ARGS[@]}" </dev/null >"$WORK/$name.log" 2>&1 &
+    pid=$!
+    disown "$pid"
+    PGIDS+=("$pid")
+    deadline=$((SECONDS + ${GATEWAY_TIMEOUT:-60}))
+    until curl -fsS -m 2 -o /dev/null "http://127.0.0.1:$port/ready" 2>/dev/null; do
+      if ! kill -0 "$pid" 2>/dev/null || ((SECONDS >= deadline)); then
+        break
+      fi
+      sleep 0.5
+    done
+    if kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); then
+      printf -v "$port_var" '%s' "$port"
+      return 0
+    fi
+    if ! grep -q "Address already in use" "$WORK/$name.log"; then
+      break
+    fi
+    log "gateway $name: port $port was taken meanwhile; trying another (attempt $attempt)"
+  done
+  log "gateway $name not ready (see $WORK/$name.log)"
+  return 1
+}
 
 log() { printf '[%s %(%H:%M:%S)T +%ss] %s\n' "$E2E_NAME" -1 "$((SECONDS - T0))" "$*"; }
 

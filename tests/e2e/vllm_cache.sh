@@ -30,17 +30,6 @@ source "$HERE/lib.sh"
 
 e2e_prepare kv_events
 
-free_ports() {
-  "$PY" - "$1" <<'PY'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-PY
-}
 read -r -a PORTS < <(free_ports 8)
 ENG_PORT=${PORTS[0]} SUB_PORT=${PORTS[1]} REPLAY_PORT=${PORTS[2]}
 P_PORT=${PORTS[3]} D_PORT=${PORTS[4]}
@@ -79,9 +68,6 @@ wait_engine() {
   return 1
 }
 
-group_rss_mb() {
-  ps -o rss= --sid "$1" 2>/dev/null | awk '{s += $1} END {printf "%d", s / 1024}'
-}
 
 EVENTS_CFG="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$SUB_PORT\",\"replay_endpoint\":\"tcp://127.0.0.1:$REPLAY_PORT\",\"topic\":\"kv\"}"
 CACHE_ARGS=(--block-size "$BLOCK" --prefix-caching-hash-algo sha256_cbor --enable-prompt-tokens-details)

@@ -5,7 +5,9 @@
 # starts a plain baseline engine, two prefill engines and one decode engine, puts
 # pdgate (--kv-connector shfs) in front and runs tests/e2e/check_pd.py:
 # completions and chat, streaming and not, KV transfer proven on the decode
-# engine's /metrics, outputs equal to the baseline, two prefills both used, a
+# engine's /metrics, outputs equal to the baseline, /v1/responses and /v1/messages
+# through PD (prefill engine's prompt tokens, NIXL pulls), /tokenize and /detokenize
+# passed through, two prefills both used, a
 # killed prefill and a killed decode answered cleanly. Cleans up everything.
 #
 # Environment:
@@ -47,17 +49,6 @@ fi
 # ---- 4. ports -----------------------------------------------------------------------
 # 4 engine HTTP ports and 4 NIXL side-channel ports, all free now. Gateway ports are picked
 # when each gateway starts: the engines bind ephemeral ports of their own while they load.
-free_ports() {
-  "$PY" - "$1" <<'PY'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-PY
-}
 read -r -a PORTS < <(free_ports 8)
 BASE_PORT=${PORTS[0]} P1_PORT=${PORTS[1]} P2_PORT=${PORTS[2]} D_PORT=${PORTS[3]}
 
@@ -101,9 +92,6 @@ wait_engine() {
   return 1
 }
 
-group_rss_mb() {
-  ps -o rss= --sid "$1" 2>/dev/null | awk '{s += $1} END {printf "%d", s / 1024}'
-}
 
 log "starting 4 engines: baseline :$BASE_PORT, prefill :$P1_PORT :$P2_PORT, decode :$D_PORT"
 start_engine baseline "$BASE_PORT" "${PORTS[4]}"
@@ -120,37 +108,12 @@ log "engines ready after $((SECONDS - t_engines))s; RSS MB: baseline $(group_rss
   "prefill1 $(group_rss_mb "${PG[prefill1]}") prefill2 $(group_rss_mb "${PG[prefill2]}") decode $(group_rss_mb "${PG[decode]}")"
 
 # ---- 6. gateways --------------------------------------------------------------------
-# start_gateway NAME PORT_VAR ARGS...: starts pdgate on a free port, stored in PORT_VAR. A port
-# taken between picking and binding (the engines open ports of their own) gets another try.
-start_gateway() {
-  local name=$1 port_var=$2
+# cpu_gateway_args NAME PORT PREFILL_ARGS...: the flags of one gateway (start_gateway, lib.sh).
+cpu_gateway_args() {
+  local port=$2
   shift 2
-  local attempt port pid deadline
-  for attempt in 1 2 3; do
-    port=$(free_ports 1)
-    setsid "$PDGATE" "$@" --decode "http://127.0.0.1:$D_PORT" --kv-connector shfs --expose-target-headers true \
-      --listen "127.0.0.1:$port" </dev/null >"$WORK/$name.log" 2>&1 &
-    pid=$!
-    disown "$pid"
-    PGIDS+=("$pid")
-    deadline=$((SECONDS + GATEWAY_TIMEOUT))
-    until curl -fsS -m 2 -o /dev/null "http://127.0.0.1:$port/ready" 2>/dev/null; do
-      if ! kill -0 "$pid" 2>/dev/null || ((SECONDS >= deadline)); then
-        break
-      fi
-      sleep 0.5
-    done
-    if kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); then
-      printf -v "$port_var" '%s' "$port"
-      return 0
-    fi
-    if ! grep -q "Address already in use" "$WORK/$name.log"; then
-      break
-    fi
-    log "gateway $name: port $port was taken meanwhile; trying another (attempt $attempt)"
-  done
-  log "gateway $name not ready (see $WORK/$name.log)"
-  return 1
+  GATEWAY_ARGS=("$@" --decode "http://127.0.0.1:$D_PORT" --kv-connector shfs --expose-target-headers true
+    --listen "127.0.0.1:$port")
 }
 
 CHECK_ARGS=(
@@ -163,8 +126,8 @@ if [[ "$DIRECT" == 1 ]]; then
   log "PDGATE_E2E_DIRECT=1: the checker plays the gateway"
   CHECK_ARGS+=(--direct)
 else
-  start_gateway gateway-1p GW1_PORT --prefill "http://127.0.0.1:$P1_PORT"
-  start_gateway gateway-2p GW2_PORT --prefill "http://127.0.0.1:$P1_PORT" --prefill "http://127.0.0.1:$P2_PORT"
+  start_gateway gateway-1p GW1_PORT cpu_gateway_args --prefill "http://127.0.0.1:$P1_PORT"
+  start_gateway gateway-2p GW2_PORT cpu_gateway_args --prefill "http://127.0.0.1:$P1_PORT" --prefill "http://127.0.0.1:$P2_PORT"
   log "pdgate ready on :$GW1_PORT (1 prefill) and :$GW2_PORT (2 prefills)"
   CHECK_ARGS+=(--gateway-one "http://127.0.0.1:$GW1_PORT" --gateway-two "http://127.0.0.1:$GW2_PORT")
 fi

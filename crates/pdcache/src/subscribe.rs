@@ -199,6 +199,13 @@ impl Publisher {
         bump(&self.stats.clears, 1);
     }
 
+    /// The connection was lost: start over as a late joiner, without the old socket's state.
+    fn rejoin(&mut self) {
+        self.clear();
+        self.expected = None;
+        self.replay = None;
+    }
+
     /// Applies one payload. An undecodable batch is a lost batch: the entries go.
     fn apply(&mut self, payload: &[u8], live: bool) {
         let batch = match decode_batch(payload) {
@@ -385,9 +392,13 @@ impl Subscription {
     }
 }
 
+/// How often a connected subscriber looks for a lost connection while no message arrives.
+const DISCONNECT_CHECK: Duration = Duration::from_secs(1);
+
 async fn run_connected(endpoint: String, mut publisher: Publisher, cfg: SubscriberConfig) {
     loop {
         let mut sub = SubSocket::new();
+        let mut monitor = sub.monitor();
         let ready = async {
             sub.subscribe(&cfg.topic).await?;
             sub.connect(&endpoint).await
@@ -396,18 +407,29 @@ async fn run_connected(endpoint: String, mut publisher: Publisher, cfg: Subscrib
             tokio::time::sleep(cfg.retry_backoff).await;
             continue;
         }
+        // zeromq's own reconnection of a SUB (0.7) hears nothing from a restarted publisher, so
+        // a lost connection means a new socket, connected and subscribed like the first, and a
+        // fresh start: the engine may have restarted (and published more batches than we saw,
+        // which its sequence alone would show as a gap), so its entries go and the next message
+        // is a late join, answered from its replay buffer.
+        let tick = cfg.idle_timeout.min(DISCONNECT_CHECK);
         loop {
-            match timeout(cfg.idle_timeout, sub.recv()).await {
-                Err(_) => continue,
-                // The socket reconnects by itself; a restarted engine shows as a restart.
-                Ok(Err(_)) => {
-                    tokio::time::sleep(cfg.retry_backoff).await;
-                    continue;
-                }
+            match timeout(tick, sub.recv()).await {
+                Err(_) => {}
+                Ok(Err(_)) => tokio::time::sleep(cfg.retry_backoff).await,
                 Ok(Ok(msg)) => match frames(msg) {
                     Some((_, seq, payload)) => publisher.on_message(seq, &payload, &cfg).await,
                     None => bump(&publisher.stats.dropped, 1),
                 },
+            }
+            // Other socket events (connected, retried) are dropped.
+            let mut lost = false;
+            while let Ok(event) = monitor.try_recv() {
+                lost |= matches!(event, zeromq::SocketEvent::Disconnected(_));
+            }
+            if lost {
+                publisher.rejoin();
+                break;
             }
         }
     }

@@ -148,6 +148,18 @@ impl Engine {
         self.next = 0;
         self.buffer.lock().expect("lock").clear();
     }
+
+    /// A restarted engine process: its PUB socket closes and a new one binds the same address.
+    async fn restart_process(&mut self) {
+        self.restart();
+        let old = std::mem::replace(&mut self.publisher, PubSocket::new());
+        drop(old.close().await);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.publisher.bind(&self.endpoint).await.is_err() {
+            assert!(Instant::now() < deadline, "rebind {}", self.endpoint);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 fn shared_index() -> (SharedIndex, EndpointId) {
@@ -248,6 +260,41 @@ async fn late_join_and_gaps_are_replayed_and_a_restart_clears() {
         );
         drop(sub);
     }
+}
+
+#[tokio::test]
+async fn a_restarted_engine_process_is_followed_and_its_first_batches_replayed() {
+    let mut engine = Engine::start(true, false).await;
+    let (index, ep) = shared_index();
+    let feed = Feed {
+        index: index.clone(),
+        endpoint: ep,
+    };
+    let sub = Subscription::connect(&engine.endpoint, engine.replay.clone(), feed, config());
+    let stats = sub.stats().clone();
+    warm_up(&mut engine, &stats).await;
+    engine.publish(&stored(1), false).await;
+    until("store", || blocks_held(&index, 1) == 2).await;
+    // The engine process restarts; what it publishes first goes out before the subscriber is
+    // back (only its replay buffer has it). The subscriber notices the lost connection,
+    // reconnects, drops the old entries and learns the new ones from the replay.
+    let replays = count(&stats.replays);
+    engine.restart_process().await;
+    engine.publish(&stored(2), true).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while blocks_held(&index, 2) != 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the subscriber never learned what the restarted engine stored"
+        );
+        engine.publish(&empty(), false).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        count(&stats.replays) > replays,
+        "its first batch came from the replay"
+    );
+    assert_eq!(blocks_held(&index, 1), 0, "the old cache is gone");
 }
 
 #[tokio::test]

@@ -62,9 +62,15 @@ fn endpoint(engine: &SimHandle, connector: Connector) -> EndpointConfig {
 pub async fn start(listen: SocketAddr, latency: LatencyModel) -> Result<Demo, Error> {
     let mut engines = Vec::with_capacity(FLEET.len());
     let mut config = Config {
-        listen,
+        http: crate::config::HttpConfig {
+            listen,
+            ..Default::default()
+        },
         // A laptop demo has no load balancer to tell.
-        drain_delay: Duration::ZERO,
+        shutdown: crate::config::ShutdownConfig {
+            drain_delay: Duration::ZERO,
+            ..Default::default()
+        },
         // The demo shows where each request went.
         security: crate::config::SecurityConfig {
             expose_target_headers: true,

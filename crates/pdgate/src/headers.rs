@@ -112,8 +112,10 @@ pub struct Served {
     pub connector: &'static str,
     /// The decode served the request alone after a prefill failure.
     pub fallback: bool,
-    /// The decode served the request alone by choice (it held the prompt's prefix).
-    pub decode_only: bool,
+    /// The decode served the request alone by choice, and why (the `x-pdgate-decode-only`
+    /// value): `cache-hit` (it held the prompt's prefix) or `route` (the prefill's connector
+    /// cannot hand this route over, or the request needs one engine's state).
+    pub decode_only: Option<&'static str>,
     /// Prompt tokens predicted cached (cache-aware routing only).
     pub predicted_cached: Option<u32>,
     /// Whether the answer names the endpoints (`prefill-target-pod`, `target-pod`):
@@ -146,10 +148,10 @@ impl Served {
                 HeaderValue::from_static("prefill-failed"),
             );
         }
-        if self.decode_only {
+        if let Some(why) = self.decode_only {
             headers.insert(
                 HeaderName::from_static(DECODE_ONLY_HEADER),
-                HeaderValue::from_static("cache-hit"),
+                HeaderValue::from_static(why),
             );
         }
         if let Some(n) = self.predicted_cached {
@@ -183,7 +185,7 @@ mod tests {
             decode: "d:2".into(),
             connector: "shfs",
             fallback: true,
-            decode_only: false,
+            decode_only: None,
             predicted_cached: None,
             targets: true,
         }
@@ -199,7 +201,7 @@ mod tests {
             decode: "d:2".into(),
             connector: "shfs",
             fallback: false,
-            decode_only: true,
+            decode_only: Some("cache-hit"),
             predicted_cached: Some(48),
             targets: true,
         }
@@ -214,7 +216,7 @@ mod tests {
             decode: "d:2".into(),
             connector: "shfs",
             fallback: false,
-            decode_only: false,
+            decode_only: None,
             predicted_cached: None,
             targets: false,
         }

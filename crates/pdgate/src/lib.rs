@@ -12,9 +12,12 @@
 //! - `http`: the one edge. The accept loop, the routes, the size-limited body read, and the
 //!   one place where an error becomes an OpenAI-shaped answer with `x-request-id` and a
 //!   recorded outcome.
+//! - `security`: what the edge applies: request-target checks and the pass-through allow-list,
+//!   client keys and named clients' limits, the body budget, TLS (`[security]`).
 //! - `pd`: one `Exchange` per request: `view` (what the request is) -> `select` (the pair,
 //!   retry targets) -> `legs` (sequential or concurrent) -> `relay` (the decode body to the
-//!   client); `abort` is the one path for engine aborts.
+//!   client); `abort` is the one path for engine aborts. `route`: the PD routes (their paths,
+//!   checks and labels).
 //! - `engine`: engine I/O: the connection pool, one leg (typed failures, timeouts), probes.
 //! - `cache`: cache-aware routing: the request's prefix view (block keys), a cache index per
 //!   model (`pdcache`), the `[cache]` config section, its metrics; `pd::select` consults it
@@ -25,12 +28,15 @@
 //! - `discovery`: the pod sources (static, the watched config file, Kubernetes via `pdkube`) and
 //!   the reconciler that does bootstrap lookups and publishes snapshots.
 //! - `limits`: admission (in-flight limit, bounded queue), the per-endpoint cap, the retry budget.
-//! - [`config`]: the one configuration type, its flags, validation. `metrics`: Prometheus.
-//!   `headers`: header names and the request id. `error`: [`GatewayError`], typed by where it
-//!   came from ([`Leg`], [`UpstreamKind`]).
+//! - [`config`]: the one configuration type, one field per section (each owned by the module
+//!   that reads it where the layering allows), its flags, validation.
 //! - [`telemetry`]: logging set-up, the request's spans (`request`, `prefill`, `kv_handoff`,
 //!   `decode`, `relay`), OpenTelemetry export (`[telemetry]`, off by default).
 //! - `state`: [`Gateway`], the shared state. `run`: [`RunningGateway`], bind/serve/drain.
+//! - `metrics`: Prometheus. `headers`: header names and the request id. `error`:
+//!   [`GatewayError`], typed by where it came from ([`Leg`], [`UpstreamKind`]), and
+//!   [`ConfigError`]. `durations`: durations as the file spells them. `watch`: files re-read
+//!   when they change.
 //! - [`demo`] (cargo feature `demo`, on by default): simulated engines plus a gateway.
 //!
 //! # Example
@@ -44,18 +50,20 @@
 //!     [[decode]]
 //!     url = "http://10.0.0.2:8000"
 //! "#)?;
-//! config.listen = "127.0.0.1:8080".parse().expect("address");
+//! config.http.listen = "127.0.0.1:8080".parse().expect("address");
 //! let gateway = Gateway::new(config, kvtransfer::Registry::with_builtins())?;
 //! let running = RunningGateway::bind(gateway).await?;
 //! running.run_until(async { let _ = tokio::signal::ctrl_c().await; }, std::time::Duration::from_secs(30)).await;
 //! # Ok(()) }
 //! ```
 
+// (rustfmt keeps these sorted; the order a request meets them is the list above.)
 pub(crate) mod cache;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
 pub(crate) mod discovery;
+pub(crate) mod durations;
 pub(crate) mod endpoints;
 pub(crate) mod engine;
 pub(crate) mod error;
@@ -66,6 +74,7 @@ pub(crate) mod metrics;
 pub(crate) mod pd;
 pub(crate) mod route;
 pub(crate) mod run;
+pub(crate) mod security;
 pub(crate) mod state;
 pub mod telemetry;
 pub(crate) mod watch;

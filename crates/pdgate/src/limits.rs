@@ -10,12 +10,61 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::config::Config;
 use crate::endpoints::Endpoint;
-use crate::error::GatewayError;
+use crate::error::{ConfigError, GatewayError, field_error};
 use crate::metrics::Metrics;
+
+/// The `limits` section (the file's top-level keys of the same names).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Requests served at once (PD and pass-through); 0 means unlimited.
+    pub max_in_flight: usize,
+    /// Requests waiting for a slot beyond `max_in_flight`; more are refused at once.
+    pub max_queue: usize,
+    /// Longest wait in the queue before a request is refused.
+    #[serde(with = "crate::durations::text")]
+    pub queue_timeout: Duration,
+    /// Requests one endpoint holds at once; 0 means unlimited.
+    pub max_in_flight_per_endpoint: usize,
+    /// Retries allowed per request, on average (a token bucket: each request adds this much).
+    pub retry_budget_ratio: f64,
+    /// Retry tokens available at start and the bucket's floor capacity.
+    pub retry_budget_min: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_in_flight: 1024,
+            max_queue: 1024,
+            queue_timeout: Duration::from_secs(5),
+            max_in_flight_per_endpoint: 0,
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 10,
+        }
+    }
+}
+
+impl LimitsConfig {
+    /// Checks the section, naming the key at fault.
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.queue_timeout.is_zero() {
+            return Err(field_error("queue_timeout", "must be greater than zero"));
+        }
+        if !(self.retry_budget_ratio.is_finite() && (0.0..=10.0).contains(&self.retry_budget_ratio))
+        {
+            return Err(field_error(
+                "retry_budget_ratio",
+                "must be between 0 and 10",
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// Seconds a refused client is told to wait.
 pub const RETRY_AFTER_SECS: u64 = 1;
@@ -54,7 +103,7 @@ impl Drop for Waiting<'_> {
 
 impl Admission {
     /// Limits from `config`.
-    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Self {
+    pub fn new(config: &LimitsConfig, metrics: Arc<Metrics>) -> Self {
         Admission {
             slots: (config.max_in_flight > 0)
                 .then(|| Arc::new(Semaphore::new(config.max_in_flight))),
@@ -142,7 +191,7 @@ pub struct RetryBudget {
 
 impl RetryBudget {
     /// The budget of `config`.
-    pub fn new(config: &Config) -> Self {
+    pub fn new(config: &LimitsConfig) -> Self {
         let cap = i64::from(config.retry_budget_min.max(1)) * 1000;
         RetryBudget {
             milli_tokens: AtomicI64::new(cap),
@@ -182,11 +231,11 @@ mod tests {
 
     #[tokio::test]
     async fn limits_queues_and_refuses() {
-        let config = Config {
+        let config = LimitsConfig {
             max_in_flight: 1,
             max_queue: 1,
             queue_timeout: Duration::from_millis(50),
-            ..Config::default()
+            ..LimitsConfig::default()
         };
         let metrics = Arc::new(Metrics::new());
         let a = Arc::new(Admission::new(&config, metrics.clone()));
@@ -221,10 +270,10 @@ mod tests {
 
     #[test]
     fn retry_budget_refills_per_request() {
-        let config = Config {
+        let config = LimitsConfig {
             retry_budget_ratio: 0.5,
             retry_budget_min: 2,
-            ..Config::default()
+            ..LimitsConfig::default()
         };
         let b = RetryBudget::new(&config);
         assert!(b.try_withdraw());

@@ -66,7 +66,7 @@ async fn shutdown_signal() {
 
 async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
     let registry = kvtransfer::Registry::with_builtins();
-    let kube_client = if config.discovery == DiscoveryKind::Kubernetes {
+    let kube_client = if config.discovery.kind == DiscoveryKind::Kubernetes {
         let client = pdkube::client_from_env()
             .await
             .map_err(|e| pdgate::ConfigError::Field {
@@ -109,7 +109,7 @@ async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
             Duration::from_secs(1),
         ));
     }
-    let deadline = gateway.config.shutdown_timeout;
+    let deadline = gateway.config.shutdown.shutdown_timeout;
     running.run_until(shutdown_signal(), deadline).await;
     Ok(())
 }

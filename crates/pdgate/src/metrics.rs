@@ -12,7 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::error::{GatewayError, Leg, Source};
+use crate::error::{GatewayError, Leg, Source, UpstreamKind};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -415,14 +415,62 @@ impl Metrics {
     }
 }
 
-/// Outcome class of a finished request.
-fn outcome_of(err: &GatewayError) -> &'static str {
-    match err.source_of() {
+/// Every outcome of `pdgate_requests_total` (a closed set). Each response is counted once,
+/// under exactly one of them.
+pub const OUTCOMES: [&str; 11] = [
+    "success",
+    "fallback",
+    "client_error",
+    "rejected",
+    "routing_error",
+    "timeout",
+    "prefill_error",
+    "decode_error",
+    "decode_stream_error",
+    "cancelled",
+    "internal_error",
+];
+
+/// Outcome class of a request that failed with `err`; `head_sent`: the client already has a
+/// 2xx head (the failure ended a relayed body).
+fn outcome_of(err: &GatewayError, head_sent: bool) -> &'static str {
+    let source = err.source_of();
+    if head_sent {
+        return match source {
+            Source::Engine(Leg::Prefill) => "prefill_error",
+            _ => "decode_stream_error",
+        };
+    }
+    match err {
+        GatewayError::Overloaded { .. }
+        | GatewayError::ClientLimit { .. }
+        | GatewayError::Busy { .. } => return "rejected",
+        GatewayError::Upstream {
+            kind: UpstreamKind::Timeout | UpstreamKind::Silent,
+            ..
+        } => return "timeout",
+        _ => {}
+    }
+    if err.status().is_client_error() {
+        // The gateway's own checks, an unknown model, or an engine refusing the request.
+        return "client_error";
+    }
+    match source {
         Source::Client => "client_error",
         Source::Engine(Leg::Prefill) => "prefill_error",
         Source::Engine(Leg::Decode) => "decode_error",
         Source::Routing => "routing_error",
         Source::Internal => "internal_error",
+    }
+}
+
+/// Outcome class of a relayed answer that ended cleanly, by the status the client got.
+fn outcome_of_status(status: u16, fallback: bool) -> &'static str {
+    match status {
+        200..=399 if fallback => "fallback",
+        200..=399 => "success",
+        400..=499 => "client_error",
+        _ => "decode_error",
     }
 }
 
@@ -446,6 +494,8 @@ pub struct RequestRecord {
     status: u16,
     ttft: Option<f64>,
     fallback: bool,
+    /// The client has the answer's head (set with the served endpoints).
+    head_sent: bool,
     /// Cache-aware routing: the decode served alone by choice, and the predicted cached tokens.
     decode_only: bool,
     predicted_cached: Option<u32>,
@@ -471,6 +521,7 @@ impl RequestRecord {
             status: 200,
             ttft: None,
             fallback: false,
+            head_sent: false,
             decode_only: false,
             predicted_cached: None,
             trace: crate::telemetry::RequestTrace::default(),
@@ -502,8 +553,9 @@ impl RequestRecord {
         self.prefill.clone_from(&served.prefill);
         self.decode.clone_from(&served.decode);
         self.status = status;
+        self.head_sent = true;
         self.fallback = served.fallback;
-        self.decode_only = served.decode_only;
+        self.decode_only = served.decode_only.is_some();
         self.predicted_cached = served.predicted_cached;
     }
 
@@ -555,6 +607,10 @@ impl RequestRecord {
             return;
         }
         self.finished = true;
+        debug_assert!(
+            OUTCOMES.contains(&outcome),
+            "outcome {outcome} not declared"
+        );
         self.trace.finish(outcome, self.status);
         self.metrics
             .requests
@@ -592,15 +648,20 @@ impl RequestRecord {
         }
     }
 
-    /// The request completed.
+    /// The relayed answer ended cleanly: counted by the status the client got (a decode's 5xx
+    /// passed through is a `decode_error`, not a success).
     pub fn finish_ok(&mut self) {
-        self.finish("success");
+        self.finish(outcome_of_status(self.status, self.fallback));
     }
 
-    /// The request failed with `err`.
+    /// The request failed with `err`. Before the head, the client gets `err`'s status; after a
+    /// 2xx head it keeps that status and the body ends early.
     pub fn finish_error(&mut self, err: &GatewayError) {
-        self.status = err.status().as_u16();
-        self.finish(outcome_of(err));
+        let head_sent = self.head_sent && self.status < 400;
+        if !head_sent {
+            self.status = err.status().as_u16();
+        }
+        self.finish(outcome_of(err, head_sent));
     }
 }
 

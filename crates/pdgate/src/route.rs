@@ -7,6 +7,10 @@ pub enum Route {
     Completions,
     /// `POST /v1/chat/completions`
     Chat,
+    /// `POST /v1/responses` (OpenAI Responses API)
+    Responses,
+    /// `POST /v1/messages` (Anthropic Messages API)
+    Messages,
 }
 
 impl Route {
@@ -15,14 +19,17 @@ impl Route {
         match self {
             Route::Completions => "/v1/completions",
             Route::Chat => "/v1/chat/completions",
+            Route::Responses => "/v1/responses",
+            Route::Messages => "/v1/messages",
         }
     }
 
-    /// The endpoint `kvtransfer::checks` validates the body for.
-    pub fn check_endpoint(self) -> kvtransfer::checks::Endpoint {
+    /// The endpoint `kvtransfer::checks` validates the body for (`None`: the engine judges).
+    pub fn check_endpoint(self) -> Option<kvtransfer::checks::Endpoint> {
         match self {
-            Route::Completions => kvtransfer::checks::Endpoint::Completions,
-            Route::Chat => kvtransfer::checks::Endpoint::ChatCompletions,
+            Route::Completions => Some(kvtransfer::checks::Endpoint::Completions),
+            Route::Chat => Some(kvtransfer::checks::Endpoint::ChatCompletions),
+            Route::Responses | Route::Messages => None,
         }
     }
 
@@ -31,6 +38,55 @@ impl Route {
         match self {
             Route::Completions => "completions",
             Route::Chat => "chat",
+            Route::Responses => "responses",
+            Route::Messages => "messages",
         }
     }
+
+    /// Whether a prefill of `connector` can hand this route's KV to a decode. vLLM 0.32 takes
+    /// `kv_transfer_params` on `/v1/responses` and `/v1/messages` too (NixlConnector checked on
+    /// real engines; MooncakeConnector carries its parameters the same way); Neuron's
+    /// `disagg_prefill_resp` and SGLang's bootstrap fields are only known on completions and
+    /// chat, so those connectors' decodes serve the other routes alone.
+    pub fn disaggregates(self, connector: &str) -> bool {
+        match self {
+            Route::Completions | Route::Chat => true,
+            Route::Responses | Route::Messages => matches!(
+                connector,
+                kvtransfer::CONNECTOR_TYPE_SHFS | kvtransfer::CONNECTOR_TYPE_MOONCAKE
+            ),
+        }
+    }
+
+    /// The prefill leg's base body for this route: the connector's rules (`max_tokens` 1,
+    /// no streaming, ...) are written for completions and chat; the Responses API bounds its
+    /// output with `max_output_tokens` and must neither run in the background nor store its
+    /// one-token answer, and the Messages API stops on `stop_sequences`. `None`: `clean` as it is.
+    pub fn prefill_base(self, clean: &kvtransfer::JsonBody) -> Option<kvtransfer::JsonBody> {
+        match self {
+            Route::Completions | Route::Chat => None,
+            Route::Responses => {
+                let mut body = clean.clone();
+                body.set_raw("max_output_tokens", "1");
+                body.set_raw("background", "false");
+                body.set_raw("store", "false");
+                Some(body)
+            }
+            Route::Messages => {
+                let mut body = clean.clone();
+                body.remove("stop_sequences");
+                Some(body)
+            }
+        }
+    }
+}
+
+/// Whether a Responses API request needs state one engine holds (`previous_response_id`, a
+/// `conversation`, `background` mode): a prefill elsewhere cannot see it, so the decode serves
+/// it alone.
+pub fn responses_state(body: &kvtransfer::JsonBody) -> bool {
+    let set = |key: &str| body.get_raw(key).is_some_and(|raw| raw.trim() != "null");
+    set("previous_response_id")
+        || set("conversation")
+        || body.get::<bool>("background").and_then(Result::ok) == Some(true)
 }

@@ -64,7 +64,7 @@ impl RunningGateway {
         tasks.spawn(crate::endpoints::health::run(
             gateway.health.clone(),
             gateway.client.clone(),
-            gateway.config.health_section(),
+            gateway.config.health.clone(),
             cancel.clone(),
         ));
         tasks.spawn(
@@ -111,11 +111,11 @@ impl RunningGateway {
         })
     }
 
-    /// Binds `config.listen` and starts with the configured static endpoints.
+    /// Binds `config.http.listen` and starts with the configured static endpoints.
     pub async fn bind(gateway: Arc<Gateway>) -> Result<RunningGateway, crate::Error> {
         let pods = gateway.config.pods()?;
-        let listener = listen(gateway.config.listen)
-            .map_err(|e| crate::Error::Bind(gateway.config.listen, e))?;
+        let listener = listen(gateway.config.http.listen)
+            .map_err(|e| crate::Error::Bind(gateway.config.http.listen, e))?;
         Ok(RunningGateway::start(gateway, listener, pods).await?)
     }
 
@@ -163,12 +163,12 @@ impl RunningGateway {
     }
 
     /// Drains: `/ready` answers 503 at once while requests are still served for
-    /// `config.drain_delay` (load balancers stop sending), then stops accepting, lets in-flight
+    /// `config.shutdown.drain_delay` (load balancers stop sending), then stops accepting, lets in-flight
     /// requests finish up to `deadline`, then ends every task.
     pub async fn shutdown(mut self, deadline: Duration) {
         self.gateway.start_draining();
-        info!(delay = ?self.gateway.config.drain_delay, "draining: /ready now answers 503");
-        tokio::time::sleep(self.gateway.config.drain_delay).await;
+        info!(delay = ?self.gateway.config.shutdown.drain_delay, "draining: /ready now answers 503");
+        tokio::time::sleep(self.gateway.config.shutdown.drain_delay).await;
         self.cancel.cancel();
         let drain = async {
             while self.tasks.join_next().await.is_some() {}

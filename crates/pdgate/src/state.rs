@@ -46,15 +46,15 @@ pub struct Gateway {
     /// The gateway-wide request limit.
     pub(crate) admission: Admission,
     /// The client API keys (none: the API is open).
-    pub(crate) client_keys: Arc<crate::http::auth::ClientKeys>,
+    pub(crate) client_keys: Arc<crate::security::auth::ClientKeys>,
     /// The listener's TLS (`security.tls_cert`), if configured.
-    pub(crate) server_tls: Option<crate::http::tls::ServerTls>,
+    pub(crate) server_tls: Option<crate::security::tls::ServerTls>,
     /// `Authorization` for engine legs (`security.engine_api_key`).
     pub(crate) engine_authorization: Option<http::HeaderValue>,
     /// Whether client `Authorization` headers go to engines.
     pub(crate) forward_client_authorization: bool,
     /// Bounds the memory held by request bodies being read.
-    pub(crate) body_budget: crate::http::budget::BodyBudget,
+    pub(crate) body_budget: crate::security::budget::BodyBudget,
     /// Bounds retries across requests.
     pub(crate) retry_budget: RetryBudget,
     /// Set at the start of a graceful shutdown: `/ready` answers 503 from then on.
@@ -68,7 +68,7 @@ impl Gateway {
     pub fn new(config: Config, registry: Registry) -> Result<Arc<Gateway>, ConfigError> {
         config.validate(&registry)?;
         let default_connector = registry
-            .validate_default(&config.kv_connector)
+            .validate_default(&config.discovery.kv_connector)
             .map_err(|e| ConfigError::Field {
                 field: "kv_connector".into(),
                 message: e.to_string(),
@@ -79,8 +79,8 @@ impl Gateway {
                 message: format!("unknown policy {name:?}"),
             })
         };
-        let prefill_policy = policy("prefill_policy", &config.prefill_policy)?;
-        let decode_policy = policy("decode_policy", &config.decode_policy)?;
+        let prefill_policy = policy("prefill_policy", &config.policy.prefill_policy)?;
+        let decode_policy = policy("decode_policy", &config.policy.decode_policy)?;
         tracing::debug!(
             prefill = prefill_policy.name(),
             decode = decode_policy.name(),
@@ -100,8 +100,8 @@ impl Gateway {
         let metrics = Arc::new(metrics);
         metrics
             .access_log
-            .store(config.access_log, std::sync::atomic::Ordering::Relaxed);
-        let client_keys = crate::http::auth::ClientKeys::new(&config.security, metrics.clone())
+            .store(config.http.access_log, std::sync::atomic::Ordering::Relaxed);
+        let client_keys = crate::security::auth::ClientKeys::new(&config.security, metrics.clone())
             .map_err(|e| ConfigError::Field {
                 field: "security.api_keys_file".into(),
                 message: e.to_string(),
@@ -116,23 +116,26 @@ impl Gateway {
             .security
             .engine_authorization()
             .map_err(|(field, message)| ConfigError::Field { field, message })?;
-        let tls_error = |field: &str, e: crate::http::tls::TlsError| ConfigError::Field {
+        let tls_error = |field: &str, e: crate::security::tls::TlsError| ConfigError::Field {
             field: format!("security.{field}"),
             message: e.to_string(),
         };
-        let engine_tls = crate::http::tls::engine_connector(&config.security)
+        let engine_tls = crate::security::tls::engine_connector(&config.security)
             .map_err(|e| tls_error("engine_ca_file", e))?;
-        let server_tls = crate::http::tls::ServerTls::from_config(&config.security)
+        let server_tls = crate::security::tls::ServerTls::from_config(&config.security)
             .map_err(|e| tls_error("tls_cert", e))?;
         Ok(Arc::new(Gateway {
             server_tls,
-            health: Arc::new(Health::new(&config.health_section(), metrics.clone())),
-            admission: Admission::new(&config, metrics.clone()),
-            retry_budget: RetryBudget::new(&config),
+            health: Arc::new(
+                Health::new(&config.health.clone(), metrics.clone())
+                    .with_half_open_probe(config.reliability.half_open_probe),
+            ),
+            admission: Admission::new(&config.limits, metrics.clone()),
+            retry_budget: RetryBudget::new(&config.limits),
             client_keys: Arc::new(client_keys),
             engine_authorization,
             forward_client_authorization: config.security.forwards_client_authorization(),
-            body_budget: crate::http::budget::BodyBudget::new(
+            body_budget: crate::security::budget::BodyBudget::new(
                 config.security.max_buffered_body_bytes,
                 config.security.body_budget_wait,
             ),
@@ -140,7 +143,7 @@ impl Gateway {
             cache,
             prefill_policy,
             decode_policy,
-            client: EnginePool::with_tls(config.pool_section(), Some(engine_tls)),
+            client: EnginePool::with_tls(config.pool, Some(engine_tls)),
             default_connector,
             registry,
             store: EndpointStore::default(),

@@ -16,8 +16,8 @@ fn prompt(group: usize, question: usize) -> String {
 }
 
 fn cache_aware(c: &mut pdgate::Config) {
-    c.prefill_policy = "cache_aware".into();
-    c.decode_policy = "cache_aware".into();
+    c.policy.prefill_policy = "cache_aware".into();
+    c.policy.decode_policy = "cache_aware".into();
 }
 
 #[tokio::test]
@@ -108,8 +108,10 @@ async fn a_decode_holding_the_prompt_serves_it_alone() {
 
 #[tokio::test]
 async fn chat_conversations_follow_their_earlier_turns() {
-    let fleet =
-        two_prefills_one_decode(Connector::Shfs, |c| c.prefill_policy = "cache_aware".into()).await;
+    let fleet = two_prefills_one_decode(Connector::Shfs, |c| {
+        c.policy.prefill_policy = "cache_aware".into()
+    })
+    .await;
     let mut seen: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
     for session in 0..4 {
         let mut messages =
@@ -181,8 +183,10 @@ fn usage_cached(body: &str) -> u64 {
 async fn usage_reports_the_prefills_cached_tokens() {
     // Round robin over two prefills, one decode: the decode caches every prompt it served, so
     // on a prompt's second visit it holds it while the other prefill does not.
-    let fleet =
-        two_prefills_one_decode(Connector::Shfs, |c| c.prefill_policy = "round_robin".into()).await;
+    let fleet = two_prefills_one_decode(Connector::Shfs, |c| {
+        c.policy.prefill_policy = "round_robin".into()
+    })
+    .await;
     let mut cached = Vec::new();
     for (group, stream) in [(1, false), (1, false), (2, true), (2, true), (1, false)] {
         let mut body = json!({"model": MODEL, "prompt": prompt(group, 0), "max_tokens": 4});

@@ -76,8 +76,8 @@ async fn start_n(
     };
     let (pe, de) = (events(&prefill), events(&decode));
     common::start(prefill, decode, move |c| {
-        c.prefill_policy = "cache_aware".into();
-        c.decode_policy = "cache_aware".into();
+        c.policy.prefill_policy = "cache_aware".into();
+        c.policy.decode_policy = "cache_aware".into();
         c.cache.block_size = 16;
         for (ep, (events, replay)) in c.prefill.iter_mut().zip(&pe) {
             ep.kv_events = Some(events.clone());

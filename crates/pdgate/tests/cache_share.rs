@@ -132,8 +132,8 @@ async fn run_spread(kind: WorkloadKind, arm: Arm, blocks: usize) -> (Report, Vec
         .collect();
     let tokenizer = tok.map(|t| t.path.clone());
     let fleet = common::start(prefill, decode, |c| {
-        c.prefill_policy = arm.policy().into();
-        c.decode_policy = arm.policy().into();
+        c.policy.prefill_policy = arm.policy().into();
+        c.policy.decode_policy = arm.policy().into();
         c.cache.block_size = BLOCK;
         c.cache.tokenizer = tokenizer;
         if arm == Arm::PreciseDecodeOnly {

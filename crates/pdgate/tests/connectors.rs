@@ -193,8 +193,10 @@ async fn mixed_fleet_routes_each_request_with_the_prefill_pods_agent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_prefills_share_the_load_and_models_route() {
-    let fleet =
-        two_prefills_one_decode(Connector::Shfs, |c| c.prefill_policy = "round_robin".into()).await;
+    let fleet = two_prefills_one_decode(Connector::Shfs, |c| {
+        c.policy.prefill_policy = "round_robin".into()
+    })
+    .await;
     for _ in 0..4 {
         assert_eq!(
             fleet

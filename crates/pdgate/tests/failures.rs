@@ -83,7 +83,7 @@ async fn prefill_5xx_falls_back_to_decode_alone_by_default() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_5xx_with_fail_policy_is_relayed() {
     let fleet = pair(Connector::Shfs, |c| {
-        c.on_prefill_failure = PrefillFailurePolicy::Fail
+        c.legs.on_prefill_failure = PrefillFailurePolicy::Fail
     })
     .await;
     fleet.prefill[0].set_faults(failing(500));
@@ -95,8 +95,8 @@ async fn prefill_5xx_with_fail_policy_is_relayed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hanging_prefill_is_bounded_by_the_prefill_timeout() {
     let fleet = pair(Connector::Shfs, |c| {
-        c.prefill_timeout = Duration::from_millis(300);
-        c.on_prefill_failure = PrefillFailurePolicy::Fail;
+        c.legs.prefill_timeout = Duration::from_millis(300);
+        c.legs.on_prefill_failure = PrefillFailurePolicy::Fail;
     })
     .await;
     fleet.prefill[0].set_faults(Faults {
@@ -171,7 +171,7 @@ async fn decode_errors_pass_through_and_dead_decodes_are_502() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hanging_decode_is_bounded_by_the_decode_timeout() {
     let fleet = pair(Connector::Shfs, |c| {
-        c.decode_timeout = Duration::from_millis(300)
+        c.legs.decode_timeout = Duration::from_millis(300)
     })
     .await;
     fleet.decode[0].set_faults(Faults {
@@ -256,7 +256,7 @@ async fn a_slow_client_gets_every_byte() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_hostile_bodies_get_clear_400s() {
-    let fleet = pair(Connector::Shfs, |c| c.max_body_bytes = 64 * 1024).await;
+    let fleet = pair(Connector::Shfs, |c| c.http.max_body_bytes = 64 * 1024).await;
     let cases: &[(&str, &str, u16, Option<&str>)] = &[
         ("/v1/completions", "not json", 400, None),
         ("/v1/completions", "[1,2]", 400, None),
@@ -319,10 +319,11 @@ async fn failed_concurrent_prefill_cancels_the_decode_and_fails_fast() {
     // A decode that would wait 30 s for KV that never comes.
     let mut d = sim(Role::Decode, Connector::Mooncake);
     d.handoff_timeout = Duration::from_secs(30);
+    // Without the decode-alone fallback (which serves these requests: `faults.rs`).
     let fleet = start(
         vec![sim(Role::Prefill, Connector::Mooncake)],
         vec![d],
-        |_| {},
+        |c| c.legs.on_prefill_failure = PrefillFailurePolicy::Fail,
     )
     .await;
     fleet.prefill[0].set_faults(failing(500));

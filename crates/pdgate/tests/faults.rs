@@ -26,30 +26,30 @@ const CONCURRENCY: usize = 8;
 
 /// Short timeouts so faults resolve quickly; every knob the suite relies on is set here.
 fn tight(c: &mut Config) {
-    c.prefill_timeout = Duration::from_millis(800);
-    c.decode_timeout = Duration::from_secs(3);
-    c.stream_idle_timeout = Duration::from_secs(2);
-    c.connect_timeout = Duration::from_millis(500);
-    c.health_check_interval = Duration::from_millis(100);
-    c.health_check_timeout = Duration::from_millis(300);
-    c.unhealthy_threshold = 2;
-    c.healthy_threshold = 1;
-    c.outlier_consecutive_failures = 3;
-    c.outlier_base_ejection = Duration::from_millis(500);
-    c.outlier_max_ejection = Duration::from_secs(2);
-    c.max_retries = 1;
-    c.retry_budget_min = 20;
-    c.drain_delay = Duration::ZERO;
+    c.legs.prefill_timeout = Duration::from_millis(800);
+    c.legs.decode_timeout = Duration::from_secs(3);
+    c.legs.stream_idle_timeout = Duration::from_secs(2);
+    c.pool.connect_timeout = Duration::from_millis(500);
+    c.health.health_check_interval = Duration::from_millis(100);
+    c.health.health_check_timeout = Duration::from_millis(300);
+    c.health.unhealthy_threshold = 2;
+    c.health.healthy_threshold = 1;
+    c.health.consecutive_failures = 3;
+    c.health.base_ejection = Duration::from_millis(500);
+    c.health.max_ejection = Duration::from_secs(2);
+    c.legs.max_retries = 1;
+    c.limits.retry_budget_min = 20;
+    c.shutdown.drain_delay = Duration::ZERO;
 }
 
 /// The longest any request may take under `tight`: every prefill attempt timing out, the decode
 /// head at its bound, and a stream going idle, plus slack for a loaded 2-core machine.
 fn bound(c: &Config) -> Duration {
-    c.prefill_timeout * (c.max_retries + 1)
-        + c.connect_timeout * (c.max_retries + 1)
-        + c.decode_timeout
-        + c.stream_idle_timeout
-        + c.queue_timeout.min(Duration::from_secs(5))
+    c.legs.prefill_timeout * (c.legs.max_retries + 1)
+        + c.pool.connect_timeout * (c.legs.max_retries + 1)
+        + c.legs.decode_timeout
+        + c.legs.stream_idle_timeout
+        + c.limits.queue_timeout.min(Duration::from_secs(5))
         + Duration::from_secs(3)
 }
 
@@ -310,21 +310,27 @@ async fn run_load(name: &str, fleet: &Fleet, want: &Arc<Vec<String>>) -> Report 
         finished >= REQUESTS as f64 - metric(&metrics, "pdgate_admission_rejected_total"),
         "{name}: every admitted request is counted once: {metrics}"
     );
-    // Outcomes are counted by class: every answer the client read to its end is a success.
+    // Outcomes are counted by class: every answer the client read to its end is a success
+    // (or a fallback: served by the decode alone).
     assert!(
-        metric(
-            &metrics,
-            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"success\",model=\"m\"}"
-        ) + metric(
-            &metrics,
-            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"success\",model=\"m\"}"
-        ) + metric(
-            &metrics,
-            "pdgate_requests_total{route=\"completions\",connector=\"sglang\",outcome=\"success\",model=\"m\"}"
-        ) + metric(
-            &metrics,
-            "pdgate_requests_total{route=\"chat\",connector=\"sglang\",outcome=\"success\",model=\"m\"}"
-        ) >= ok as f64,
+        metric(&metrics, "pdgate_fallbacks_total")
+            + metric(
+                &metrics,
+                "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"success\",model=\"m\"}"
+            )
+            + metric(
+                &metrics,
+                "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"success\",model=\"m\"}"
+            )
+            + metric(
+                &metrics,
+                "pdgate_requests_total{route=\"completions\",connector=\"sglang\",outcome=\"success\",model=\"m\"}"
+            )
+            + metric(
+                &metrics,
+                "pdgate_requests_total{route=\"chat\",connector=\"sglang\",outcome=\"success\",model=\"m\"}"
+            )
+            >= ok as f64,
         "{name}: {ok} successes: {metrics}"
     );
     assert_eq!(
@@ -379,7 +385,7 @@ async fn killed_prefill_and_decode_under_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hanging_prefill_is_retried_then_ejected() {
     let want = expected().await;
-    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    let fleet = fleet(Connector::Shfs, |c| c.health.health_checks = false).await;
     set(&fleet.prefill[0], |f| f.hang = true);
     let Report { share, metrics } = run_load("hang", &fleet, &want).await;
     assert_eq!(share, 1.0, "hang: a timed-out prefill is retried elsewhere");
@@ -403,7 +409,7 @@ async fn slow_engines_answer_correctly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_prefill_5xx_and_decode_5xx() {
     let want = expected().await;
-    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    let fleet = fleet(Connector::Shfs, |c| c.health.health_checks = false).await;
     set(&fleet.prefill[0], |f| {
         f.error_rate = 1.0;
         f.error_status = 503;
@@ -456,9 +462,9 @@ async fn flapping_endpoints() {
 async fn overload_is_refused_with_retry_after() {
     let want = expected().await;
     let fleet = fleet(Connector::Shfs, |c| {
-        c.max_in_flight = 3;
-        c.max_queue = 2;
-        c.queue_timeout = Duration::from_millis(300);
+        c.limits.max_in_flight = 3;
+        c.limits.max_queue = 2;
+        c.limits.queue_timeout = Duration::from_millis(300);
     })
     .await;
     for d in &fleet.decode {
@@ -471,7 +477,7 @@ async fn overload_is_refused_with_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_connector_prefill_failure_retries_both_legs() {
     let want = expected().await;
-    let fleet = fleet(Connector::Sglang, |c| c.health_checks = false).await;
+    let fleet = fleet(Connector::Sglang, |c| c.health.health_checks = false).await;
     set(&fleet.prefill[0], |f| f.error_rate = 1.0);
     let Report { share, metrics } = run_load("sglang-5xx", &fleet, &want).await;
     // A prefill that fails after the decode's response head went out can no longer be retried
@@ -489,7 +495,7 @@ async fn drain_turns_ready_false_first_and_finishes_streams() {
         vec![decode],
         |c| {
             tight(c);
-            c.drain_delay = Duration::from_millis(400);
+            c.shutdown.drain_delay = Duration::from_millis(400);
         },
     )
     .await;
@@ -645,7 +651,7 @@ async fn per_endpoint_cap_refuses_with_retry_after() {
         vec![engine(Role::Decode, Connector::Shfs)],
         |c| {
             tight(c);
-            c.max_in_flight_per_endpoint = 1;
+            c.limits.max_in_flight_per_endpoint = 1;
         },
     )
     .await;
@@ -666,11 +672,11 @@ async fn per_endpoint_cap_refuses_with_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_retry_budget_bounds_retries() {
     let fleet = fleet(Connector::Shfs, |c| {
-        c.health_checks = false;
-        c.outlier_consecutive_failures = 0;
-        c.retry_budget_min = 1;
-        c.retry_budget_ratio = 0.0;
-        c.prefill_policy = "round_robin".into();
+        c.health.health_checks = false;
+        c.health.consecutive_failures = 0;
+        c.limits.retry_budget_min = 1;
+        c.limits.retry_budget_ratio = 0.0;
+        c.policy.prefill_policy = "round_robin".into();
     })
     .await;
     set(&fleet.prefill[0], |f| f.error_rate = 1.0);
@@ -702,20 +708,20 @@ async fn the_retry_budget_bounds_retries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hanging_decode_is_bounded_then_ejected() {
     let want = expected().await;
-    let fleet = fleet(Connector::Shfs, |c| c.health_checks = false).await;
+    let fleet = fleet(Connector::Shfs, |c| c.health.health_checks = false).await;
     set(&fleet.decode[0], |f| f.hang = true);
     let Report { share, metrics } = run_load("decode-hang", &fleet, &want).await;
     // A decode that accepted the request and then hangs is not retried (it may be working);
-    // its requests end with 504 at decode_timeout, and least_request plus ejection keep the
-    // rest away from it.
+    // its requests end with 504 at decode_timeout (outcome `timeout`), and least_request plus
+    // ejection keep the rest away from it.
     assert!(share >= 0.8, "decode-hang: {share}");
     assert!(
         metric(
             &metrics,
-            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"decode_error\",model=\"m\"}"
+            "pdgate_requests_total{route=\"completions\",connector=\"shfs\",outcome=\"timeout\",model=\"m\"}"
         ) + metric(
             &metrics,
-            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"decode_error\",model=\"m\"}"
+            "pdgate_requests_total{route=\"chat\",connector=\"shfs\",outcome=\"timeout\",model=\"m\"}"
         ) >= 1.0,
         "{metrics}"
     );
@@ -726,11 +732,11 @@ async fn hanging_decode_is_bounded_then_ejected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_that_breaks_streams_after_its_head_is_ejected() {
     let fleet = fleet(Connector::Shfs, |c| {
-        c.decode_policy = "least_request".into();
-        c.outlier_consecutive_failures = 3;
+        c.policy.decode_policy = "least_request".into();
+        c.health.consecutive_failures = 3;
         // One ejection for the whole test.
-        c.outlier_base_ejection = Duration::from_secs(60);
-        c.outlier_max_ejection = Duration::from_secs(60);
+        c.health.base_ejection = Duration::from_secs(60);
+        c.health.max_ejection = Duration::from_secs(60);
     })
     .await;
     let sick = fleet.decode[0].addr().to_string();
@@ -763,4 +769,302 @@ async fn a_decode_that_breaks_streams_after_its_head_is_ejected() {
         assert!(r.text().await.unwrap().contains("[DONE]"));
     }
     fleet.wait_idle().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reliability campaign: for shfs, mooncake and sglang, one fault per scenario on one of two
+// prefills or decodes (so a healthy path always exists). A warm-up of `WARM_UP` requests is the
+// detection window (ejection after `outlier_consecutive_failures`, for the rest of the run); the
+// next `MEASURED` requests must succeed at >= 99.9%. Engines have zero delay: a scenario takes a
+// few hundred milliseconds plus whatever the fault itself costs its first requests.
+
+const WARM_UP: usize = 40;
+const MEASURED: usize = 500;
+const CAMPAIGN_CONCURRENCY: usize = 16;
+
+/// What one engine alone answers to requests `0..WARM_UP + MEASURED`, computed once.
+async fn oracle() -> Arc<Vec<String>> {
+    static ORACLE: tokio::sync::OnceCell<Arc<Vec<String>>> = tokio::sync::OnceCell::const_new();
+    ORACLE
+        .get_or_init(|| async {
+            let engine = pdsim::spawn(sim(Role::Both, Connector::None))
+                .await
+                .expect("baseline engine");
+            let http = reqwest::Client::new();
+            let base = engine.base_url();
+            let out: Vec<String> = futures_util::stream::iter(0..WARM_UP + MEASURED)
+                .map(|i| {
+                    let (http, base) = (http.clone(), base.clone());
+                    async move {
+                        let (path, body) = request(i);
+                        let r = http
+                            .post(format!("{base}{path}"))
+                            .json(&body)
+                            .send()
+                            .await
+                            .expect("baseline");
+                        assert_eq!(r.status(), 200);
+                        text_of(&r.text().await.expect("baseline body"))
+                    }
+                })
+                .buffered(CAMPAIGN_CONCURRENCY)
+                .collect()
+                .await;
+            engine.shutdown().await;
+            Arc::new(out)
+        })
+        .await
+        .clone()
+}
+
+/// One scenario's numbers over its measured requests.
+struct Row {
+    ok: usize,
+    errors: std::collections::BTreeMap<u16, usize>,
+    worst: Duration,
+}
+
+/// Sends requests `range` (bounded concurrency); every answer right or a clear error.
+async fn send_all(fleet: &Fleet, range: std::ops::Range<usize>, want: &[String]) -> Row {
+    let limit = bound(&fleet.gateway.gateway().config);
+    let http = reqwest::Client::builder()
+        .timeout(limit)
+        .build()
+        .expect("client");
+    let results: Vec<(usize, Duration, u16, Outcome)> = futures_util::stream::iter(range)
+        .map(|i| {
+            let http = http.clone();
+            let url = fleet.url(request(i).0);
+            async move {
+                let t = Instant::now();
+                let r = http
+                    .post(url)
+                    .header("x-request-id", format!("fault-{i}"))
+                    .json(&request(i).1)
+                    .send()
+                    .await
+                    .unwrap_or_else(|e| panic!("request {i}: no answer within {limit:?}: {e}"));
+                let status = r.status().as_u16();
+                let id = r
+                    .headers()
+                    .get("x-request-id")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                let (status, body) = match r.text().await {
+                    Ok(body) => (status, body),
+                    // A JSON body cut after its head: the client sees a broken body (599 here).
+                    Err(e) => (
+                        599,
+                        format!("{{\"error\":{{\"message\":\"broken body: {e}\"}}}}"),
+                    ),
+                };
+                (i, t.elapsed(), status, id, body)
+            }
+        })
+        .buffer_unordered(CAMPAIGN_CONCURRENCY)
+        .map(|(i, took, status, id, body)| {
+            (
+                i,
+                took,
+                status,
+                judge(i, status, id.as_deref(), &body, &want[i]),
+            )
+        })
+        .collect()
+        .await;
+    let mut row = Row {
+        ok: 0,
+        errors: Default::default(),
+        worst: Duration::ZERO,
+    };
+    for (i, took, status, outcome) in results {
+        assert!(took <= limit, "request {i} waited {took:?}, past {limit:?}");
+        row.worst = row.worst.max(took);
+        match outcome {
+            Outcome::Ok => row.ok += 1,
+            Outcome::Error(_, _) => *row.errors.entry(status).or_default() += 1,
+        }
+    }
+    row
+}
+
+/// Runs one scenario: fleet, fault, warm-up, measured run; checks the gauges and prints a row.
+/// Returns the measured success share and the metrics text.
+async fn campaign(
+    name: &str,
+    connector: Connector,
+    tweak: impl FnOnce(&mut Config),
+    engines: impl Fn(&mut SimConfig),
+    fault: impl FnOnce(&Fleet),
+) -> (f64, String) {
+    let want = oracle().await;
+    let zero = |role| {
+        let mut c = sim(role, connector);
+        c.handoff_timeout = Duration::from_secs(2);
+        engines(&mut c);
+        c
+    };
+    let fleet = start(
+        vec![zero(Role::Prefill), zero(Role::Prefill)],
+        vec![zero(Role::Decode), zero(Role::Decode)],
+        |c| {
+            tight(c);
+            c.health.health_checks = false;
+            // One ejection lasts the whole run: the measured requests see the fleet after
+            // detection.
+            c.health.base_ejection = Duration::from_secs(60);
+            c.health.max_ejection = Duration::from_secs(60);
+            c.limits.retry_budget_min = 100;
+            tweak(c);
+        },
+    )
+    .await;
+    fault(&fleet);
+    let warm = send_all(&fleet, 0..WARM_UP, &want).await;
+    let row = send_all(&fleet, WARM_UP..WARM_UP + MEASURED, &want).await;
+    for e in fleet.prefill.iter().chain(fleet.decode.iter()) {
+        e.set_faults(Faults::default());
+    }
+    fleet.wait_idle().await;
+    let metrics = fleet.metrics().await;
+    let gauges = metric(&metrics, "pdgate_endpoint_in_flight")
+        + metric(&metrics, "pdgate_admission_in_flight")
+        + metric(&metrics, "pdgate_admission_queued");
+    assert_eq!(gauges, 0.0, "{name}: gauges back to 0: {metrics}");
+    let share = row.ok as f64 / MEASURED as f64;
+    let errors: Vec<String> = row
+        .errors
+        .iter()
+        .map(|(s, n)| format!("{s}: {:.1}%", *n as f64 * 100.0 / MEASURED as f64))
+        .collect();
+    println!(
+        "CAMPAIGN | {name:<28} | {:>6.1}% | errors [{}] | worst {:>5.0} ms | warm-up {}/{WARM_UP} ok | gauges 0 | ejections p {} d {} | retries {} | fallbacks {}",
+        share * 100.0,
+        errors.join(", "),
+        row.worst.max(warm.worst).as_secs_f64() * 1000.0,
+        warm.ok,
+        metric(&metrics, "pdgate_ejections_total{role=\"prefill\"}"),
+        metric(&metrics, "pdgate_ejections_total{role=\"decode\"}"),
+        metric(&metrics, "pdgate_retries_total"),
+        metric(&metrics, "pdgate_fallbacks_total"),
+    );
+    (share, metrics)
+}
+
+const CONNECTORS: [Connector; 3] = [Connector::Shfs, Connector::Mooncake, Connector::Sglang];
+
+fn each_connector(name: &str, c: Connector) -> String {
+    format!("{}-{name}", c.as_str())
+}
+
+/// A decode that answers 200 and then breaks its streams (SSE and JSON) is ejected in the
+/// detection window; afterwards every request succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_decode_drops_streams() {
+    for c in CONNECTORS {
+        let (share, _) = campaign(
+            &each_connector("decode-drops-streams", c),
+            c,
+            |_| {},
+            |_| {},
+            |f| set(&f.decode[0], |x| x.drop_after_chunks = Some(2)),
+        )
+        .await;
+        assert!(share >= 0.999, "{c:?}: {share}");
+    }
+}
+
+/// A decode answering 5xx is ejected in the detection window (its 5xx are passed back to the
+/// client until then, counted `decode_error`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_decode_5xx() {
+    for c in CONNECTORS {
+        let (share, metrics) = campaign(
+            &each_connector("decode-5xx", c),
+            c,
+            |_| {},
+            |_| {},
+            |f| set(&f.decode[0], |x| x.error_rate = 1.0),
+        )
+        .await;
+        assert!(share >= 0.999, "{c:?}: {share}");
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l.contains("outcome=\"decode_error\"") && !l.ends_with(" 0")),
+            "{c:?}: a decode 5xx is a decode_error: {metrics}"
+        );
+    }
+}
+
+/// A prefill answering 5xx: retried on the other prefill (or the decode serves alone), then
+/// ejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_prefill_5xx() {
+    for c in CONNECTORS {
+        let (share, _) = campaign(
+            &each_connector("prefill-5xx", c),
+            c,
+            |_| {},
+            |_| {},
+            |f| set(&f.prefill[0], |x| x.error_rate = 1.0),
+        )
+        .await;
+        assert!(share >= 0.999, "{c:?}: {share}");
+    }
+}
+
+/// A frozen prefill (accepts, never answers): the gateway's prefill bound fires before the
+/// engines' KV wait, the prefill is blamed, retried elsewhere and ejected; no decode is blamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_prefill_frozen() {
+    for c in CONNECTORS {
+        let (share, metrics) = campaign(
+            &each_connector("prefill-frozen", c),
+            c,
+            |_| {},
+            |_| {},
+            |f| set(&f.prefill[0], |x| x.hang = true),
+        )
+        .await;
+        assert!(share >= 0.999, "{c:?}: {share}");
+        assert_eq!(
+            metric(&metrics, "pdgate_ejections_total{role=\"decode\"}"),
+            0.0,
+            "{c:?}: {metrics}"
+        );
+        assert!(metric(&metrics, "pdgate_ejections_total{role=\"prefill\"}") >= 1.0);
+    }
+}
+
+/// Timeouts ordered the wrong way (the engines' KV wait is shorter than the gateway's prefill
+/// bound): the decode gives up first, with a 5xx (or, streaming, an error event) while the
+/// prefill has not answered. Blame by evidence puts it on the prefill: the request is retried on
+/// the other prefill, the frozen prefill is ejected, and neither decode is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_kv_wait_blames_the_frozen_prefill() {
+    for c in [Connector::Mooncake, Connector::Sglang] {
+        let (share, metrics) = campaign(
+            &each_connector("kv-wait-blames-prefill", c),
+            c,
+            |cfg| {
+                cfg.legs.prefill_timeout = Duration::from_secs(5);
+                cfg.reliability.concurrent_prefill_timeout = Duration::from_secs(5);
+                cfg.reliability.kv_wait_evidence = Duration::from_millis(150);
+            },
+            |e| e.handoff_timeout = Duration::from_millis(300),
+            |f| set(&f.prefill[0], |x| x.hang = true),
+        )
+        .await;
+        assert!(share >= 0.999, "{c:?}: {share}");
+        assert_eq!(
+            metric(&metrics, "pdgate_ejections_total{role=\"decode\"}"),
+            0.0,
+            "{c:?}: the decodes are not blamed: {metrics}"
+        );
+        assert!(
+            metric(&metrics, "pdgate_ejections_total{role=\"prefill\"}") >= 1.0,
+            "{c:?}: {metrics}"
+        );
+    }
 }

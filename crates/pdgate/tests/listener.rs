@@ -189,7 +189,7 @@ async fn an_http1_request_whose_first_byte_arrives_alone_is_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_closes_idle_http2_connections() {
     let fleet = pair(Connector::Shfs, |c| {
-        c.drain_delay = Duration::ZERO;
+        c.shutdown.drain_delay = Duration::ZERO;
     })
     .await;
     let mut sender = h2(connect(&fleet).await).await;
@@ -229,7 +229,7 @@ async fn idle_connections_close_after_the_idle_timeout_but_streams_outlast_it() 
         vec![sim(Role::Prefill, Connector::Shfs)],
         vec![decode],
         |c| {
-            c.client_idle_timeout = Duration::from_millis(300);
+            c.http.client_idle_timeout = Duration::from_millis(300);
         },
     )
     .await;
@@ -270,7 +270,7 @@ async fn idle_connections_close_after_the_idle_timeout_but_streams_outlast_it() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_connection_does_not_hold_shutdown_up() {
     let fleet = pair(Connector::Shfs, |c| {
-        c.drain_delay = Duration::ZERO;
+        c.shutdown.drain_delay = Duration::ZERO;
     })
     .await;
     // Connected, nothing sent: waiting for its first bytes (the idle timeout is 620 s).

@@ -31,8 +31,8 @@ async fn checked_pair(unreachable: bool) -> Fleet {
         vec![sim(Role::Prefill, Connector::Shfs)],
         vec![sim(Role::Decode, Connector::Shfs)],
         |c| {
-            c.health_check_interval = Duration::from_millis(100);
-            c.health_check_timeout = Duration::from_millis(200);
+            c.health.health_check_interval = Duration::from_millis(100);
+            c.health.health_check_timeout = Duration::from_millis(200);
             if unreachable {
                 for ep in c.prefill.iter_mut().chain(c.decode.iter_mut()) {
                     ep.url = format!("http://127.0.0.1:{}", closed_port());
@@ -78,7 +78,7 @@ async fn with_no_model_configured_v1_models_lists_what_the_engines_serve() {
         vec![sim(Role::Prefill, Connector::Shfs)],
         vec![sim(Role::Decode, Connector::Shfs)],
         |c| {
-            c.health_check_interval = Duration::from_millis(100);
+            c.health.health_check_interval = Duration::from_millis(100);
             c.models.clear();
             for ep in c.prefill.iter_mut().chain(c.decode.iter_mut()) {
                 ep.model = None;

@@ -24,6 +24,7 @@ use crate::job::{InFlight, Job};
 use crate::plan::plan;
 use crate::request::{Endpoint, parse_with};
 use crate::respond::{self, ChoiceOut, Head, Usage};
+use crate::respond_api;
 use crate::stats::Recorded;
 
 /// The engine's main router.
@@ -31,6 +32,8 @@ pub(crate) fn router(engine: Arc<Engine>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -56,6 +59,14 @@ async fn chat_completions(
     generate(e, Endpoint::Chat, headers, body).await
 }
 
+async fn responses(State(e): State<Arc<Engine>>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(e, Endpoint::Responses, headers, body).await
+}
+
+async fn messages(State(e): State<Arc<Engine>>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(e, Endpoint::Messages, headers, body).await
+}
+
 /// vLLM 0.32's id when no `X-Request-Id` is sent: 16 hex digits.
 fn random_id() -> String {
     format!("{:016x}", rand::random::<u64>())
@@ -75,6 +86,8 @@ async fn generate(
     count(match endpoint {
         Endpoint::Completions => &c.completions,
         Endpoint::Chat => &c.chat_completions,
+        Endpoint::Responses => &c.responses,
+        Endpoint::Messages => &c.messages,
     });
     if engine.is_dead() {
         count(&c.responses_error);
@@ -355,6 +368,9 @@ impl SseState {
     }
 
     fn step_chunk(&mut self) -> Bytes {
+        if matches!(self.job.endpoint, Endpoint::Responses | Endpoint::Messages) {
+            return self.api_step_chunk();
+        }
         let step = self.step;
         let last = step == self.last_step;
         let kv = if last {
@@ -389,6 +405,42 @@ impl SseState {
                 respond::usage_event(&mut out, &h, usage(job, &self.choices));
             }
             out.push_str(respond::DONE);
+            self.phase = Phase::End;
+            self.job.guard.finish();
+        }
+        self.step += 1;
+        Bytes::from(out)
+    }
+}
+
+impl SseState {
+    /// One step of a `/v1/responses` or `/v1/messages` stream (one choice: neither has `n`).
+    fn api_step_chunk(&mut self) -> Bytes {
+        let step = self.step;
+        let last = step == self.last_step;
+        let kv = if last {
+            let choices = std::mem::take(&mut self.choices);
+            let kv = self.job.finish(&choices);
+            self.choices = choices;
+            Some(kv.unwrap_or_else(|| "null".to_owned()))
+        } else {
+            None
+        };
+        let job = &self.job;
+        let h = head(job);
+        let mut out = String::with_capacity(512);
+        if step == 0 {
+            respond_api::stream_open(&mut out, &h, usage(job, &[]));
+        }
+        if let Some(c) = self.choices.first() {
+            if let Some(word) = c.words.get(step) {
+                respond_api::stream_token(&mut out, &h, word, step);
+            }
+            if let Some(kv) = &kv {
+                respond_api::stream_close(&mut out, &h, c, usage(job, &self.choices), kv, step + 1);
+            }
+        }
+        if last {
             self.phase = Phase::End;
             self.job.guard.finish();
         }

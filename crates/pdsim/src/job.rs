@@ -141,7 +141,8 @@ impl Job {
     ) -> Self {
         let prefix = match endpoint {
             Endpoint::Completions => "cmpl-",
-            Endpoint::Chat => "chatcmpl-",
+            Endpoint::Chat | Endpoint::Messages => "chatcmpl-",
+            Endpoint::Responses => "resp_",
         };
         let id = format!("{prefix}{base_id}");
         let abort = (engine.cfg.connector == Connector::Sglang).then(|| {
@@ -407,7 +408,12 @@ impl Job {
                     Endpoint::Completions => {
                         format!("{}-0-{:08x}", self.id, rand::random::<u32>())
                     }
-                    Endpoint::Chat => format!("{}-{:08x}", self.id, rand::random::<u32>()),
+                    Endpoint::Chat | Endpoint::Messages => {
+                        format!("{}-{:08x}", self.id, rand::random::<u32>())
+                    }
+                    Endpoint::Responses => {
+                        format!("{}_0-{:08x}", self.id, rand::random::<u32>())
+                    }
                 };
                 let blocks = prompt.count.div_ceil(engine.block_size);
                 let first = engine

@@ -44,6 +44,7 @@ mod plan;
 mod prefix_cache;
 mod request;
 mod respond;
+mod respond_api;
 pub mod stats;
 mod tokens;
 

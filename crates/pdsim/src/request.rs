@@ -14,6 +14,10 @@ use crate::tokens::{PromptTokens, Tok, Tokenizer};
 pub(crate) enum Endpoint {
     Completions,
     Chat,
+    /// `/v1/responses` (OpenAI Responses API; vLLM renders it through the chat template).
+    Responses,
+    /// `/v1/messages` (Anthropic Messages API; vLLM runs it as a chat completion).
+    Messages,
 }
 
 impl Endpoint {
@@ -21,6 +25,8 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
         }
     }
 }
@@ -53,6 +59,19 @@ struct Wire<'a> {
     prompt: Option<&'a RawValue>,
     #[serde(borrow, default)]
     messages: Option<&'a RawValue>,
+    /// Responses API: the conversation (a string or a list of items) and the system text.
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    instructions: Option<&'a RawValue>,
+    /// Messages API: the system text (a string or text blocks).
+    #[serde(borrow, default)]
+    system: Option<&'a RawValue>,
+    /// Responses API's output bound (its `max_tokens` is not read).
+    #[serde(default)]
+    max_output_tokens: Option<i64>,
+    #[serde(borrow, default)]
+    stop_sequences: Option<&'a RawValue>,
     #[serde(default)]
     max_tokens: Option<i64>,
     #[serde(default)]
@@ -140,7 +159,16 @@ pub(crate) fn parse_with(
         });
     }
     let stream = w.stream.unwrap_or(false);
-    if w.stream_options.as_ref().is_some_and(StreamOptions::is_set) && !stream {
+    if endpoint == Endpoint::Messages && w.max_tokens.is_none() {
+        return Err(ApiError::BadRequest {
+            message: "Field required: max_tokens".into(),
+            param: Some("max_tokens"),
+        });
+    }
+    if matches!(endpoint, Endpoint::Completions | Endpoint::Chat)
+        && w.stream_options.as_ref().is_some_and(StreamOptions::is_set)
+        && !stream
+    {
         return Err(ApiError::BadRequest {
             message:
                 "Stream options can only be defined when `stream=True`. (parameter=stream_options)"
@@ -148,20 +176,29 @@ pub(crate) fn parse_with(
             param: Some("stream_options"),
         });
     }
-    let include_usage = w
-        .stream_options
-        .as_ref()
-        .and_then(|o| o.include_usage)
-        .unwrap_or(false);
+    let include_usage = matches!(endpoint, Endpoint::Completions | Endpoint::Chat)
+        && w.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
 
     let prompt = match endpoint {
         Endpoint::Completions => tokenize_prompt(w.prompt, tok)?,
         Endpoint::Chat => tokenize_messages(w.messages, tok)?,
+        Endpoint::Responses => {
+            let messages = responses_messages(w.instructions, w.input)?;
+            tokenize_messages(Some(&messages), tok)?
+        }
+        Endpoint::Messages => {
+            let messages = anthropic_messages(w.system, w.messages)?;
+            tokenize_messages(Some(&messages), tok)?
+        }
     };
 
     let max = match endpoint {
-        Endpoint::Completions => w.max_tokens,
+        Endpoint::Completions | Endpoint::Messages => w.max_tokens,
         Endpoint::Chat => w.max_completion_tokens.or(w.max_tokens),
+        Endpoint::Responses => w.max_output_tokens,
     };
     let max_tokens = match max {
         None => DEFAULT_MAX_TOKENS,
@@ -191,7 +228,11 @@ pub(crate) fn parse_with(
         }
         Some(m) => u32::try_from(m).unwrap_or(0),
     };
-    let n = match w.n {
+    // Neither the Responses nor the Messages API has `n`.
+    let n = match w
+        .n
+        .filter(|_| matches!(endpoint, Endpoint::Completions | Endpoint::Chat))
+    {
         None => 1,
         Some(n) if !(1..=128).contains(&n) => {
             return Err(ApiError::BadRequest {
@@ -201,7 +242,11 @@ pub(crate) fn parse_with(
         }
         Some(n) => u32::try_from(n).unwrap_or(1),
     };
-    let stop = match w.stop {
+    let stop_field = match endpoint {
+        Endpoint::Messages => w.stop_sequences,
+        _ => w.stop,
+    };
+    let stop = match stop_field {
         None => Vec::new(),
         Some(raw) => parse_stop(raw)?,
     };
@@ -223,6 +268,62 @@ pub(crate) fn parse_with(
         },
         rid: w.rid,
     })
+}
+
+/// A Responses API request as chat messages: `instructions` as the system message, then
+/// `input` (a string is one user message; items with a role and content are messages).
+fn responses_messages(
+    instructions: Option<&RawValue>,
+    input: Option<&RawValue>,
+) -> Result<Box<RawValue>, ApiError> {
+    let input = input.ok_or_else(|| ApiError::BadRequest {
+        message: "Field required: input".into(),
+        param: Some("input"),
+    })?;
+    let mut out: Vec<Value> = Vec::new();
+    if let Some(i) = instructions.filter(|i| i.get() != "null") {
+        out.push(serde_json::json!({"role": "system", "content": i}));
+    }
+    if input.get().starts_with('"') {
+        out.push(serde_json::json!({"role": "user", "content": input}));
+    } else {
+        let items: Vec<Map<String, Value>> =
+            serde_json::from_str(input.get()).map_err(|e| bad_json(&e))?;
+        for item in items {
+            match (item.get("role"), item.get("content")) {
+                (Some(role), Some(content)) => {
+                    out.push(serde_json::json!({"role": role, "content": content}));
+                }
+                _ => {
+                    let text = Value::Object(item).to_string();
+                    out.push(serde_json::json!({"role": "tool", "content": text}));
+                }
+            }
+        }
+    }
+    to_raw(&out)
+}
+
+/// A Messages API request as chat messages: `system` first, then `messages`.
+fn anthropic_messages(
+    system: Option<&RawValue>,
+    messages: Option<&RawValue>,
+) -> Result<Box<RawValue>, ApiError> {
+    let messages = messages.ok_or_else(|| ApiError::BadRequest {
+        message: "Field required: messages".into(),
+        param: Some("messages"),
+    })?;
+    let mut out: Vec<Value> = Vec::new();
+    if let Some(s) = system.filter(|s| s.get() != "null") {
+        out.push(serde_json::json!({"role": "system", "content": s}));
+    }
+    let rest: Vec<Value> = serde_json::from_str(messages.get()).map_err(|e| bad_json(&e))?;
+    out.extend(rest);
+    to_raw(&out)
+}
+
+fn to_raw(messages: &[Value]) -> Result<Box<RawValue>, ApiError> {
+    serde_json::value::to_raw_value(messages).map_err(|e| bad_json(&e))
 }
 
 fn parse_stop(raw: &RawValue) -> Result<Vec<String>, ApiError> {

@@ -71,10 +71,13 @@ pub(crate) fn full_body(
     usage: Usage,
     kv: Option<&str>,
 ) -> String {
+    if let (Endpoint::Responses | Endpoint::Messages, Some(c)) = (head.endpoint, choices.first()) {
+        return crate::respond_api::full_body(head, c, usage, kv.unwrap_or("null"));
+    }
     let mut out = String::with_capacity(512 + choices.len() * 128);
     let object = match head.endpoint {
         Endpoint::Completions => "text_completion",
-        Endpoint::Chat => "chat.completion",
+        _ => "chat.completion",
     };
     let _ = write!(
         out,
@@ -96,7 +99,7 @@ pub(crate) fn full_body(
                     stop_reason_json(&c.stop_reason)
                 );
             }
-            Endpoint::Chat => {
+            _ => {
                 let _ = write!(
                     out,
                     "{{\"index\":{i},\"message\":{{\"role\":\"assistant\",\"content\":\""
@@ -125,7 +128,7 @@ pub(crate) fn full_body(
 fn chunk_open(out: &mut String, head: &Head<'_>) {
     let object = match head.endpoint {
         Endpoint::Completions => "text_completion",
-        Endpoint::Chat => "chat.completion.chunk",
+        _ => "chat.completion.chunk",
     };
     let _ = write!(
         out,
@@ -166,7 +169,7 @@ pub(crate) fn token_event(
                 "{{\"index\":{index},\"text\":\"{sep}{text}\",\"logprobs\":null,\"finish_reason\":{fr},\"stop_reason\":{sr}}}]"
             );
         }
-        Endpoint::Chat => {
+        _ => {
             let _ = write!(
                 out,
                 "{{\"index\":{index},\"delta\":{{\"content\":\"{sep}{text}\"}},\"logprobs\":null,\"finish_reason\":{fr},\"stop_reason\":{sr}}}]"

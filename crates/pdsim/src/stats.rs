@@ -16,6 +16,8 @@ pub const RECENT_CAPACITY: usize = 32;
 pub(crate) struct Counters {
     pub completions: AtomicU64,
     pub chat_completions: AtomicU64,
+    pub responses: AtomicU64,
+    pub messages: AtomicU64,
     pub models: AtomicU64,
     pub health: AtomicU64,
     pub metrics: AtomicU64,
@@ -126,6 +128,12 @@ pub struct EndpointCounts {
     pub completions: u64,
     /// `POST /v1/chat/completions`.
     pub chat_completions: u64,
+    /// `POST /v1/responses`.
+    #[serde(default)]
+    pub responses: u64,
+    /// `POST /v1/messages`.
+    #[serde(default)]
+    pub messages: u64,
     /// `GET /v1/models`.
     pub models: u64,
     /// `GET /health`.
@@ -245,6 +253,8 @@ impl Counters {
             requests: EndpointCounts {
                 completions: self.completions.load(Relaxed),
                 chat_completions: self.chat_completions.load(Relaxed),
+                responses: self.responses.load(Relaxed),
+                messages: self.messages.load(Relaxed),
                 models: self.models.load(Relaxed),
                 health: self.health.load(Relaxed),
                 metrics: self.metrics.load(Relaxed),

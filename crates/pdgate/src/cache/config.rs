@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::config::ConfigError;
+use crate::error::ConfigError;
 
 /// Per-model overrides of `[cache]` (`[cache.models."name"]`).
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -42,15 +42,15 @@ pub struct CacheConfig {
     /// Entries kept per endpoint in a model's index (least recently used evicted first).
     pub capacity_per_endpoint: usize,
     /// Lifetime of an approximate entry (a decision's guess about an endpoint without events).
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::durations::de_duration")]
     pub approximate_ttl: Duration,
     /// Lifetime of a speculative entry (a decision's guess until the endpoint's event confirms).
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::durations::de_duration")]
     pub speculative_ttl: Duration,
     /// An endpoint publishing KV events whose events stop (no batch this long after a decision
     /// that should have stored blocks there) is scored approximately until they resume; 0
     /// never gives up on events.
-    #[serde(deserialize_with = "crate::config::de_duration")]
+    #[serde(deserialize_with = "crate::durations::de_duration")]
     pub events_timeout: Duration,
     /// Serve a request on the decode alone (no prefill leg) when at most this many of its prompt
     /// tokens are uncached there; 0 disables decode-only serving.
@@ -64,6 +64,14 @@ pub struct CacheConfig {
     pub kv_events_port: Option<u16>,
     /// Every endpoint's replay socket is `tcp://<its host>:<port>` (vLLM `replay_endpoint`).
     pub kv_events_replay_port: Option<u16>,
+    /// Token keys for models without a local tokenizer from an engine's `POST /tokenize`
+    /// (remembered per prompt); off by default: a new prompt waits one engine round trip.
+    pub engine_tokenize: bool,
+    /// How long a `/tokenize` may take before the request keeps approximate keys.
+    #[serde(deserialize_with = "crate::durations::de_duration")]
+    pub engine_tokenize_timeout: Duration,
+    /// Prompts whose engine tokens are remembered (least recently used forgotten first).
+    pub engine_tokenize_cache: usize,
 }
 
 impl Default for CacheConfig {
@@ -84,6 +92,9 @@ impl Default for CacheConfig {
             decode_only_max_uncached_ratio: 0.7,
             kv_events_port: None,
             kv_events_replay_port: None,
+            engine_tokenize: false,
+            engine_tokenize_timeout: Duration::from_millis(50),
+            engine_tokenize_cache: 10_000,
         }
     }
 }

@@ -7,6 +7,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use pdcache::subscribe::SubscriberStats;
 
@@ -35,9 +36,23 @@ struct ModelLabels {
 /// One counter of a subscription's stats.
 type StatOf = fn(&SubscriberStats) -> &AtomicU64;
 
+/// The roles and decision kinds whose counters are resolved once (a closed set each).
+const ROLES: [&str; 2] = ["prefill", "decode"];
+const KINDS: [&str; 4] = ["hit", "miss", "imbalance_override", "decode_only"];
+
+/// One role's counters, resolved from the families on first use: the hot path then bumps an
+/// atomic instead of hashing labels under the family's lock (three lookups per decision).
+#[derive(Debug, Default)]
+struct RoleCounters {
+    decisions: [OnceLock<Counter>; KINDS.len()],
+    predicted: OnceLock<Counter>,
+    prompt: OnceLock<Counter>,
+}
+
 /// The `pdgate_cache_*` families.
 #[derive(Debug, Clone)]
 pub(crate) struct CacheMetrics {
+    resolved: Arc<[RoleCounters; ROLES.len()]>,
     decisions: Family<DecisionLabels, Counter>,
     predicted: Family<RoleLabels, Counter>,
     prompt: Family<RoleLabels, Counter>,
@@ -52,6 +67,7 @@ impl CacheMetrics {
     /// Registers the families in `registry` (the gateway's, prefixed `pdgate`).
     pub(crate) fn new(registry: &mut Registry) -> Self {
         let m = CacheMetrics {
+            resolved: Arc::default(),
             decisions: Family::default(),
             predicted: Family::default(),
             prompt: Family::default(),
@@ -151,6 +167,17 @@ impl CacheMetrics {
         }
     }
 
+    /// The decision counter of (`role`, `kind`), resolved once.
+    fn decisions_of(&self, role: &'static str, kind: &'static str) -> Option<&Counter> {
+        let r = ROLES.iter().position(|x| *x == role)?;
+        let k = KINDS.iter().position(|x| *x == kind)?;
+        Some(self.resolved[r].decisions[k].get_or_init(|| {
+            self.decisions
+                .get_or_create(&DecisionLabels { role, kind })
+                .clone()
+        }))
+    }
+
     /// Counts a decision for `role` (`kind` from a closed set), with its predicted hit.
     pub(crate) fn decision(
         &self,
@@ -159,14 +186,30 @@ impl CacheMetrics {
         cached: u32,
         prompt: u32,
     ) {
-        self.decisions
-            .get_or_create(&DecisionLabels { role, kind })
-            .inc();
-        self.predicted
-            .get_or_create(&RoleLabels { role })
+        let Some(r) = ROLES.iter().position(|x| *x == role) else {
+            self.decisions
+                .get_or_create(&DecisionLabels { role, kind })
+                .inc();
+            return;
+        };
+        let resolved = &self.resolved[r];
+        match self.decisions_of(role, kind) {
+            Some(c) => {
+                c.inc();
+            }
+            None => {
+                self.decisions
+                    .get_or_create(&DecisionLabels { role, kind })
+                    .inc();
+            }
+        }
+        resolved
+            .predicted
+            .get_or_init(|| self.predicted.get_or_create(&RoleLabels { role }).clone())
             .inc_by(u64::from(cached));
-        self.prompt
-            .get_or_create(&RoleLabels { role })
+        resolved
+            .prompt
+            .get_or_init(|| self.prompt.get_or_create(&RoleLabels { role }).clone())
             .inc_by(u64::from(prompt));
     }
 
@@ -177,12 +220,9 @@ impl CacheMetrics {
 
     /// Counts a request served by the decode alone.
     pub(crate) fn decode_only(&self) {
-        self.decisions
-            .get_or_create(&DecisionLabels {
-                role: "decode",
-                kind: "decode_only",
-            })
-            .inc();
+        if let Some(c) = self.decisions_of("decode", "decode_only") {
+            c.inc();
+        }
     }
 
     /// Sets a model's index sizes.

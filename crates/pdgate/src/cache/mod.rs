@@ -12,6 +12,7 @@
 //! the chosen endpoints with a TTL. Every endpoint is approximate until it publishes events.
 
 pub(crate) mod config;
+pub(crate) mod engine_tokens;
 pub(crate) mod events;
 pub(crate) mod metrics;
 pub(crate) mod score;
@@ -31,8 +32,8 @@ use events::{EventWatch, EventsNow};
 pub(crate) use metrics::CacheMetrics;
 pub(crate) use view::PrefixView;
 
-use crate::config::ConfigError;
 use crate::endpoints::{Endpoint, Role, Snapshot};
+use crate::error::ConfigError;
 use crate::route::Route;
 
 /// Pod annotation (and endpoint `kv_events`) naming where an engine publishes its KV events,
@@ -144,12 +145,13 @@ impl Scorer<'_> {
             .unwrap_or(0)
     }
 
-    /// Entries the index holds for `ep`.
-    pub(crate) fn entries(&self, ep: &Endpoint) -> usize {
-        self.state
-            .ids
-            .get(&ep.name)
-            .map_or(0, |id| self.index.endpoint_len(*id))
+    /// [`Scorer::blocks`] of `ep` and the entries the index holds for it, with one lookup of its
+    /// name.
+    pub(crate) fn facts(&self, ep: &Endpoint) -> (u32, usize) {
+        self.state.ids.get(&ep.name).map_or((0, 0), |id| {
+            let blocks = self.state.blocks.get(usize::from(id.0)).copied();
+            (blocks.unwrap_or(0), self.index.endpoint_len(*id))
+        })
     }
 
     /// Records that `view` was sent to `ep`: its blocks will be in `ep`'s cache. Speculative
@@ -218,6 +220,16 @@ impl ModelCache {
     /// The prefix view of a request for this model.
     pub(crate) fn view(&self, body: &JsonBody, route: Route) -> PrefixView {
         PrefixView::read(body, route, self.block_size, self.tokenizer.as_deref())
+    }
+
+    /// Whether this model has a local tokenizer (else [`Cache::engine_tokens`] may help).
+    pub(crate) fn has_tokenizer(&self) -> bool {
+        self.tokenizer.is_some()
+    }
+
+    /// The view of a prompt whose token ids an engine gave.
+    pub(crate) fn token_view(&self, ids: &[u32]) -> PrefixView {
+        PrefixView::from_tokens(ids, self.block_size)
     }
 
     /// Locks the index for one decision.
@@ -295,6 +307,8 @@ pub(crate) struct Cache {
     pub(crate) metrics: CacheMetrics,
     /// KV-event subscriptions by (model, endpoint): owned here, stopped when dropped.
     subscriptions: Mutex<HashMap<(String, String), Subscribed>>,
+    /// Engine-tokenized prompts (`cache.engine_tokenize`).
+    pub(crate) engine_tokens: Option<engine_tokens::EngineTokens>,
 }
 
 #[derive(Debug)]
@@ -312,6 +326,27 @@ fn load_tokenizer(field: String, path: &std::path::Path) -> Result<Arc<HfTokeniz
             field,
             message: e.to_string(),
         })
+}
+
+/// The prefix view of a request: token keys from the local tokenizer, else (with
+/// `cache.engine_tokenize`) from an engine's `/tokenize`, else approximate keys.
+pub(crate) async fn view_of(
+    cache: &Cache,
+    gw: &crate::state::Gateway,
+    snap: &Snapshot,
+    body: &JsonBody,
+    route: Route,
+    model: Option<&str>,
+) -> PrefixView {
+    let mc = cache.model(model, snap);
+    if let Some(et) = &cache.engine_tokens
+        && !mc.has_tokenizer()
+        // Boxed: the engine call's future stays off the request's own when the knob is off.
+        && let Some(ids) = Box::pin(et.tokens(gw, snap, body, route, model)).await
+    {
+        return mc.token_view(&ids);
+    }
+    mc.view(body, route)
 }
 
 impl Cache {
@@ -357,6 +392,12 @@ impl Cache {
             epoch,
             metrics,
             subscriptions: Mutex::new(HashMap::new()),
+            engine_tokens: config.engine_tokenize.then(|| {
+                engine_tokens::EngineTokens::new(
+                    config.engine_tokenize_cache,
+                    config.engine_tokenize_timeout,
+                )
+            }),
         })
     }
 

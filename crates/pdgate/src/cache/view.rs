@@ -65,6 +65,11 @@ impl PrefixView {
         }
     }
 
+    /// The view of a prompt's token ids (from an engine's `/tokenize`).
+    pub(crate) fn from_tokens(tokens: &[u32], block_size: usize) -> Self {
+        Self::tokens(tokens, block_size)
+    }
+
     /// An empty view (nothing to match: the request is scored by load alone).
     pub(crate) fn empty(block_size: usize) -> Self {
         PrefixView {
@@ -86,6 +91,8 @@ impl PrefixView {
         match route {
             Route::Completions => Self::completion(body, block_size, tokenizer),
             Route::Chat => Self::chat(body, block_size, tokenizer),
+            Route::Responses => Self::responses(body, block_size, tokenizer),
+            Route::Messages => Self::messages(body, block_size, tokenizer),
         }
         .unwrap_or_else(|| Self::empty(block_size))
     }
@@ -147,6 +154,102 @@ impl PrefixView {
             bytes += role.len() + content.len() + 2;
         }
         Some(Self::text(keys, bytes, block_size))
+    }
+
+    /// The Responses API's conversation: `instructions` as the system message, then `input` (a
+    /// string is one user message; items with a role are messages, other items count by their
+    /// type and JSON).
+    fn responses(
+        body: &JsonBody,
+        block_size: usize,
+        tokenizer: Option<&HfTokenizer>,
+    ) -> Option<Self> {
+        let raw = body.get_raw("input")?;
+        let mut turns: Vec<(Cow<'_, str>, &RawValue)> = Vec::new();
+        let instructions: Option<&RawValue> = body
+            .get_raw("instructions")
+            .and_then(|r| serde_json::from_str(r).ok())
+            .filter(|r: &&RawValue| r.get() != "null");
+        if let Some(i) = instructions {
+            turns.push((Cow::Borrowed("system"), i));
+        }
+        let input: &RawValue = serde_json::from_str(raw).ok()?;
+        if input.get().starts_with('"') {
+            turns.push((Cow::Borrowed("user"), input));
+        } else {
+            #[derive(Deserialize)]
+            struct Item<'a> {
+                #[serde(borrow, default)]
+                role: Option<Cow<'a, str>>,
+                #[serde(borrow, default, rename = "type")]
+                kind: Option<Cow<'a, str>>,
+                #[serde(borrow, default)]
+                content: Option<&'a RawValue>,
+            }
+            let items: Vec<&RawValue> = serde_json::from_str(input.get()).ok()?;
+            for item in items {
+                let it: Item<'_> = serde_json::from_str(item.get()).ok()?;
+                match (it.role, it.content) {
+                    (Some(role), Some(content)) => turns.push((role, content)),
+                    (_, _) => turns.push((it.kind.unwrap_or_default(), item)),
+                }
+            }
+        }
+        Some(Self::turns(&turns, block_size, tokenizer))
+    }
+
+    /// The Messages API's conversation: `system` first, then `messages` (as chat's).
+    fn messages(
+        body: &JsonBody,
+        block_size: usize,
+        tokenizer: Option<&HfTokenizer>,
+    ) -> Option<Self> {
+        let raw = body.get_raw("messages")?;
+        let mut turns: Vec<(Cow<'_, str>, &RawValue)> = Vec::new();
+        if let Some(system) = body
+            .get_raw("system")
+            .and_then(|r| serde_json::from_str::<&RawValue>(r).ok())
+            .filter(|r| r.get() != "null")
+        {
+            turns.push((Cow::Borrowed("system"), system));
+        }
+        let messages: Vec<Message<'_>> = serde_json::from_str(raw).ok()?;
+        for m in messages {
+            let content = m.content?;
+            turns.push((m.role.unwrap_or_default(), content));
+        }
+        Some(Self::turns(&turns, block_size, tokenizer))
+    }
+
+    /// A conversation's view: token keys through the chat template when every content is a
+    /// string, else text keys serialized as chat's (so the same conversation on chat, responses
+    /// and messages shares its blocks).
+    fn turns(
+        turns: &[(Cow<'_, str>, &RawValue)],
+        block_size: usize,
+        tokenizer: Option<&HfTokenizer>,
+    ) -> Self {
+        if let Some(t) = tokenizer.filter(|t| t.has_chat_template()) {
+            let messages: Option<Vec<serde_json::Value>> = turns
+                .iter()
+                .map(|(role, content)| {
+                    let text: String = serde_json::from_str(content.get()).ok()?;
+                    Some(serde_json::json!({"role": role, "content": text}))
+                })
+                .collect();
+            if let Some(ids) =
+                messages.and_then(|m| t.encode_chat(&serde_json::Value::Array(m), true).ok())
+            {
+                return Self::tokens(&ids, block_size);
+            }
+        }
+        let mut keys = TextKeys::new(block_size);
+        let mut bytes = 0;
+        for (role, content) in turns {
+            keys.push_message(role, content.get().as_bytes());
+            bytes += role.len() + content.get().len() + 2;
+        }
+        Self::text(keys, bytes, block_size)
     }
 }
 
@@ -210,6 +313,53 @@ mod tests {
         assert!(!a.keys.is_empty());
         assert!(b.keys.len() > a.keys.len());
         assert_eq!(b.keys[..a.keys.len()], a.keys[..]);
+    }
+
+    #[test]
+    fn one_conversation_has_one_prefix_on_chat_responses_and_messages() {
+        let sys = "x".repeat(300);
+        let q = "q".repeat(300);
+        let chat = view(
+            &format!(
+                r#"{{"messages":[{{"role":"system","content":"{sys}"}},{{"role":"user","content":"{q}"}}]}}"#
+            ),
+            Route::Chat,
+            16,
+        );
+        let responses = view(
+            &format!(r#"{{"instructions":"{sys}","input":"{q}"}}"#),
+            Route::Responses,
+            16,
+        );
+        let items = view(
+            &format!(r#"{{"instructions":"{sys}","input":[{{"role":"user","content":"{q}"}}]}}"#),
+            Route::Responses,
+            16,
+        );
+        let messages = view(
+            &format!(r#"{{"system":"{sys}","messages":[{{"role":"user","content":"{q}"}}]}}"#),
+            Route::Messages,
+            16,
+        );
+        assert!(chat.keys.len() > 5);
+        assert_eq!(responses.keys, chat.keys);
+        assert_eq!(items.keys, chat.keys);
+        assert_eq!(messages.keys, chat.keys);
+        // A tool result item counts by its JSON.
+        let tool = view(
+            &format!(
+                r#"{{"input":[{{"role":"user","content":"{q}"}},{{"type":"function_call_output","call_id":"c","output":"{sys}"}}]}}"#
+            ),
+            Route::Responses,
+            16,
+        );
+        assert!(tool.keys.len() > chat.keys.len() / 2);
+        assert!(view(r#"{"input":7}"#, Route::Responses, 16).keys.is_empty());
+        assert!(
+            view(r#"{"system":"s"}"#, Route::Messages, 16)
+                .keys
+                .is_empty()
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use clap::{Arg, ArgMatches, Command};
 
 use crate::config::{Config, ConfigError};
+use crate::error::field_error;
 
 /// Log output format.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -167,13 +168,6 @@ pub struct RunArgs {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
-}
-
-fn field_error(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Field {
-        field: field.into(),
-        message: message.into(),
-    }
 }
 
 /// `raw` as the TOML value of a key whose default is `like`: a string key takes the text as it

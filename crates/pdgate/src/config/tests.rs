@@ -1,6 +1,7 @@
 //! Tests of the configuration type: parsing, validation, conversions.
 
 use super::*;
+use std::time::Duration;
 
 #[test]
 fn parses_a_full_file_and_names_bad_fields() {
@@ -20,8 +21,8 @@ fn parses_a_full_file_and_names_bad_fields() {
         "#,
     )
     .unwrap();
-    assert_eq!(cfg.prefill_timeout, Duration::from_secs(2));
-    assert_eq!(cfg.decode_timeout, Duration::from_secs(10));
+    assert_eq!(cfg.legs.prefill_timeout, Duration::from_secs(2));
+    assert_eq!(cfg.legs.decode_timeout, Duration::from_secs(10));
     let reg = Registry::with_builtins();
     cfg.validate(&reg).unwrap();
     let pods = cfg.pods().unwrap();
@@ -33,7 +34,7 @@ fn parses_a_full_file_and_names_bad_fields() {
     let err = Config::from_toml("prefil = []").unwrap_err().to_string();
     assert!(err.contains("prefil"), "{err}");
     let mut bad = cfg.clone();
-    bad.kv_connector = "nope".into();
+    bad.discovery.kv_connector = "nope".into();
     let err = bad.validate(&reg).unwrap_err().to_string();
     assert!(
         err.contains("kv_connector") && err.contains("shfs"),
@@ -71,8 +72,8 @@ fn operations_doc_lists_every_key_with_its_default() {
 fn reload_names_the_keys_that_changed() {
     let a = Config::default();
     let mut b = a.clone();
-    b.max_in_flight = 1;
-    b.prefill_timeout = Duration::from_secs(1);
+    b.limits.max_in_flight = 1;
+    b.legs.prefill_timeout = Duration::from_secs(1);
     b.kubernetes.roleset_pairing = !b.kubernetes.roleset_pairing;
     assert_eq!(
         a.changed_keys(&b),
@@ -102,4 +103,76 @@ fn an_unknown_connector_label_in_the_file_is_a_start_up_error() {
         err.contains("\"moon\"") && err.contains("mooncake"),
         "{err}"
     );
+}
+
+#[test]
+fn flat_keys_are_filed_into_their_sections_and_written_back_flat() {
+    let text = "prefill_timeout = \"2s\"\nmax_in_flight = 7\noutlier_interval = \"3s\"\ndiscovery = \"static\"\npool_idle_timeout = \"9s\"\n";
+    let cfg = Config::from_toml(text).unwrap();
+    assert_eq!(cfg.legs.prefill_timeout, Duration::from_secs(2));
+    assert_eq!(cfg.limits.max_in_flight, 7);
+    assert_eq!(cfg.health.interval, Duration::from_secs(3));
+    assert_eq!(cfg.pool.idle_timeout, Duration::from_secs(9));
+    let table = cfg.to_table();
+    assert_eq!(table["prefill_timeout"].as_str(), Some("2s"));
+    assert_eq!(table["max_in_flight"].as_integer(), Some(7));
+    assert!(!table.contains_key("legs") && !table.contains_key("limits"));
+    // Written back flat, it reads as the same configuration.
+    assert_eq!(Config::from_table(table, "<test>").unwrap(), cfg);
+    assert_eq!(
+        Config::from_table(Config::default().to_table(), "<test>").unwrap(),
+        Config::default()
+    );
+}
+
+#[test]
+fn a_section_table_is_accepted_and_a_key_given_twice_is_an_error() {
+    let cfg = Config::from_toml("[limits]\nmax_in_flight = 3\n[legs]\nmax_retries = 2\n").unwrap();
+    assert_eq!(cfg.limits.max_in_flight, 3);
+    assert_eq!(cfg.legs.max_retries, 2);
+    let err = Config::from_toml("max_in_flight = 1\n[limits]\nmax_in_flight = 3\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("max_in_flight") && err.contains("twice"),
+        "{err}"
+    );
+    let err = Config::from_toml("[limits]\nmax_inflight = 3\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("max_inflight"), "{err}");
+}
+
+#[test]
+fn errors_name_the_key_as_the_file_writes_it() {
+    for (text, key) in [
+        ("prefill_timeout = \"soon\"", "`prefill_timeout`"),
+        ("max_in_flight = \"many\"", "`max_in_flight`"),
+        ("outlier_error_rate = \"high\"", "`outlier_error_rate`"),
+        ("pool_idle_timeout = true", "`pool_idle_timeout`"),
+        ("no_such_key = 1", "`no_such_key`"),
+    ] {
+        let err = Config::from_toml(text).unwrap_err().to_string();
+        assert!(err.contains(key), "{text}: {err}");
+        for section in ["legs.", "limits.", "health.", "pool."] {
+            assert!(!err.contains(&format!("`{section}")), "{text}: {err}");
+        }
+    }
+}
+
+#[test]
+fn operations_doc_names_each_top_level_key_in_its_section() {
+    let doc = include_str!("../../../../docs/operations.md");
+    for key in flags::KEYS.iter().filter(|k| !k.in_table) {
+        let line = doc
+            .lines()
+            .find(|l| l.starts_with(&format!("- `{}`: ", key.section)))
+            .unwrap_or_else(|| panic!("docs/operations.md lists no section `{}`", key.section));
+        assert!(
+            line.contains(&format!("`{}`", key.name)),
+            "docs/operations.md: section `{}` should list `{}`",
+            key.section,
+            key.name
+        );
+    }
 }

@@ -133,7 +133,7 @@ pub(crate) async fn reconcile(
             if needs_lookup(&gw, &pod) && pod.mooncake_bootstrap.is_none() {
                 let key = (pod.ip.clone(), pod.mooncake_bootstrap_port());
                 let fresh = cache.get(&pod.name).is_some_and(|c| {
-                    c.key == key && c.fetched.elapsed() < gw.config.bootstrap_refresh
+                    c.key == key && c.fetched.elapsed() < gw.config.discovery.bootstrap_refresh
                 });
                 if !fresh {
                     match lookup_bootstrap(&gw, &pod).await {
@@ -181,7 +181,7 @@ pub(crate) async fn reconcile(
         let wait = if missing {
             Duration::from_secs(1)
         } else {
-            gw.config.bootstrap_refresh
+            gw.config.discovery.bootstrap_refresh
         };
         tokio::select! {
             _ = cancel.cancelled() => return,

@@ -17,6 +17,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -25,6 +26,7 @@ use tracing::{info, warn};
 use crate::endpoints::Role;
 use crate::engine::EnginePool;
 use crate::engine::probe::{ProbeError, get_ok};
+use crate::error::{ConfigError, field_error};
 use crate::metrics::Metrics;
 
 /// What an active check requests for one endpoint.
@@ -59,6 +61,8 @@ struct Entry {
     ejected_until: Option<Instant>,
     ejections: u32,
     half_open: bool,
+    /// Half-open with its one probe request under way (since then): not routable meanwhile.
+    probing: Option<Instant>,
     window_start: Instant,
     window_total: u32,
     window_failures: u32,
@@ -77,6 +81,7 @@ impl Entry {
             ejected_until: None,
             ejections: 0,
             half_open: false,
+            probing: None,
             window_start: Instant::now(),
             window_total: 0,
             window_failures: 0,
@@ -84,36 +89,107 @@ impl Entry {
     }
 
     fn healthy(&self) -> bool {
-        !self.check_down && self.ejected_until.is_none()
+        !self.down()
+    }
+
+    /// Failing its checks or ejected (a half-open probe under way is neither).
+    fn down(&self) -> bool {
+        self.check_down || self.ejected_until.is_some()
+    }
+
+    /// Up and not waiting for its half-open probe: takes full traffic.
+    fn serving(&self) -> bool {
+        !self.down() && self.probing.is_none()
     }
 }
 
-/// The knobs of health checking (the config keys of the same names, `outlier_`-prefixed for
-/// the passive ones).
-#[derive(Clone, Debug)]
+/// The `health` section: active checks and passive outlier ejection (the file's keys of the
+/// same names, `outlier_`-prefixed for the passive ones).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
-    /// Active checks on.
+    /// Active health checks (`GET /health`, plus `/query` for Mooncake prefills) on every endpoint.
     pub health_checks: bool,
     /// Time between two active checks of one endpoint.
+    #[serde(with = "crate::durations::text")]
     pub health_check_interval: Duration,
     /// Bound on one active check.
+    #[serde(with = "crate::durations::text")]
     pub health_check_timeout: Duration,
-    /// Failed checks in a row that make an endpoint unhealthy.
+    /// Consecutive failed checks that make an endpoint unhealthy.
     pub unhealthy_threshold: u32,
-    /// Passed checks in a row that make it healthy again.
+    /// Consecutive passed checks that make an unhealthy endpoint healthy again.
     pub healthy_threshold: u32,
-    /// Traffic failures in a row that eject an endpoint (0: off).
+    /// Consecutive failures on real traffic that eject an endpoint (0 disables passive ejection).
+    #[serde(rename = "outlier_consecutive_failures")]
     pub consecutive_failures: u32,
-    /// Failed share within `interval` that ejects an endpoint (0: off).
+    /// Share of failed requests within one `interval` that ejects an endpoint (0 disables).
+    #[serde(rename = "outlier_error_rate")]
     pub error_rate: f64,
-    /// Requests within `interval` before the rate counts.
+    /// Requests an endpoint must have served within the interval before its error rate counts.
+    #[serde(rename = "outlier_min_requests")]
     pub min_requests: u32,
-    /// Window of the rate.
+    /// Window of the error-rate detection.
+    #[serde(rename = "outlier_interval", with = "crate::durations::text")]
     pub interval: Duration,
-    /// First ejection period.
+    /// First ejection period; doubled on each repeated ejection, up to `max_ejection`.
+    #[serde(rename = "outlier_base_ejection", with = "crate::durations::text")]
     pub base_ejection: Duration,
     /// Longest ejection period.
+    #[serde(rename = "outlier_max_ejection", with = "crate::durations::text")]
     pub max_ejection: Duration,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            health_checks: true,
+            health_check_interval: Duration::from_secs(5),
+            health_check_timeout: Duration::from_secs(2),
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+            consecutive_failures: 5,
+            error_rate: 0.5,
+            min_requests: 20,
+            interval: Duration::from_secs(10),
+            base_ejection: Duration::from_secs(10),
+            max_ejection: Duration::from_secs(300),
+        }
+    }
+}
+
+impl HealthConfig {
+    /// Checks the section, naming the key at fault.
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        for (field, d) in [
+            ("health_check_interval", self.health_check_interval),
+            ("health_check_timeout", self.health_check_timeout),
+            ("outlier_base_ejection", self.base_ejection),
+            ("outlier_interval", self.interval),
+        ] {
+            if d.is_zero() {
+                return Err(field_error(field, "must be greater than zero"));
+            }
+        }
+        for (field, n) in [
+            ("unhealthy_threshold", self.unhealthy_threshold),
+            ("healthy_threshold", self.healthy_threshold),
+        ] {
+            if n == 0 {
+                return Err(field_error(field, "must be at least 1"));
+            }
+        }
+        if self.max_ejection < self.base_ejection {
+            return Err(field_error(
+                "outlier_max_ejection",
+                "must be at least outlier_base_ejection",
+            ));
+        }
+        if !(self.error_rate.is_finite() && (0.0..=1.0).contains(&self.error_rate)) {
+            return Err(field_error("outlier_error_rate", "must be between 0 and 1"));
+        }
+        Ok(())
+    }
 }
 
 /// Health of every known endpoint.
@@ -121,6 +197,12 @@ pub struct HealthConfig {
 pub struct Health {
     entries: Mutex<HashMap<String, Entry>>,
     changed: Notify,
+    /// Bumped whenever an endpoint goes down (ejected or failing its checks): legs waiting on
+    /// it wake up ([`Health::went_down`]).
+    downs: tokio::sync::watch::Sender<u64>,
+    /// A half-open endpoint takes one probe request before full traffic
+    /// (`reliability.half_open_probe`).
+    half_open_probe: bool,
     knobs: HealthConfig,
     metrics: Arc<Metrics>,
 }
@@ -135,9 +217,17 @@ impl Health {
         Health {
             entries: Mutex::new(HashMap::new()),
             changed: Notify::new(),
+            downs: tokio::sync::watch::Sender::new(0),
+            half_open_probe: true,
             knobs,
             metrics,
         }
+    }
+
+    /// With `on` false, a half-open endpoint takes full traffic at once.
+    pub fn with_half_open_probe(mut self, on: bool) -> Self {
+        self.half_open_probe = on;
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
@@ -178,10 +268,18 @@ impl Health {
     }
 
     /// Names of endpoints that must not be routed to now.
+    /// A half-open endpoint whose probe is under way is left out too, unless it is the only
+    /// one of its role that is up.
     pub fn unhealthy(&self) -> BTreeSet<String> {
-        self.lock()
-            .iter()
-            .filter(|(_, e)| !e.healthy())
+        let map = self.lock();
+        let serving = |role: Role| {
+            map.values()
+                .filter(move |e| e.target.role == role && e.serving())
+        };
+        map.iter()
+            .filter(|(_, e)| {
+                !e.healthy() || (e.probing.is_some() && serving(e.target.role).next().is_some())
+            })
             .map(|(n, _)| n.clone())
             .collect()
     }
@@ -220,6 +318,39 @@ impl Health {
         self.lock().get(name).is_none_or(Entry::healthy)
     }
 
+    /// Resolves once `name` is down (ejected or failing its checks); pending while it is up or
+    /// unknown. A leg waiting on the endpoint selects on it to give up at once.
+    pub async fn went_down(&self, name: &str) {
+        let mut downs = self.downs.subscribe();
+        loop {
+            if self.lock().get(name).is_some_and(Entry::down) {
+                return;
+            }
+            if downs.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// A request is being sent to `name`: a half-open endpoint's first one is its probe, and
+    /// until it reports, no other request is routed there.
+    pub fn begin(&self, name: &str) {
+        if !self.half_open_probe {
+            return;
+        }
+        let mut map = self.lock();
+        let Some(e) = map.get_mut(name) else { return };
+        if e.half_open && e.probing.is_none() {
+            e.probing = Some(Instant::now());
+            info!(endpoint = %name, "half-open: one probe request");
+            self.changed.notify_one();
+        }
+    }
+
+    fn bump_downs(&self) {
+        self.downs.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
     /// What the active checker should probe.
     pub fn targets(&self) -> Vec<ProbeTarget> {
         self.lock().values().map(|e| e.target.clone()).collect()
@@ -245,6 +376,7 @@ impl Health {
                 e.check_down = true;
                 warn!(endpoint = %name, reason = %why, "endpoint failed its health checks");
                 self.metrics.count_ejection(e.target.role.as_str());
+                self.bump_downs();
             }
         }
         if before != e.healthy() {
@@ -274,6 +406,10 @@ impl Health {
             if e.half_open {
                 e.half_open = false;
                 e.ejections = 0;
+                if e.probing.take().is_some() {
+                    info!(endpoint = %name, "half-open probe succeeded; full traffic again");
+                    self.changed.notify_one();
+                }
             }
             return;
         }
@@ -295,6 +431,9 @@ impl Health {
         let Some(e) = map.get_mut(name) else { return };
         e.traffic_failures = e.traffic_failures.saturating_add(1);
         if !trip || healthy_peers == 0 {
+            if e.probing.take().is_some() {
+                self.changed.notify_one();
+            }
             return;
         }
         let factor = 1u32 << e.ejections.min(16);
@@ -306,6 +445,7 @@ impl Health {
         e.ejections = e.ejections.saturating_add(1);
         e.ejected_until = Some(Instant::now() + period);
         e.half_open = false;
+        e.probing = None;
         e.traffic_failures = 0;
         e.window_total = 0;
         e.window_failures = 0;
@@ -313,6 +453,7 @@ impl Health {
         self.metrics.count_ejection(role.as_str());
         self.set_gauge(e);
         self.changed.notify_one();
+        self.bump_downs();
     }
 
     /// Ends ejection periods that are over (the endpoint comes back half-open).
@@ -325,6 +466,13 @@ impl Health {
                 e.half_open = true;
                 info!(endpoint = %e.target.name, "ejection over; endpoint back on probation");
                 self.set_gauge(e);
+                any = true;
+            }
+            // A probe that never reported (its client left): let another request probe.
+            if e.probing
+                .is_some_and(|t| now.duration_since(t) >= self.knobs.base_ejection)
+            {
+                e.probing = None;
                 any = true;
             }
         }
@@ -423,116 +571,4 @@ pub async fn run(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn target(name: &str, role: Role) -> ProbeTarget {
-        ProbeTarget {
-            name: name.into(),
-            role,
-            health_url: format!("http://{name}/health"),
-            query_url: None,
-            models_url: None,
-            authorization: None,
-        }
-    }
-
-    fn health(consecutive: u32) -> Health {
-        let config = crate::config::Config {
-            outlier_consecutive_failures: consecutive,
-            outlier_error_rate: 0.0,
-            outlier_base_ejection: Duration::from_secs(10),
-            outlier_max_ejection: Duration::from_secs(25),
-            unhealthy_threshold: 2,
-            healthy_threshold: 2,
-            ..crate::config::Config::default()
-        };
-        let h = Health::new(&config.health_section(), Arc::new(Metrics::new()));
-        h.sync(vec![
-            target("p1", Role::Prefill),
-            target("p2", Role::Prefill),
-            target("d1", Role::Decode),
-        ]);
-        h
-    }
-
-    #[test]
-    fn consecutive_traffic_failures_eject_and_half_open_decides() {
-        let h = health(3);
-        h.observe("p1", false);
-        h.observe("p1", false);
-        h.observe("p1", true);
-        h.observe("p1", false);
-        h.observe("p1", false);
-        assert!(h.unhealthy().is_empty(), "a success resets the count");
-        h.observe("p1", false);
-        assert_eq!(h.unhealthy(), BTreeSet::from(["p1".to_string()]));
-        // The last healthy prefill is never ejected.
-        for _ in 0..10 {
-            h.observe("p2", false);
-        }
-        assert!(h.is_healthy("p2"));
-        // Back-off over: half-open; one failure ejects again for twice as long.
-        let later = Instant::now() + Duration::from_secs(11);
-        h.tick(later);
-        assert!(h.unhealthy().is_empty());
-        h.observe("p1", false);
-        assert!(!h.is_healthy("p1"));
-        h.tick(Instant::now() + Duration::from_secs(15));
-        assert!(!h.is_healthy("p1"), "second period is 20 s");
-        h.tick(Instant::now() + Duration::from_secs(21));
-        assert!(h.is_healthy("p1"));
-        h.observe("p1", true);
-        h.observe("p1", false);
-        assert!(
-            h.is_healthy("p1"),
-            "a success on probation clears the record"
-        );
-    }
-
-    #[test]
-    fn an_error_rate_ejects_without_consecutive_failures() {
-        let config = crate::config::Config {
-            outlier_consecutive_failures: 0,
-            outlier_error_rate: 0.3,
-            outlier_min_requests: 10,
-            ..crate::config::Config::default()
-        };
-        let h = Health::new(&config.health_section(), Arc::new(Metrics::new()));
-        h.sync(vec![
-            target("p1", Role::Prefill),
-            target("p2", Role::Prefill),
-        ]);
-        // Every third request fails: never two in a row, but a third of the traffic.
-        for i in 0..9 {
-            h.observe("p1", i % 3 != 0);
-        }
-        assert!(h.is_healthy("p1"), "not enough requests yet");
-        h.observe("p1", false);
-        assert!(!h.is_healthy("p1"), "4 of 10 failed");
-        for i in 0..30 {
-            h.observe("p2", i % 5 != 0);
-        }
-        assert!(h.is_healthy("p2"), "20% stays under the 30% threshold");
-    }
-
-    #[test]
-    fn active_checks_use_thresholds_and_passive_can_be_disabled() {
-        let h = health(0);
-        for _ in 0..10 {
-            h.observe("d1", false);
-        }
-        assert!(h.is_healthy("d1"));
-        h.check_result("d1", false, "503");
-        assert!(h.is_healthy("d1"));
-        h.check_result("d1", false, "503");
-        assert!(!h.is_healthy("d1"));
-        h.check_result("d1", true, "");
-        assert!(!h.is_healthy("d1"));
-        h.check_result("d1", true, "");
-        assert!(h.is_healthy("d1"));
-        h.sync(vec![target("d2", Role::Decode)]);
-        assert_eq!(h.targets().len(), 1);
-        assert!(h.is_healthy("p1"), "unknown endpoints count as healthy");
-    }
-}
+mod tests;

@@ -7,6 +7,7 @@
 
 pub mod health;
 pub mod policy;
+pub mod reliability;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

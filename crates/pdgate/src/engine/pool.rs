@@ -27,12 +27,14 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
+use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::engine::guarded::{GuardedBody, OnEnd};
+use crate::error::{ConfigError, field_error};
 
 type Sender = http1::SendRequest<Full<Bytes>>;
 
@@ -57,15 +59,47 @@ impl PoolError {
     }
 }
 
-/// Pool settings.
-#[derive(Clone, Copy, Debug)]
+/// The `pool` section: engine connections (the file's keys `connect_timeout`,
+/// `pool_idle_timeout`, `pool_max_idle_per_engine`).
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
-    /// Bound on opening a TCP connection.
+    /// Bound on establishing a TCP connection to an engine.
+    #[serde(with = "crate::durations::text")]
     pub connect_timeout: Duration,
-    /// Connections idle for longer are closed.
+    /// An idle engine connection older than this is closed instead of reused.
+    #[serde(rename = "pool_idle_timeout", with = "crate::durations::text")]
     pub idle_timeout: Duration,
-    /// Idle connections kept per engine; more are closed when their response ends.
+    /// Connections to one engine kept open while idle, for reuse; more are closed when their
+    /// response ends.
+    #[serde(rename = "pool_max_idle_per_engine")]
     pub max_idle_per_engine: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            connect_timeout: Duration::from_secs(5),
+            // The engines' own keep-alive timeouts (vLLM's uvicorn: 5 s) usually close first.
+            idle_timeout: Duration::from_secs(60),
+            max_idle_per_engine: 4096,
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Checks the section, naming the key at fault.
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        for (field, d) in [
+            ("connect_timeout", self.connect_timeout),
+            ("pool_idle_timeout", self.idle_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(field_error(field, "must be greater than zero"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The engine client: cheap to clone, all clones share the connections.

@@ -13,8 +13,8 @@ use tracing::debug;
 
 use crate::error::GatewayError;
 use crate::headers;
-use crate::http::budget::{BodyBudget, Reservation};
 use crate::pd::{Answer, Exchange};
+use crate::security::budget::{BodyBudget, Reservation};
 use crate::state::Gateway;
 
 /// Largest request head (names and values) answered with more than a 431.
@@ -111,7 +111,12 @@ pub(crate) async fn read_request_body(
     body: Body,
 ) -> Result<Bytes, GatewayError> {
     let after = gw.config.security.request_body_timeout;
-    let read = read_body(headers, body, gw.config.max_body_bytes, &gw.body_budget);
+    let read = read_body(
+        headers,
+        body,
+        gw.config.http.max_body_bytes,
+        &gw.body_budget,
+    );
     tokio::time::timeout(after, read)
         .await
         .unwrap_or(Err(GatewayError::BodyTimeout { after }))

@@ -39,7 +39,7 @@ pub(crate) struct ConnectionLimits {
 impl ConnectionLimits {
     pub(crate) fn of(config: &crate::config::Config) -> Self {
         ConnectionLimits {
-            idle: config.client_idle_timeout,
+            idle: config.http.client_idle_timeout,
             max_streams: config.security.max_streams_per_connection,
         }
     }

@@ -2,25 +2,19 @@
 //!
 //! - [`listener`]: the accept loop (HTTP/1.1 and h2c, idle and header-read timeouts).
 //! - [`edge`]: reads the body (size-limited), checks the head, and turns every error into an
-//!   OpenAI-shaped answer with `x-request-id`, recording its outcome. Authentication, TLS and
-//!   path checks belong here too.
+//!   OpenAI-shaped answer with `x-request-id`, recording its outcome. It calls `security` for
+//!   client keys, request-target checks and the body budget.
 //! - [`routes`]: the operational routes (`/v1/models`, `/health`, `/ready`, `/metrics`).
-//! - [`guard`]: the request-target checks (canonical paths only, no `CONNECT`, no absolute form)
-//!   and the pass-through allow-list, with their settings (`[security]`).
 //! - [`passthrough`]: the allow-listed paths, relayed to a decode endpoint (transfer fields
 //!   stripped from the body).
 //!
-//! The OpenAI routes (`/v1/completions`, `/v1/chat/completions`) hand an [`Exchange`] to the PD
-//! flow in `pd`.
+//! The PD routes (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/messages`)
+//! hand an [`Exchange`] to the PD flow in `pd`.
 
-pub(crate) mod auth;
-pub(crate) mod budget;
 pub(crate) mod edge;
-pub(crate) mod guard;
 pub(crate) mod listener;
 pub(crate) mod passthrough;
 pub(crate) mod routes;
-pub(crate) mod tls;
 
 use std::sync::Arc;
 
@@ -29,6 +23,7 @@ use axum::extract::{Request, State};
 use axum::routing::{MethodRouter, get, post};
 
 use crate::pd::{self, Answer, Exchange, Route};
+use crate::security::{auth, guard};
 use crate::state::Gateway;
 
 /// The gateway's routes. A route asked with another method answers 405 through the edge.
@@ -37,6 +32,8 @@ pub(crate) fn router(gw: Arc<Gateway>) -> Router {
     Router::new()
         .route("/v1/completions", only(post(completions)))
         .route("/v1/chat/completions", only(post(chat)))
+        .route("/v1/responses", only(post(responses)))
+        .route("/v1/messages", only(post(messages)))
         .route("/v1/models", only(get(routes::models)))
         .route("/health", only(get(routes::health)))
         .route("/ready", only(get(routes::ready)))
@@ -71,4 +68,12 @@ async fn completions(State(gw): State<Arc<Gateway>>, request: Request) -> Answer
 
 async fn chat(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
     pd_route(gw, Route::Chat, request).await
+}
+
+async fn responses(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
+    pd_route(gw, Route::Responses, request).await
+}
+
+async fn messages(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
+    pd_route(gw, Route::Messages, request).await
 }

@@ -16,10 +16,11 @@ use crate::endpoints::LoadGuard;
 use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg};
 use crate::headers::{self, DECODE_TARGET_HEADER};
-use crate::http::auth::{self, Pass};
-use crate::http::{edge, guard};
+use crate::http::edge;
 use crate::pd::relay::RelayBody;
 use crate::pd::{Answer, Exchange};
+use crate::security::auth::{self, Pass};
+use crate::security::guard;
 use crate::state::Gateway;
 
 /// The fallback route.
@@ -112,12 +113,12 @@ async fn forward(ex: &mut Exchange, request: Request, pass: Pass) -> Result<Answ
         headers: &forwarded,
         extra: &[],
     };
-    let head = client::send_within(&gw.client, leg, gw.config.decode_timeout).await?;
+    let head = client::send_within(&gw.client, leg, gw.config.legs.decode_timeout).await?;
     let (head_parts, body) = head.into_parts();
     let sse = headers::is_event_stream(&head_parts.headers);
     let relay = RelayBody::new(
         body,
-        gw.config.stream_idle_timeout,
+        gw.config.legs.stream_idle_timeout,
         sse,
         vec![load],
         ex.take_record()?,

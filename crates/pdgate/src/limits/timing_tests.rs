@@ -13,11 +13,11 @@ use super::*;
 const QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn admission(metrics: Arc<Metrics>) -> Arc<Admission> {
-    let config = Config {
+    let config = LimitsConfig {
         max_in_flight: 1,
         max_queue: 4,
         queue_timeout: QUEUE_TIMEOUT,
-        ..Config::default()
+        ..LimitsConfig::default()
     };
     Arc::new(Admission::new(&config, metrics))
 }
@@ -96,10 +96,10 @@ async fn each_waiter_gets_its_own_queue_timeout() {
 
 #[tokio::test(start_paused = true)]
 async fn the_retry_budget_refills_with_requests_not_with_time() {
-    let config = Config {
+    let config = LimitsConfig {
         retry_budget_ratio: 0.25,
         retry_budget_min: 1,
-        ..Config::default()
+        ..LimitsConfig::default()
     };
     let b = RetryBudget::new(&config);
     assert!(b.try_withdraw());

@@ -33,11 +33,19 @@ struct PrefillJob {
     forwarded: http::HeaderMap,
     body: Bytes,
     extra: Vec<(http::HeaderName, http::HeaderValue)>,
+    /// Bound on the whole leg.
+    limit: Duration,
 }
 
 impl PrefillJob {
-    fn new(pd: &Pd, request_id: &str, request: kvtransfer::PrefillRequest) -> Self {
+    fn new(
+        pd: &Pd,
+        request_id: &str,
+        request: kvtransfer::PrefillRequest,
+        limit: Duration,
+    ) -> Self {
         PrefillJob {
+            limit,
             endpoint: pd.prefill.clone(),
             path: pd.route.path(),
             request_id: request_id.to_string(),
@@ -69,10 +77,13 @@ fn decode_span(request_id: &str, endpoint: &str, decode_only: bool) -> tracing::
 /// A decode's response head with the endpoint that sent it and the load it holds.
 type DecodeHead = (Response<EngineBody>, Arc<Endpoint>, LoadGuard);
 
-/// Sends the prefill leg and reads its whole (bounded) answer within the prefill timeout.
-/// The outcome feeds passive health (a 4xx is the client's fault, not the engine's).
+/// Sends the prefill leg and reads its whole (bounded) answer within the job's limit, giving up
+/// at once if the endpoint is ejected meanwhile (`reliability.retry_on_ejection`: the caller
+/// retries elsewhere). The outcome feeds passive health (a 4xx is the client's fault, not the
+/// engine's).
 async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, GatewayError> {
     let _load = LoadGuard::acquire(&job.endpoint.load);
+    gw.health.begin(&job.endpoint.name);
     let leg = LegRequest {
         leg: Leg::Prefill,
         endpoint: job.endpoint.target(),
@@ -87,14 +98,28 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
         let head = client::send(&gw.client, leg).await?;
         client::collect(Leg::Prefill, job.endpoint.target(), head).await
     };
-    let limit = gw.config.prefill_timeout;
-    let result = timeout(limit, work).await.unwrap_or_else(|_| {
-        Err(client::timed_out(
-            Leg::Prefill,
-            job.endpoint.target(),
-            limit,
-        ))
-    });
+    let limit = job.limit;
+    let went_down = async {
+        if gw.config.reliability.retry_on_ejection {
+            gw.health.went_down(&job.endpoint.name).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    let result = tokio::select! {
+        done = timeout(limit, work) => done.unwrap_or_else(|_| {
+            Err(client::timed_out(Leg::Prefill, job.endpoint.target(), limit))
+        }),
+        () = went_down => {
+            // Already counted (that is why it is down): not observed again.
+            return Err(client::upstream(
+                Leg::Prefill,
+                job.endpoint.target(),
+                UpstreamKind::Broken,
+                "was taken out of rotation while the request waited for it".into(),
+            ));
+        }
+    };
     let healthy = matches!(&result, Ok(c) if !c.status.is_server_error());
     gw.health.observe(&job.endpoint.name, healthy);
     result
@@ -106,10 +131,17 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     let gw = ex.gw.clone();
     let mut tried = vec![pd.prefill.name.clone()];
     let collected = loop {
+        let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
         let prefill_request =
             pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
-        let collected = prefill_leg(&gw, PrefillJob::new(&pd, &ex.request_id, prefill_request))
+                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
+        let job = PrefillJob::new(
+            &pd,
+            &ex.request_id,
+            prefill_request,
+            gw.config.legs.prefill_timeout,
+        );
+        let collected = prefill_leg(&gw, job)
             .instrument(prefill_span(&ex.request_id, &pd.prefill.name))
             .await;
         let retryable = match &collected {
@@ -165,7 +197,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             pd.prefill_cached = None;
             pd.ctx.req_body.clone()
         }
-        Err(err) => match gw.config.on_prefill_failure {
+        Err(err) => match gw.config.legs.on_prefill_failure {
             PrefillFailurePolicy::Fail => return Err(err),
             PrefillFailurePolicy::Fallback => {
                 warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
@@ -195,9 +227,12 @@ async fn decode_last(
     span: tracing::Span,
 ) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
-    let (head, decode, decode_load) = decode_head(&gw, &pd, &ex.request_id, body)
+    let ((head, decode, decode_load), _) = decode_head(&gw, &pd, &ex.request_id, body)
         .instrument(span)
         .await?;
+    if head.status().is_server_error() {
+        gw.health.observe(&decode.name, false);
+    }
     pd.switch_decode(decode);
     let record = ex.take_record()?;
     Ok(relay::respond(
@@ -212,18 +247,21 @@ async fn decode_last(
     ))
 }
 
-/// Sends the decode leg and waits for its response head within the decode timeout. A
-/// connection failure (nothing was sent) is retried on another decode endpoint.
+/// Sends the decode leg and waits for its response head within the decode timeout; also gives
+/// how long the head took. A connection failure (nothing was sent) is retried on another decode
+/// endpoint. A 5xx head is the caller's to blame (the decode's own failure, or for a concurrent
+/// connector possibly the prefill's).
 async fn decode_head(
     gw: &Gateway,
     pd: &Pd,
     request_id: &str,
     body: Bytes,
-) -> Result<DecodeHead, GatewayError> {
+) -> Result<(DecodeHead, Duration), GatewayError> {
     let mut endpoint = pd.decode.clone();
     let mut tried = vec![endpoint.name.clone()];
     loop {
         let load = LoadGuard::acquire(&endpoint.load);
+        gw.health.begin(&endpoint.name);
         let leg = LegRequest {
             leg: Leg::Decode,
             endpoint: endpoint.target(),
@@ -234,15 +272,11 @@ async fn decode_head(
             headers: &pd.forwarded,
             extra: &[],
         };
-        match client::send_within(&gw.client, leg, gw.config.decode_timeout).await {
-            Ok(head) => {
-                // A decode's success is counted when its body ends cleanly (the relay), not at
-                // the head: a decode that breaks its streams after a 200 must not look healthy.
-                if head.status().is_server_error() {
-                    gw.health.observe(&endpoint.name, false);
-                }
-                return Ok((head, endpoint, load));
-            }
+        let sent = tokio::time::Instant::now();
+        match client::send_within(&gw.client, leg, gw.config.legs.decode_timeout).await {
+            // A decode's success is counted when its body ends cleanly (the relay), not at the
+            // head: a decode that breaks its streams after a 200 must not look healthy.
+            Ok(head) => return Ok(((head, endpoint, load), sent.elapsed())),
             Err(err) => {
                 gw.health.observe(&endpoint.name, false);
                 if err.is_connect_failure()
@@ -317,22 +351,32 @@ async fn first_byte(
 
 /// Both legs at once. The response head is held until the decode's first byte or the
 /// prefill's end, so a prefill failing meanwhile can still be retried (the client has nothing).
+///
+/// Blame by evidence: a decode 5xx that came after `reliability.kv_wait_evidence` while the
+/// prefill had not answered is the decode giving up waiting for KV: it counts against the
+/// prefill, and the request moves to another prefill (or falls back) like a failed prefill.
 pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
     enum Step {
         Prefill(Result<PartnerResult, tokio::task::JoinError>),
-        Decode(Result<DecodeHead, GatewayError>),
+        Decode(Result<(DecodeHead, Duration), GatewayError>),
     }
     let gw = ex.gw.clone();
+    let limit = gw
+        .config
+        .legs
+        .prefill_timeout
+        .min(gw.config.reliability.concurrent_prefill_timeout);
     let mut tried = vec![pd.prefill.name.clone()];
     loop {
+        let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
         let prefill_request =
             pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, &pd.clean)?;
+                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
         pd.agent
             .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
         let prefill_task: AbortOnDropHandle<PartnerResult> = {
             let gw = gw.clone();
-            let job = PrefillJob::new(&pd, &ex.request_id, prefill_request);
+            let job = PrefillJob::new(&pd, &ex.request_id, prefill_request, limit);
             let span = prefill_span(&ex.request_id, &pd.prefill.name);
             AbortOnDropHandle::new(tokio::spawn(
                 async move {
@@ -347,6 +391,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             ))
         };
         let mut partner = Some(prefill_task);
+        let decode_sent = tokio::time::Instant::now();
         let step = {
             let decode = decode_head(&gw, &pd, &ex.request_id, pd.ctx.req_body.clone())
                 .instrument(decode_span(&ex.request_id, &pd.decode.name, false));
@@ -372,35 +417,71 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     Ok(Ok(())) => GatewayError::Internal("prefill outcome lost".into()),
                     Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
                 };
-                retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await?;
-                if let Some(r) = ex.record() {
-                    r.trace().retried();
+                match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
+                    Ok(()) => {
+                        if let Some(r) = ex.record() {
+                            r.trace().retried();
+                        }
+                        continue;
+                    }
+                    Err(err) => return fall_back(ex, pd, err).await,
                 }
-                continue;
             }
         };
-        let (head, decode, decode_load) = match head {
+        let ((head, decode, decode_load), took) = match head {
             Ok(head) => head,
             Err(err) => {
                 abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
                 return Err(err);
             }
         };
+        if head.status().is_server_error() {
+            let kv_wait = partner.is_some() && took >= gw.config.reliability.kv_wait_evidence;
+            if kv_wait {
+                // The prefill never handed its KV over: its failure, not the decode's.
+                drop((partner.take(), head, decode_load));
+                let err = kv_wait_failure(&gw, &pd, &ex.request_id, &decode.name, took);
+                match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
+                    Ok(()) => continue,
+                    Err(err) => return fall_back(ex, pd, err).await,
+                }
+            }
+            gw.health.observe(&decode.name, false);
+        }
         pd.switch_decode(decode);
         let (parts, mut body) = head.into_parts();
         let mut prefix = None;
         if let Some(task) = partner.as_mut() {
-            let idle = gw.config.stream_idle_timeout;
+            let idle = gw.config.legs.stream_idle_timeout;
             match first_byte(&mut body, task, idle, &pd.decode).await {
+                // A streaming decode sends its head before it waits for KV (as vLLM does): an
+                // error event as its first frame, late, with the prefill still silent, is the
+                // same KV-wait failure, and the client has nothing yet.
+                FirstByte::Frame(Some(frame))
+                    if decode_sent.elapsed() >= gw.config.reliability.kv_wait_evidence
+                        && frame.data_ref().is_some_and(|d| relay::is_error_event(d)) =>
+                {
+                    drop((partner.take(), body, decode_load));
+                    let waited = decode_sent.elapsed();
+                    let err = kv_wait_failure(&gw, &pd, &ex.request_id, &pd.decode.name, waited);
+                    match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
+                        Ok(()) => continue,
+                        Err(err) => return fall_back(ex, pd, err).await,
+                    }
+                }
                 FirstByte::Frame(frame) => prefix = frame,
                 FirstByte::PrefillDone => partner = None,
                 FirstByte::PrefillFailed(err) => {
                     drop((body, decode_load));
-                    retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await?;
-                    if let Some(r) = ex.record() {
-                        r.trace().retried();
+                    match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
+                        Ok(()) => {
+                            if let Some(r) = ex.record() {
+                                r.trace().retried();
+                            }
+                            continue;
+                        }
+                        Err(err) => return fall_back(ex, pd, err).await,
                     }
-                    continue;
                 }
                 FirstByte::DecodeFailed(err) => {
                     abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
@@ -428,6 +509,32 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     }
 }
 
+/// A decode gave up waiting for KV (a late 5xx or first-frame error event) while its concurrent
+/// prefill had not answered: logged, counted against the prefill, and returned as the prefill's
+/// (retryable) failure.
+fn kv_wait_failure(
+    gw: &Gateway,
+    pd: &Pd,
+    request_id: &str,
+    decode: &str,
+    waited: Duration,
+) -> GatewayError {
+    warn!(
+        id = %request_id,
+        prefill = %pd.prefill.name,
+        decode,
+        ?waited,
+        "decode gave up waiting for KV while the prefill had not answered; blaming the prefill"
+    );
+    gw.health.observe(&pd.prefill.name, false);
+    client::upstream(
+        Leg::Prefill,
+        pd.prefill.target(),
+        UpstreamKind::Timeout,
+        format!("did not hand its KV over within {waited:?}"),
+    )
+}
+
 /// A concurrent prefill failed before any decode byte reached the client: moves `pd` to
 /// another prefill (the caller restarts both legs), or gives the error back.
 async fn retry_both_legs(
@@ -450,7 +557,6 @@ async fn retry_both_legs(
         None
     };
     let Some(next) = next else {
-        abort::abort_later(gw, pd.agent.as_ref(), &pd.decode, request_id);
         return Err(err);
     };
     warn!(id = %request_id, from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
@@ -458,4 +564,33 @@ async fn retry_both_legs(
     abort::abort_now(gw, pd.agent.as_ref(), &pd.decode, request_id).await;
     tried.push(next.name.clone());
     pd.switch_prefill(request_id, next)
+}
+
+/// The concurrent prefill failed for good before any decode byte reached the client. With
+/// `on_prefill_failure = "fallback"` and a connector whose decode can serve a plain request
+/// ([`kvtransfer::KvTransferAgent::allows_decode_only`]), the decode serves the client's request
+/// alone, marked `x-pdgate-fallback`; otherwise the decode is told to drop the request and the
+/// error goes back. A client error (the prefill refused the request) never falls back.
+async fn fall_back(
+    ex: &mut Exchange,
+    mut pd: Pd,
+    err: GatewayError,
+) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
+    let fallback = gw.config.legs.on_prefill_failure == PrefillFailurePolicy::Fallback
+        && pd.agent.allows_decode_only()
+        && !err.status().is_client_error();
+    // The decode must drop the bootstrapped request before its id is reused (or given up).
+    if !fallback {
+        abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
+        return Err(err);
+    }
+    abort::abort_now(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id).await;
+    warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
+    gw.metrics.count_fallback(pd.served.connector);
+    pd.served.fallback = true;
+    pd.prefill_cached = None;
+    let body = pd.clean.to_bytes();
+    let span = decode_span(&ex.request_id, &pd.decode.name, false);
+    decode_last(ex, pd, body, span).await
 }

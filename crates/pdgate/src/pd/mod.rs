@@ -95,6 +95,9 @@ pub(crate) struct Pd {
     pub(crate) served: Served,
     /// The prefill's reported cached prompt tokens, which the client's usage carries.
     pub(crate) prefill_cached: Option<u32>,
+    /// The prefill leg's base when the route needs one other than `clean`
+    /// ([`Route::prefill_base`]); the agent builds the prefill leg from it.
+    pub(crate) prefill_base: Option<JsonBody>,
 }
 
 impl Pd {
@@ -136,7 +139,7 @@ fn body_error(e: kvtransfer::BodyError) -> GatewayError {
     GatewayError::bad_request(format!("invalid request body: {e}"), None)
 }
 
-/// Serves one completions or chat request: view, select, legs, relay.
+/// Serves one request on a PD route: view, select, legs, relay.
 pub(crate) async fn serve(
     ex: &mut Exchange,
     route: Route,
@@ -155,10 +158,12 @@ pub(crate) async fn serve(
     debug!(id = %ex.request_id, model = ?view.model, stream = view.stream, "request read");
     gw.retry_budget.deposit();
     let snapshot = gw.store.load();
-    let prefix = gw.cache.as_ref().map(|c| {
-        c.model(view.model.as_deref(), &snapshot)
-            .view(&clean, route)
-    });
+    let prefix = match gw.cache.as_ref() {
+        None => None,
+        Some(c) => Some(
+            crate::cache::view_of(c, &gw, &snapshot, &clean, route, view.model.as_deref()).await,
+        ),
+    };
     let select::Pair {
         prefill,
         decode,
@@ -184,9 +189,23 @@ pub(crate) async fn serve(
         ));
     }
     // Before any leg: a request the engines would refuse must not run (and pin KV on) a prefill.
-    agent
-        .check_request(&clean, route.check_endpoint())
-        .map_err(GatewayError::Rejected)?;
+    if let Some(endpoint) = route.check_endpoint() {
+        agent
+            .check_request(&clean, endpoint)
+            .map_err(GatewayError::Rejected)?;
+    }
+    // A route this connector cannot hand over (or a request bound to one engine's state) goes
+    // to the decode alone, as a plain request.
+    let alone = if decode_only {
+        Some("cache-hit")
+    } else if !route.disaggregates(connector)
+        || (route == Route::Responses && crate::route::responses_state(&clean))
+    {
+        Some("route")
+    } else {
+        None
+    };
+    let decode_only = alone.is_some();
     let ctx = context(&ex.request_id, clean.clone());
     if let Some(record) = ex.record() {
         record.set_connector(connector);
@@ -200,8 +219,8 @@ pub(crate) async fn serve(
             model: view.model.as_deref(),
             prefill: &prefill.name,
             decode: &decode.name,
-            prefill_policy: &gw.config.prefill_policy,
-            decode_policy: &gw.config.decode_policy,
+            prefill_policy: &gw.config.policy.prefill_policy,
+            decode_policy: &gw.config.policy.decode_policy,
             decode_only,
             predicted_cached,
         });
@@ -215,7 +234,7 @@ pub(crate) async fn serve(
         decode: decode.name.clone(),
         connector,
         fallback: false,
-        decode_only,
+        decode_only: alone,
         predicted_cached,
         targets: gw.config.security.expose_target_headers,
     };
@@ -225,6 +244,11 @@ pub(crate) async fn serve(
         gw.forward_client_authorization,
         gw.engine_authorization.as_ref(),
     );
+    let prefill_base = if decode_only {
+        None
+    } else {
+        route.prefill_base(&clean)
+    };
     let pd = Pd {
         route,
         forwarded,
@@ -236,6 +260,7 @@ pub(crate) async fn serve(
         model: view.model,
         served,
         prefill_cached: None,
+        prefill_base,
     };
     // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
     // would otherwise hold (and move) that much inline.

@@ -5,11 +5,16 @@
 //! concurrently running prefill leg, and the request's metrics record. It ends on the engine's
 //! end of stream, on silence longer than the idle timeout, or when the concurrent prefill fails;
 //! dropping it (the client left) drops the decode connection and aborts the prefill at once.
+//!
+//! The per-event path is kept short (docs/benchmarks.md, "Streams: where an event's CPU goes"):
+//! a relayed frame costs one clock read and no allocation; the idle timer is not reset per frame
+//! but compared with the last frame's time when it fires (then set again for what is left), and
+//! polled only then or for a new waker; the first byte is recorded once.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -37,15 +42,23 @@ pin_project! {
     pub struct RelayBody {
         #[pin]
         inner: EngineBody,
+        // Fires at the idle deadline as it was when it was last set; the deadline then is
+        // `last_frame + idle_timeout`.
         #[pin]
         idle: Sleep,
         idle_timeout: Duration,
+        last_frame: Instant,
+        // The waker `idle` holds, so that it is polled (registered) again only for another one.
+        idle_waker: Option<Waker>,
+        first_byte: bool,
         partner: Option<AbortOnDropHandle<PartnerResult>>,
         prefix: Option<Frame<Bytes>>,
         sse: bool,
         // The prefill's cached prompt tokens, written into the usage the decode reports.
         cached_tokens: Option<u32>,
         done: bool,
+        // The decode sent an SSE error event: the stream ends as a decode failure.
+        error_event: bool,
         guards: Vec<LoadGuard>,
         record: RequestRecord,
         endpoint: String,
@@ -64,15 +77,20 @@ impl RelayBody {
         record: RequestRecord,
         endpoint: String,
     ) -> Self {
+        let now = Instant::now();
         RelayBody {
             inner,
-            idle: tokio::time::sleep(idle_timeout),
+            idle: tokio::time::sleep_until(now + idle_timeout),
             idle_timeout,
+            last_frame: now,
+            idle_waker: None,
+            first_byte: false,
             partner: None,
             prefix: None,
             sse,
             cached_tokens: None,
             done: false,
+            error_event: false,
             guards,
             record,
             endpoint,
@@ -130,6 +148,72 @@ fn engine_failed(
     }
 }
 
+/// Ready once `deadline` (the last frame's time plus the idle timeout) has passed. `idle` is
+/// polled only when it fired or to hand it a waker it does not hold yet; when it fired before
+/// `deadline` (frames came since it was set), it is set again, to `deadline`.
+fn poll_idle(
+    mut idle: Pin<&mut Sleep>,
+    registered: &mut Option<Waker>,
+    deadline: Instant,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    let fired = idle.is_elapsed();
+    if !fired
+        && registered
+            .as_ref()
+            .is_some_and(|waker| waker.will_wake(cx.waker()))
+    {
+        return Poll::Pending;
+    }
+    if fired && idle.deadline() < deadline {
+        idle.as_mut().reset(deadline);
+    }
+    // Out of budget, the timer returns Pending without holding the waker: not cached then.
+    let armed = tokio::task::coop::has_budget_remaining();
+    let polled = idle.as_mut().poll(cx);
+    if polled.is_pending() {
+        *registered = armed.then(|| cx.waker().clone());
+    }
+    polled
+}
+
+/// Whether an SSE chunk carries an error event (`data: {"error": ...}`, as vLLM and SGLang
+/// write a failure after the head).
+pub(crate) fn is_error_event(data: &[u8]) -> bool {
+    // memchr's SIMD search: this runs on every relayed SSE chunk.
+    memchr::memmem::find(data, b"data: {\"error\"").is_some()
+}
+
+/// The engine's body ended: a success for passive health and the record, unless the decode
+/// reported an error event in it.
+fn finish_clean(
+    health: Option<&Health>,
+    endpoint: &str,
+    error_event: bool,
+    record: &mut RequestRecord,
+) {
+    if error_event {
+        engine_failed(
+            health,
+            record.request_id(),
+            endpoint,
+            "sent an error event",
+            &"SSE error event",
+        );
+        record.finish_error(&GatewayError::Upstream {
+            leg: Leg::Decode,
+            endpoint: endpoint.to_string(),
+            kind: UpstreamKind::Broken,
+            detail: "sent an error event".into(),
+        });
+        return;
+    }
+    if let Some(h) = health {
+        h.observe(endpoint, true);
+    }
+    record.finish_ok();
+}
+
 fn fail(
     done: &mut bool,
     sse: bool,
@@ -176,24 +260,33 @@ impl Body for RelayBody {
         };
         match polled {
             Poll::Ready(Some(Ok(mut frame))) => {
-                if frame.is_data() {
-                    this.record.first_byte();
-                }
-                if let (Some(cached), Some(data)) = (*this.cached_tokens, frame.data_ref())
-                    && let Some(patched) = usage::patch(data, cached, !*this.sse)
-                {
-                    frame = Frame::data(patched);
-                }
-                let deadline = Instant::now() + *this.idle_timeout;
-                this.idle.as_mut().reset(deadline);
-                // A sized body can end with its last frame (hyper then polls no more): finish here.
-                if this.partner.is_none() && this.inner.is_end_stream() {
-                    if let Some(h) = this.health.as_deref() {
-                        h.observe(this.endpoint, true);
+                if let Some(data) = frame.data_ref() {
+                    if !*this.first_byte {
+                        *this.first_byte = true;
+                        this.record.first_byte();
                     }
+                    if *this.sse && !*this.error_event && is_error_event(data) {
+                        *this.error_event = true;
+                    }
+                    if let Some(cached) = *this.cached_tokens
+                        && let Some(patched) = usage::patch(data, cached, !*this.sse)
+                    {
+                        frame = Frame::data(patched);
+                    }
+                }
+                *this.last_frame = Instant::now();
+                // A sized body can end with its last frame (hyper then polls no more, and drops
+                // the body): finish here, with a concurrent prefill still attached too.
+                if this.inner.is_end_stream() {
+                    *this.partner = None;
+                    finish_clean(
+                        this.health.as_deref(),
+                        this.endpoint,
+                        *this.error_event,
+                        this.record,
+                    );
                     *this.done = true;
                     this.guards.clear();
-                    this.record.finish_ok();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -214,17 +307,24 @@ impl Body for RelayBody {
                 fail(this.done, *this.sse, this.guards, this.record, err)
             }
             Poll::Ready(None) => {
-                if let Some(h) = this.health.as_deref() {
-                    h.observe(this.endpoint, true);
-                }
+                finish_clean(
+                    this.health.as_deref(),
+                    this.endpoint,
+                    *this.error_event,
+                    this.record,
+                );
                 *this.done = true;
                 this.guards.clear();
                 *this.partner = None;
-                this.record.finish_ok();
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                ready!(this.idle.as_mut().poll(cx));
+                ready!(poll_idle(
+                    this.idle.as_mut(),
+                    this.idle_waker,
+                    *this.last_frame + *this.idle_timeout,
+                    cx
+                ));
                 engine_failed(
                     this.health.as_deref(),
                     this.record.request_id(),
@@ -288,7 +388,7 @@ pub(crate) fn respond(
     let sse = headers::is_event_stream(&parts.headers);
     let relay = RelayBody::new(
         body,
-        gw.config.stream_idle_timeout,
+        gw.config.legs.stream_idle_timeout,
         sse,
         vec![decode_load],
         record,

@@ -74,7 +74,11 @@ pub(crate) fn pair(
         .filter(|p| p.serves(model) && snap.decode.iter().any(|d| compatible(p, d)))
         .cloned()
         .collect();
-    let prefills = under_cap(gw.config.max_in_flight_per_endpoint, &gw.metrics, prefills)?;
+    let prefills = under_cap(
+        gw.config.limits.max_in_flight_per_endpoint,
+        &gw.metrics,
+        prefills,
+    )?;
     let Some(i) = gw.prefill_policy.pick(&prefills) else {
         return Err(no_pair(snap, model));
     };
@@ -85,7 +89,11 @@ pub(crate) fn pair(
         .filter(|d| compatible(&prefill, d))
         .cloned()
         .collect();
-    let decodes = under_cap(gw.config.max_in_flight_per_endpoint, &gw.metrics, decodes)?;
+    let decodes = under_cap(
+        gw.config.limits.max_in_flight_per_endpoint,
+        &gw.metrics,
+        decodes,
+    )?;
     let j = gw
         .decode_policy
         .pick(&decodes)
@@ -116,10 +124,13 @@ fn pick_by(
     }
     let facts: Vec<Facts> = candidates
         .iter()
-        .map(|e| Facts {
-            blocks: scorer.blocks(e),
-            in_flight: e.load.in_flight(),
-            entries: scorer.entries(e),
+        .map(|e| {
+            let (blocks, entries) = scorer.facts(e);
+            Facts {
+                blocks,
+                in_flight: e.load.in_flight(),
+                entries,
+            }
         })
         .collect();
     let choice = score::choose(&facts, view, &cache.config)?;
@@ -144,7 +155,7 @@ fn cache_pair(
     model: Option<&str>,
     view: &PrefixView,
 ) -> Result<Pair, GatewayError> {
-    let cap = gw.config.max_in_flight_per_endpoint;
+    let cap = gw.config.limits.max_in_flight_per_endpoint;
     let mc = cache.model(model, snap);
     let mut scorer = mc.lock();
     scorer.prepare(view);
@@ -272,11 +283,11 @@ pub(crate) fn retry_target(
     decode: &Endpoint,
     tried: &[String],
 ) -> Option<Arc<Endpoint>> {
-    if tried.len() > gw.config.max_retries as usize {
+    if tried.len() > gw.config.legs.max_retries as usize {
         return None;
     }
     let snap = gw.store.load();
-    let cap = gw.config.max_in_flight_per_endpoint;
+    let cap = gw.config.limits.max_in_flight_per_endpoint;
     let connector = prefill.connector.as_deref().unwrap_or_default();
     let open = |e: &Arc<Endpoint>| {
         !tried.iter().any(|t| t == &e.name)

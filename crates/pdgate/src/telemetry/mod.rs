@@ -68,8 +68,8 @@ pub struct TelemetryConfig {
     pub otlp_queue_size: usize,
     /// Bound on one export call, and on the flush at shutdown.
     #[serde(
-        deserialize_with = "crate::config::de_duration",
-        serialize_with = "crate::config::ser_duration"
+        deserialize_with = "crate::durations::de_duration",
+        serialize_with = "crate::durations::ser_duration"
     )]
     pub otlp_export_timeout: Duration,
 }

@@ -127,8 +127,11 @@ fn set_overrides_any_key_with_or_without_its_section() {
         "ns",
     ]);
     let c = cli.run.load().unwrap();
-    assert_eq!(c.max_in_flight, 0, "--set is applied after the flags");
-    assert_eq!(c.pool_idle_timeout, Duration::from_secs(2));
+    assert_eq!(
+        c.limits.max_in_flight, 0,
+        "--set is applied after the flags"
+    );
+    assert_eq!(c.pool.idle_timeout, Duration::from_secs(2));
     assert_eq!(c.kubernetes.namespace.as_deref(), Some("ns"));
     assert_eq!(c.kubernetes.debounce, Duration::from_millis(500));
     for bad in [
@@ -166,8 +169,8 @@ fn flags_override_the_file() {
     let c = cli.run.load().unwrap();
     assert_eq!(c.prefill.len(), 2);
     assert_eq!(c.decode[0].url, "http://10.0.0.2:8000");
-    assert_eq!(c.prefill_timeout, Duration::from_millis(250));
-    assert_eq!(c.kv_connector, "nixl");
+    assert_eq!(c.legs.prefill_timeout, Duration::from_millis(250));
+    assert_eq!(c.discovery.kv_connector, "nixl");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -201,17 +204,17 @@ fn operation_flags_reach_the_config() {
         "9s",
     ]);
     let c = cli.run.load().unwrap();
-    assert!(!c.health_checks);
-    assert_eq!(c.health_check_interval, Duration::from_millis(250));
-    assert_eq!(c.outlier_consecutive_failures, 0);
-    assert_eq!(c.outlier_error_rate, 0.25);
-    assert_eq!(c.max_retries, 2);
-    assert_eq!(c.retry_budget_ratio, 0.1);
-    assert_eq!((c.max_in_flight, c.max_queue), (8, 0));
-    assert_eq!(c.queue_timeout, Duration::from_secs(1));
-    assert_eq!(c.max_in_flight_per_endpoint, 3);
-    assert_eq!(c.drain_delay, Duration::ZERO);
-    assert_eq!(c.shutdown_timeout, Duration::from_secs(9));
+    assert!(!c.health.health_checks);
+    assert_eq!(c.health.health_check_interval, Duration::from_millis(250));
+    assert_eq!(c.health.consecutive_failures, 0);
+    assert_eq!(c.health.error_rate, 0.25);
+    assert_eq!(c.legs.max_retries, 2);
+    assert_eq!(c.limits.retry_budget_ratio, 0.1);
+    assert_eq!((c.limits.max_in_flight, c.limits.max_queue), (8, 0));
+    assert_eq!(c.limits.queue_timeout, Duration::from_secs(1));
+    assert_eq!(c.limits.max_in_flight_per_endpoint, 3);
+    assert_eq!(c.shutdown.drain_delay, Duration::ZERO);
+    assert_eq!(c.shutdown.shutdown_timeout, Duration::from_secs(9));
     c.validate(&Registry::with_builtins()).unwrap();
     for (toml, field) in [
         ("health_check_interval = 0", "health_check_interval"),
@@ -244,7 +247,7 @@ fn a_bootstrap_port_from_flags_reaches_prefills_without_their_own() {
         "8999",
     ]);
     let c = cli.run.load().unwrap();
-    assert_eq!(c.bootstrap_port, Some(8999));
+    assert_eq!(c.discovery.bootstrap_port, Some(8999));
     let pods = c.pods().unwrap();
     assert_eq!(pods[0].mooncake_bootstrap_port(), 8999);
     assert_eq!(pods[0].sglang_bootstrap_port(), 8999);

@@ -11,8 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rand::Rng;
+use serde::{Deserialize, Serialize};
 
 use crate::endpoints::Endpoint;
+use crate::error::{ConfigError, field_error};
 
 /// Picks one endpoint among non-empty candidates.
 pub trait Policy: Send + Sync + Debug {
@@ -46,6 +48,43 @@ pub fn by_name(name: &str) -> Option<Box<dyn Policy>> {
         "power_of_two" => Some(Box::new(PowerOfTwo)),
         "cache_aware" => Some(Box::new(CacheAware)),
         _ => None,
+    }
+}
+
+/// The `policy` section: which policy picks each role's endpoint.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    /// Prefill selection policy.
+    pub prefill_policy: String,
+    /// Decode selection policy.
+    pub decode_policy: String,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            prefill_policy: "round_robin".into(),
+            decode_policy: "least_request".into(),
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Checks the section, naming the key at fault.
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        for (field, name) in [
+            ("prefill_policy", &self.prefill_policy),
+            ("decode_policy", &self.decode_policy),
+        ] {
+            if by_name(name).is_none() {
+                return Err(field_error(
+                    field,
+                    format!("unknown policy {name:?} (valid: {})", NAMES.join(", ")),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -73,7 +73,12 @@ async fn relay(authority: &str, sse: bool) -> RelayBody {
 /// Reads `body` to its end: the data chunks, the error that ended it (if any) and when.
 async fn drain(body: RelayBody) -> (Vec<Bytes>, Option<GatewayError>, Instant) {
     // `frame()` wants an `Unpin` body; the relay holds a timer.
-    let mut body = Box::pin(body);
+    drain_pinned(Box::pin(body)).await
+}
+
+async fn drain_pinned(
+    mut body: Pin<Box<RelayBody>>,
+) -> (Vec<Bytes>, Option<GatewayError>, Instant) {
     let mut chunks = Vec::new();
     let read = async {
         loop {
@@ -145,4 +150,49 @@ async fn an_event_stream_ends_its_silence_with_an_error_event() {
     let event = String::from_utf8_lossy(&chunks[1]);
     assert!(event.contains("error"), "{event}");
     assert_eq!(at - start, IDLE);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_idle_timeout_counts_from_the_last_of_many_chunks() {
+    // Chunks a second apart for longer than the timeout: the timer, set once, fires while they
+    // still come and is set again from the last one each time.
+    let script: Vec<(Duration, &'static str)> = (0..100)
+        .map(|_| (Duration::from_secs(1), "data: t\n\n"))
+        .collect();
+    let (authority, _engine) = engine(script).await;
+    let start = Instant::now();
+    let body = relay(&authority, false).await;
+    let (chunks, err, at) = drain(body).await;
+    assert_eq!(chunks.len(), 100);
+    assert_silent_decode(err);
+    assert_eq!(at - start, Duration::from_secs(100) + IDLE);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_read_on_by_another_task_still_times_out() {
+    // The timer holds the waker of the task that polled first; another task reading on must be
+    // woken at the deadline too.
+    let (authority, _engine) = engine(vec![
+        (Duration::ZERO, "data: a\n\n"),
+        (Duration::from_secs(10), "data: b\n\n"),
+    ])
+    .await;
+    let start = Instant::now();
+    let mut body = Box::pin(relay(&authority, false).await);
+    let first = tokio::spawn(async move {
+        let frame = body.frame().await.unwrap().unwrap();
+        // Polled once more here, so that the timer takes this task's waker.
+        let pending = futures_util::poll!(body.frame());
+        assert!(pending.is_pending());
+        (frame, body)
+    });
+    let (frame, body) = first.await.unwrap();
+    assert_eq!(
+        frame.into_data().unwrap(),
+        Bytes::from_static(b"data: a\n\n")
+    );
+    let (chunks, err, at) = drain_pinned(body).await;
+    assert_eq!(chunks, vec![Bytes::from_static(b"data: b\n\n")]);
+    assert_silent_decode(err);
+    assert_eq!(at - start, Duration::from_secs(10) + IDLE);
 }

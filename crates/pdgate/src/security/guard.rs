@@ -13,7 +13,7 @@ use http::{HeaderValue, Method, Uri, Version};
 use serde::{Deserialize, Serialize};
 
 use crate::error::GatewayError;
-use crate::http::auth::Secret;
+use crate::security::auth::Secret;
 
 /// The `[security]` section of the configuration.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -24,8 +24,8 @@ pub struct SecurityConfig {
     pub passthrough: Vec<String>,
     /// A request body must be read completely within this long of its head (408 otherwise).
     #[serde(
-        deserialize_with = "crate::config::de_duration",
-        serialize_with = "crate::config::ser_duration"
+        deserialize_with = "crate::durations::de_duration",
+        serialize_with = "crate::durations::ser_duration"
     )]
     pub request_body_timeout: Duration,
     /// Total bytes of request bodies being read at once (0: unbounded). A body that does not
@@ -33,8 +33,8 @@ pub struct SecurityConfig {
     pub max_buffered_body_bytes: usize,
     /// How long a body waits for room in `max_buffered_body_bytes`.
     #[serde(
-        deserialize_with = "crate::config::de_duration",
-        serialize_with = "crate::config::ser_duration"
+        deserialize_with = "crate::durations::de_duration",
+        serialize_with = "crate::durations::ser_duration"
     )]
     pub body_budget_wait: Duration,
     /// HTTP/2: streams (requests) one connection may have open at once; the rest are refused
@@ -45,7 +45,7 @@ pub struct SecurityConfig {
     pub api_keys: Vec<Secret>,
     /// Named clients, each with its own key and optional limits (`[[security.clients]]`):
     /// `name`, `key`, `requests_per_second`, `max_in_flight`.
-    pub clients: Vec<crate::http::auth::ClientConfig>,
+    pub clients: Vec<crate::security::auth::ClientConfig>,
     /// A file of client API keys, one per line (`#` comments), re-read when it changes.
     pub api_keys_file: Option<PathBuf>,
     /// Sent to every engine as `Authorization: Bearer KEY` (engines started with `--api-key`).
@@ -74,21 +74,15 @@ pub struct SecurityConfig {
     pub engine_client_key: Option<PathBuf>,
     /// How often `api_keys_file` and the TLS files are checked for changes.
     #[serde(
-        deserialize_with = "crate::config::de_duration",
-        serialize_with = "crate::config::ser_duration"
+        deserialize_with = "crate::durations::de_duration",
+        serialize_with = "crate::durations::ser_duration"
     )]
     pub reload_interval: Duration,
 }
 
 /// The pass-through paths allowed by default: the OpenAI and vLLM routes that neither carry KV
-/// transfer nor change engine state.
-pub const DEFAULT_PASSTHROUGH: [&str; 5] = [
-    "/v1/embeddings",
-    "/v1/responses",
-    "/v1/messages",
-    "/tokenize",
-    "/detokenize",
-];
+/// transfer nor change engine state (`/v1/responses` and `/v1/messages` are PD routes).
+pub const DEFAULT_PASSTHROUGH: [&str; 3] = ["/v1/embeddings", "/tokenize", "/detokenize"];
 
 impl Default for SecurityConfig {
     fn default() -> Self {

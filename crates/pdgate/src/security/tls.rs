@@ -22,7 +22,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::http::guard::SecurityConfig;
+use crate::security::guard::SecurityConfig;
 
 /// Why TLS settings could not be loaded; names the file.
 #[derive(Debug, thiserror::Error)]

@@ -202,7 +202,7 @@ fn presented(headers: &HeaderMap) -> Option<&[u8]> {
 impl ClientKeys {
     /// The keys of `config` (a missing or unreadable key file is a start-up error).
     pub(crate) fn new(
-        config: &crate::http::guard::SecurityConfig,
+        config: &crate::security::guard::SecurityConfig,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<Self> {
         let from_file = match &config.api_keys_file {
@@ -313,7 +313,7 @@ impl ClientKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::guard::SecurityConfig;
+    use crate::security::guard::SecurityConfig;
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -1,0 +1,113 @@
+//! Unit tests of endpoint health: passive ejection, error rates, recovery.
+
+use super::*;
+
+fn target(name: &str, role: Role) -> ProbeTarget {
+    ProbeTarget {
+        name: name.into(),
+        role,
+        health_url: format!("http://{name}/health"),
+        query_url: None,
+        models_url: None,
+        authorization: None,
+    }
+}
+
+fn health(consecutive: u32) -> Health {
+    let config = HealthConfig {
+        consecutive_failures: consecutive,
+        error_rate: 0.0,
+        base_ejection: Duration::from_secs(10),
+        max_ejection: Duration::from_secs(25),
+        unhealthy_threshold: 2,
+        healthy_threshold: 2,
+        ..HealthConfig::default()
+    };
+    let h = Health::new(&config, Arc::new(Metrics::new()));
+    h.sync(vec![
+        target("p1", Role::Prefill),
+        target("p2", Role::Prefill),
+        target("d1", Role::Decode),
+    ]);
+    h
+}
+
+#[test]
+fn consecutive_traffic_failures_eject_and_half_open_decides() {
+    let h = health(3);
+    h.observe("p1", false);
+    h.observe("p1", false);
+    h.observe("p1", true);
+    h.observe("p1", false);
+    h.observe("p1", false);
+    assert!(h.unhealthy().is_empty(), "a success resets the count");
+    h.observe("p1", false);
+    assert_eq!(h.unhealthy(), BTreeSet::from(["p1".to_string()]));
+    // The last healthy prefill is never ejected.
+    for _ in 0..10 {
+        h.observe("p2", false);
+    }
+    assert!(h.is_healthy("p2"));
+    // Back-off over: half-open; one failure ejects again for twice as long.
+    let later = Instant::now() + Duration::from_secs(11);
+    h.tick(later);
+    assert!(h.unhealthy().is_empty());
+    h.observe("p1", false);
+    assert!(!h.is_healthy("p1"));
+    h.tick(Instant::now() + Duration::from_secs(15));
+    assert!(!h.is_healthy("p1"), "second period is 20 s");
+    h.tick(Instant::now() + Duration::from_secs(21));
+    assert!(h.is_healthy("p1"));
+    h.observe("p1", true);
+    h.observe("p1", false);
+    assert!(
+        h.is_healthy("p1"),
+        "a success on probation clears the record"
+    );
+}
+
+#[test]
+fn an_error_rate_ejects_without_consecutive_failures() {
+    let config = HealthConfig {
+        consecutive_failures: 0,
+        error_rate: 0.3,
+        min_requests: 10,
+        ..HealthConfig::default()
+    };
+    let h = Health::new(&config, Arc::new(Metrics::new()));
+    h.sync(vec![
+        target("p1", Role::Prefill),
+        target("p2", Role::Prefill),
+    ]);
+    // Every third request fails: never two in a row, but a third of the traffic.
+    for i in 0..9 {
+        h.observe("p1", i % 3 != 0);
+    }
+    assert!(h.is_healthy("p1"), "not enough requests yet");
+    h.observe("p1", false);
+    assert!(!h.is_healthy("p1"), "4 of 10 failed");
+    for i in 0..30 {
+        h.observe("p2", i % 5 != 0);
+    }
+    assert!(h.is_healthy("p2"), "20% stays under the 30% threshold");
+}
+
+#[test]
+fn active_checks_use_thresholds_and_passive_can_be_disabled() {
+    let h = health(0);
+    for _ in 0..10 {
+        h.observe("d1", false);
+    }
+    assert!(h.is_healthy("d1"));
+    h.check_result("d1", false, "503");
+    assert!(h.is_healthy("d1"));
+    h.check_result("d1", false, "503");
+    assert!(!h.is_healthy("d1"));
+    h.check_result("d1", true, "");
+    assert!(!h.is_healthy("d1"));
+    h.check_result("d1", true, "");
+    assert!(h.is_healthy("d1"));
+    h.sync(vec![target("d2", Role::Decode)]);
+    assert_eq!(h.targets().len(), 1);
+    assert!(h.is_healthy("p1"), "unknown endpoints count as healthy");
+}

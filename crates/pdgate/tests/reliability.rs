@@ -1,0 +1,241 @@
+//! Reliability behaviours one request at a time: outcomes that tell the truth, the decode-alone
+//! fallback of concurrent connectors, half-open probes, and legs released when their endpoint is
+//! taken out of rotation. (The load campaign is in `faults.rs`.)
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use pdsim::{Connector, Faults, Role};
+use serde_json::json;
+
+/// `pdgate_requests_total` summed over the samples whose labels contain `outcome="..."`.
+fn outcome(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("pdgate_requests_total{"))
+        .filter(|l| l.contains(&format!("outcome=\"{name}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn failing() -> Faults {
+    Faults {
+        error_rate: 1.0,
+        ..Faults::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_tell_the_truth() {
+    for connector in [Connector::Shfs, Connector::Mooncake, Connector::Sglang] {
+        let fleet = pair(connector, |c| c.health.health_checks = false).await;
+        // A decode 5xx passed back is a decode error, not a success (nor, for a concurrent
+        // connector's sized body, a cancel).
+        fleet.decode[0].set_faults(failing());
+        for stream in [false, true] {
+            let r = fleet
+                .post_bounded("/v1/completions", &completion(stream))
+                .await;
+            assert_eq!(r.status(), 500, "{connector:?}");
+            let _ = r.bytes().await;
+        }
+        fleet.decode[0].set_faults(Faults::default());
+        let r = fleet
+            .post_bounded("/v1/completions", &completion(false))
+            .await;
+        assert_eq!(r.status(), 200);
+        let _ = r.bytes().await;
+        fleet.wait_idle().await;
+        let m = fleet.metrics().await;
+        assert_eq!(outcome(&m, "decode_error"), 2.0, "{connector:?}: {m}");
+        assert_eq!(outcome(&m, "success"), 1.0, "{connector:?}: {m}");
+        assert_eq!(outcome(&m, "cancelled"), 0.0, "{connector:?}: {m}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_refusing_an_unknown_model_is_a_client_error() {
+    // Nobody configured the models: the gateway asks the engines, which refuse.
+    let fleet = start(
+        vec![sim(Role::Prefill, Connector::Shfs)],
+        vec![sim(Role::Decode, Connector::Shfs)],
+        |c| {
+            for e in c.prefill.iter_mut().chain(c.decode.iter_mut()) {
+                e.model = None;
+            }
+        },
+    )
+    .await;
+    let r = fleet
+        .post_bounded(
+            "/v1/completions",
+            &json!({"model": "nope", "prompt": "x", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(r.status(), 404);
+    let m = fleet.metrics().await;
+    assert_eq!(outcome(&m, "client_error"), 1.0, "{m}");
+    assert_eq!(outcome(&m, "prefill_error"), 0.0, "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_mooncake_prefill_falls_back_to_the_decode_alone() {
+    let fleet = pair(Connector::Mooncake, |c| c.health.health_checks = false).await;
+    fleet.prefill[0].set_faults(failing());
+    for stream in [false, true] {
+        let r = fleet
+            .post_bounded("/v1/completions", &completion(stream))
+            .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-pdgate-fallback"], "prefill-failed");
+        let text = text_of(&r.text().await.unwrap());
+        assert!(!text.is_empty());
+    }
+    fleet.wait_idle().await;
+    let m = fleet.metrics().await;
+    assert_eq!(outcome(&m, "fallback"), 2.0, "{m}");
+    // No KV moved: the decode computed the prompt itself.
+    assert_eq!(fleet.decode[0].stats().transfers_pulled, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_sglang_prefill_cannot_fall_back_and_aborts_the_decode() {
+    // SGLang decode servers wait for a bootstrap room: no plain request can be served there.
+    let fleet = pair(Connector::Sglang, |c| c.health.health_checks = false).await;
+    fleet.prefill[0].set_faults(failing());
+    let r = fleet
+        .post_bounded("/v1/completions", &completion(false))
+        .await;
+    assert_eq!(r.status(), 500);
+    assert!(r.headers().get("x-pdgate-fallback").is_none());
+    let _ = r.bytes().await;
+    let mut aborted = 0;
+    for _ in 0..100 {
+        aborted = fleet.decode[0].stats().requests.abort_requests;
+        if aborted > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(aborted, 1);
+    let m = fleet.metrics().await;
+    assert_eq!(outcome(&m, "prefill_error"), 1.0, "{m}");
+}
+
+/// An ejected prefill comes back half-open: the first request is its probe, and while that
+/// probe is under way every other request goes to its healthy peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_admits_one_probe_before_full_traffic() {
+    let fleet = two_prefills_one_decode(Connector::Shfs, |c| {
+        c.health.health_checks = false;
+        c.health.consecutive_failures = 1;
+        c.health.base_ejection = Duration::from_millis(300);
+        c.health.max_ejection = Duration::from_millis(300);
+        c.policy.prefill_policy = "round_robin".into();
+    })
+    .await;
+    let sick = fleet.prefill[0].addr().to_string();
+    fleet.prefill[0].set_faults(failing());
+    // Round robin: within two requests one meets the failing prefill and ejects it.
+    for _ in 0..2 {
+        let r = fleet
+            .post_bounded("/v1/completions", &completion(false))
+            .await;
+        assert_eq!(r.status(), 200);
+    }
+    let m = fleet.metrics().await;
+    assert!(m.contains(&format!(
+        "pdgate_endpoint_healthy{{role=\"prefill\",endpoint=\"{sick}\"}} 0"
+    )));
+    // Healed but slow; the ejection ends.
+    fleet.prefill[0].set_faults(Faults {
+        first_byte_delay_ms: 600,
+        ..Faults::default()
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = fleet.prefill[0].stats().requests.completions;
+    // Sent together: one of them is the probe, the others must not follow it.
+    let body = completion(false);
+    let burst: Vec<_> = (0..6)
+        .map(|_| fleet.post_bounded("/v1/completions", &body))
+        .collect();
+    let probe_and_rest = futures_util::future::join_all(burst);
+    let later = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let mut to_sick = 0;
+        for _ in 0..6 {
+            let r = fleet
+                .post_bounded("/v1/completions", &completion(false))
+                .await;
+            assert_eq!(r.status(), 200);
+            to_sick += usize::from(r.headers()["prefill-target-pod"] == sick.as_str());
+        }
+        to_sick
+    };
+    let (answers, to_sick_meanwhile) = tokio::join!(probe_and_rest, later);
+    assert!(answers.iter().all(|r| r.status() == 200));
+    assert_eq!(to_sick_meanwhile, 0, "traffic waited for the probe");
+    let probes = fleet.prefill[0].stats().requests.completions - before;
+    assert!(
+        probes <= 2,
+        "{probes} requests reached the half-open prefill"
+    );
+    // The probe succeeded: full traffic again.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut to_sick = 0;
+    for _ in 0..4 {
+        let r = fleet
+            .post_bounded("/v1/completions", &completion(false))
+            .await;
+        to_sick += usize::from(r.headers()["prefill-target-pod"] == sick.as_str());
+    }
+    assert!(to_sick >= 1, "the healed prefill takes traffic again");
+    fleet.wait_idle().await;
+}
+
+/// Requests waiting for a prefill's answer are released the moment it is taken out of rotation
+/// (here by its health checks) and retried on its peer, instead of waiting out the prefill
+/// timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_on_an_ejected_prefill_are_retried_at_once() {
+    let fleet = two_prefills_one_decode(Connector::Shfs, |c| {
+        c.legs.prefill_timeout = Duration::from_secs(30);
+        c.health.health_check_interval = Duration::from_millis(100);
+        c.health.health_check_timeout = Duration::from_millis(200);
+        c.health.unhealthy_threshold = 2;
+        c.policy.prefill_policy = "round_robin".into();
+        c.limits.retry_budget_min = 20;
+    })
+    .await;
+    fleet.prefill[0].set_faults(Faults {
+        hang: true,
+        dead: true,
+        ..Faults::default()
+    });
+    let started = Instant::now();
+    let body = completion(false);
+    let answers = futures_util::future::join_all(
+        (0..6).map(|_| fleet.post_bounded("/v1/completions", &body)),
+    )
+    .await;
+    assert!(answers.iter().all(|r| r.status() == 200));
+    // Far below the 30 s prefill timeout: released by the health checks (~200 ms).
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    let m = fleet.metrics().await;
+    let retries: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("pdgate_retries_total{leg=\"prefill\"}"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(retries >= 1.0, "{m}");
+    fleet.prefill[0].set_faults(Faults::default());
+    fleet.wait_idle().await;
+}
