@@ -158,14 +158,9 @@ async fn run_spread(kind: WorkloadKind, arm: Arm, blocks: usize) -> (Report, Vec
     cfg.oracle_limit = Some((2, blocks));
     cfg.engine_metrics = fleet.prefill.iter().map(|e| e.base_url()).collect();
     cfg.output_len = pdbench::dist::Dist::Fixed(4);
-    // Multi-turn at one client: a turn's place in the queue then does not depend on timing,
-    // so round robin's share does not vary from run to run.
-    let concurrency = if kind == WorkloadKind::MultiTurn {
-        1
-    } else {
-        2
-    };
-    cfg.load = Load::Closed { concurrency };
+    // One client: a request's place in the sequence then does not depend on timing, so round
+    // robin's share (which engine a prompt's group lands on) does not vary from run to run.
+    cfg.load = Load::Closed { concurrency: 1 };
     cfg.timeout = Duration::from_secs(30);
     let report = tokio::time::timeout(
         Duration::from_secs(120),
