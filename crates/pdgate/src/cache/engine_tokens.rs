@@ -15,10 +15,11 @@ use serde::Deserialize;
 use tracing::debug;
 
 use crate::endpoints::Snapshot;
+use crate::endpoints::health::Health;
+use crate::engine::EnginePool;
 use crate::engine::client::{self, LegRequest};
 use crate::error::Leg;
 use crate::route::Route;
-use crate::state::Gateway;
 
 /// Remembered token ids by prompt hash, least recently used evicted first.
 #[derive(Debug)]
@@ -114,7 +115,8 @@ impl EngineTokens {
     /// its `/tokenize` within the timeout; `None` on any failure.
     pub(crate) async fn tokens(
         &self,
-        gw: &Gateway,
+        client: &EnginePool,
+        health: &Health,
         snap: &Snapshot,
         body: &JsonBody,
         route: Route,
@@ -131,7 +133,7 @@ impl EngineTokens {
             .filter(|e| e.serves(model));
         let engine = serving
             .clone()
-            .find(|e| gw.health.verified(&e.name))
+            .find(|e| health.verified(&e.name))
             .or_else(|| serving.next())?;
         let headers = http::HeaderMap::new();
         let leg = LegRequest {
@@ -145,7 +147,7 @@ impl EngineTokens {
             extra: &[],
         };
         let work = async {
-            let head = client::send(&gw.client, leg).await.ok()?;
+            let head = client::send(client, leg).await.ok()?;
             let got = client::collect(Leg::Prefill, engine.target(), head)
                 .await
                 .ok()?;

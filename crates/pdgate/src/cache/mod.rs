@@ -332,7 +332,8 @@ fn load_tokenizer(field: String, path: &std::path::Path) -> Result<Arc<HfTokeniz
 /// `cache.engine_tokenize`) from an engine's `/tokenize`, else approximate keys.
 pub(crate) async fn view_of(
     cache: &Cache,
-    gw: &crate::state::Gateway,
+    client: &crate::engine::EnginePool,
+    health: &crate::endpoints::health::Health,
     snap: &Snapshot,
     body: &JsonBody,
     route: Route,
@@ -342,7 +343,7 @@ pub(crate) async fn view_of(
     if let Some(et) = &cache.engine_tokens
         && !mc.has_tokenizer()
         // Boxed: the engine call's future stays off the request's own when the knob is off.
-        && let Some(ids) = Box::pin(et.tokens(gw, snap, body, route, model)).await
+        && let Some(ids) = Box::pin(et.tokens(client, health, snap, body, route, model)).await
     {
         return mc.token_view(&ids);
     }

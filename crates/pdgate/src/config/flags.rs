@@ -14,15 +14,7 @@ use clap::{Arg, ArgMatches, Command};
 use crate::config::{Config, ConfigError};
 use crate::error::field_error;
 
-/// Log output format.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    #[default]
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+pub use crate::telemetry::LogFormat;
 
 mod keys;
 

@@ -161,7 +161,16 @@ pub(crate) async fn serve(
     let prefix = match gw.cache.as_ref() {
         None => None,
         Some(c) => Some(
-            crate::cache::view_of(c, &gw, &snapshot, &clean, route, view.model.as_deref()).await,
+            crate::cache::view_of(
+                c,
+                &gw.client,
+                &gw.health,
+                &snapshot,
+                &clean,
+                route,
+                view.model.as_deref(),
+            )
+            .await,
         ),
     };
     let select::Pair {
