@@ -72,7 +72,12 @@ async fn every_metric_the_dashboard_queries_is_exported() {
     queries(&dashboard, &mut exprs);
     let wanted: BTreeSet<String> = exprs.iter().flat_map(|e| metric_names(e)).collect();
     assert!(wanted.len() > 10, "the dashboard queries {wanted:?}");
-    let fleet = pair(Connector::Shfs, |_| {}).await;
+    // cache_aware on both roles, so the cache panels' metrics are registered too.
+    let fleet = pair(Connector::Shfs, |c| {
+        c.policy.prefill_policy = "cache_aware".into();
+        c.policy.decode_policy = "cache_aware".into();
+    })
+    .await;
     let r = fleet
         .post_bounded("/v1/completions", &completion(true))
         .await;
