@@ -118,13 +118,13 @@ async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     // The configuration first: it says where spans go (`[telemetry]`). The demo exports none.
-    let config = match &cli.command {
-        None => match cli.run.load() {
+    let config = if cli.command.is_some() {
+        None
+    } else {
+        match cli.run.load() {
             Ok(config) => Some(config),
             Err(e) => return fail(&pdgate::Error::from(e)),
-        },
-        #[cfg(feature = "demo")]
-        Some(Command::Demo { .. }) => None,
+        }
     };
     let telemetry_config = config
         .as_ref()
@@ -136,11 +136,13 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let result = match (cli.command, config) {
+    let result = match cli.command {
         #[cfg(feature = "demo")]
-        (Some(Command::Demo { listen }), _) => pdgate::demo::run(listen, shutdown_signal()).await,
-        (None, Some(config)) => serve(cli.run, config).await,
-        (None, None) => Ok(()), // not reached: the serve path loaded its config above
+        Some(Command::Demo { listen }) => pdgate::demo::run(listen, shutdown_signal()).await,
+        None => match config {
+            Some(config) => serve(cli.run, config).await,
+            None => Ok(()), // not reached: without a command the configuration was loaded above
+        },
     };
     telemetry
         .shutdown(telemetry_config.otlp_export_timeout)

@@ -417,13 +417,8 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     Ok(Ok(())) => GatewayError::Internal("prefill outcome lost".into()),
                     Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
                 };
-                match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
-                    Ok(()) => {
-                        if let Some(r) = ex.record() {
-                            r.trace().retried();
-                        }
-                        continue;
-                    }
+                match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
+                    Ok(()) => continue,
                     Err(err) => return fall_back(ex, pd, err).await,
                 }
             }
@@ -441,7 +436,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                 // The prefill never handed its KV over: its failure, not the decode's.
                 drop((partner.take(), head, decode_load));
                 let err = kv_wait_failure(&gw, &pd, &ex.request_id, &decode.name, took);
-                match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
+                match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
                     Ok(()) => continue,
                     Err(err) => return fall_back(ex, pd, err).await,
                 }
@@ -464,7 +459,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     drop((partner.take(), body, decode_load));
                     let waited = decode_sent.elapsed();
                     let err = kv_wait_failure(&gw, &pd, &ex.request_id, &pd.decode.name, waited);
-                    match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
+                    match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
                         Ok(()) => continue,
                         Err(err) => return fall_back(ex, pd, err).await,
                     }
@@ -473,13 +468,8 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                 FirstByte::PrefillDone => partner = None,
                 FirstByte::PrefillFailed(err) => {
                     drop((body, decode_load));
-                    match retry_both_legs(&gw, &mut pd, &ex.request_id, &mut tried, err).await {
-                        Ok(()) => {
-                            if let Some(r) = ex.record() {
-                                r.trace().retried();
-                            }
-                            continue;
-                        }
+                    match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
+                        Ok(()) => continue,
                         Err(err) => return fall_back(ex, pd, err).await,
                     }
                 }
@@ -540,10 +530,11 @@ fn kv_wait_failure(
 async fn retry_both_legs(
     gw: &Gateway,
     pd: &mut Pd,
-    request_id: &str,
+    ex: &mut Exchange,
     tried: &mut Vec<String>,
     err: GatewayError,
 ) -> Result<(), GatewayError> {
+    let request_id = ex.request_id.as_str();
     let next = if err.retryable() {
         select::retry_target(
             gw,
@@ -563,7 +554,11 @@ async fn retry_both_legs(
     // The decode must drop the request before the retry reuses its id.
     abort::abort_now(gw, pd.agent.as_ref(), &pd.decode, request_id).await;
     tried.push(next.name.clone());
-    pd.switch_prefill(request_id, next)
+    pd.switch_prefill(request_id, next)?;
+    if let Some(r) = ex.record() {
+        r.trace().retried();
+    }
+    Ok(())
 }
 
 /// The concurrent prefill failed for good before any decode byte reached the client. With
