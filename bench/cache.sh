@@ -286,9 +286,13 @@ for wl in $WORKLOADS; do
   log "$wl: oracle $(cat "$OUT/oracle-$wl.json")"
 done
 
+CELLS_TOTAL=$((ROUNDS * $(wc -w <<<"$WORKLOADS") * $(wc -w <<<"$ARMS")))
+CELLS_DONE=0
 for round in $(seq 1 "$ROUNDS"); do
   for wl in $WORKLOADS; do
     for arm in $ARMS; do
+      CELLS_DONE=$((CELLS_DONE + 1))
+      log "cell $CELLS_DONE of $CELLS_TOTAL ($((CELLS_TOTAL - CELLS_DONE)) left): round $round, $wl, $arm"
       port=$(free_port)
       reset_caches
       rc=0

@@ -265,6 +265,8 @@ start_gateway() {
 run_cell() {
   local cell="$1" target="$2" pid="$3"
   shift 3
+  CELLS_DONE=$((CELLS_DONE + 1))
+  log "cell ${CELLS_DONE} of ${CELLS_TOTAL:-?} ($((CELLS_TOTAL - CELLS_DONE)) left): $cell $target"
   local t0=0 t1=0 rss=0 warm=0 events=0 stream=0 tokens=0 prev=
   # The CPU sample spans the warm-up too; ratios.py counts its requests (and their events: per
   # stream the tokens, the usage event and [DONE]).
@@ -327,6 +329,12 @@ for gw in $GATEWAYS; do
   fi
 done
 
+# Cells in the whole run, for the progress lines (a target dropped later makes it an upper bound).
+n_targets=$((1 + $(wc -w <<<"$GATEWAYS")))
+CELLS_TOTAL=$(($(wc -w <<<"$MODES") * $(wc -w <<<"$CONCURRENCIES") * n_targets))
+[ "${BENCH_SHARED:-1}" = 1 ] && CELLS_TOTAL=$((CELLS_TOTAL + n_targets))
+[ "$SOAK_STREAMS" -gt 0 ] && CELLS_TOTAL=$((CELLS_TOTAL + n_targets))
+CELLS_DONE=0
 for mode in $MODES; do
   for c in $CONCURRENCIES; do
     cell="$mode-c$c"
