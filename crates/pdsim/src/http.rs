@@ -371,16 +371,7 @@ impl SseState {
         if matches!(self.job.endpoint, Endpoint::Responses | Endpoint::Messages) {
             return self.api_step_chunk();
         }
-        let step = self.step;
-        let last = step == self.last_step;
-        let kv = if last {
-            let choices = std::mem::take(&mut self.choices);
-            let kv = self.job.finish(&choices);
-            self.choices = choices;
-            Some(kv.unwrap_or_else(|| "null".to_owned()))
-        } else {
-            None
-        };
+        let (step, last, kv) = self.begin_step();
         let job = &self.job;
         let h = head(job);
         let mut out = String::with_capacity(256 * self.choices.len());
@@ -414,18 +405,23 @@ impl SseState {
 }
 
 impl SseState {
-    /// One step of a `/v1/responses` or `/v1/messages` stream (one choice: neither has `n`).
-    fn api_step_chunk(&mut self) -> Bytes {
+    /// The step about to be sent, whether it is the last, and on the last the job's finish
+    /// (its transfer params as JSON, `null` without any).
+    fn begin_step(&mut self) -> (usize, bool, Option<String>) {
         let step = self.step;
         let last = step == self.last_step;
-        let kv = if last {
+        let kv = last.then(|| {
             let choices = std::mem::take(&mut self.choices);
             let kv = self.job.finish(&choices);
             self.choices = choices;
-            Some(kv.unwrap_or_else(|| "null".to_owned()))
-        } else {
-            None
-        };
+            kv.unwrap_or_else(|| "null".to_owned())
+        });
+        (step, last, kv)
+    }
+
+    /// One step of a `/v1/responses` or `/v1/messages` stream (one choice: neither has `n`).
+    fn api_step_chunk(&mut self) -> Bytes {
+        let (step, last, kv) = self.begin_step();
         let job = &self.job;
         let h = head(job);
         let mut out = String::with_capacity(512);
