@@ -124,15 +124,10 @@ fn into_sections(table: toml::Table, path: &str) -> Result<toml::Table, ConfigEr
         let key = flags::KEYS.iter().find(|k| !k.in_table && k.name == name);
         let (section, entries) = match (key, value) {
             (Some(k), value) if !(is_flat_section(&name) && value.is_table()) => {
-                (k.section, vec![(name, value)])
+                (k.section.to_string(), vec![(name, value)])
             }
-            (_, toml::Value::Table(t)) if is_flat_section(&name) => {
-                let section = flags::KEYS
-                    .iter()
-                    .find(|k| k.section == name)
-                    .map(|k| k.section);
-                (section.unwrap_or_default(), t.into_iter().collect())
-            }
+            // A section written as its own table: the table's name is the section's.
+            (_, toml::Value::Table(t)) if is_flat_section(&name) => (name, t.into_iter().collect()),
             (_, value) if Config::TABLES.contains(&name.as_str()) => {
                 out.insert(name, value);
                 continue;
@@ -140,7 +135,7 @@ fn into_sections(table: toml::Table, path: &str) -> Result<toml::Table, ConfigEr
             _ => return Err(parse_error(format!("unknown key `{name}`"))),
         };
         let slot = out
-            .entry(section.to_string())
+            .entry(section.clone())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()));
         let toml::Value::Table(slot) = slot else {
             return Err(parse_error(format!("`{section}` is not a table")));
