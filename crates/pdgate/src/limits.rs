@@ -34,6 +34,10 @@ pub struct LimitsConfig {
     pub retry_budget_ratio: f64,
     /// Retry tokens available at start and the bucket's floor capacity.
     pub retry_budget_min: u32,
+    /// The bucket holds `retry_budget_ratio` times the requests of the last window (at least
+    /// `retry_budget_min`): the budget scales with traffic.
+    #[serde(with = "crate::durations::text")]
+    pub retry_budget_window: Duration,
 }
 
 impl Default for LimitsConfig {
@@ -45,6 +49,7 @@ impl Default for LimitsConfig {
             max_in_flight_per_endpoint: 0,
             retry_budget_ratio: 0.2,
             retry_budget_min: 10,
+            retry_budget_window: Duration::from_secs(10),
         }
     }
 }
@@ -52,6 +57,12 @@ impl Default for LimitsConfig {
 impl LimitsConfig {
     /// Checks the section, naming the key at fault.
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.retry_budget_window.is_zero() {
+            return Err(field_error(
+                "retry_budget_window",
+                "must be greater than zero",
+            ));
+        }
         if self.queue_timeout.is_zero() {
             return Err(field_error("queue_timeout", "must be greater than zero"));
         }
@@ -179,30 +190,54 @@ pub(crate) fn under_cap(
     Ok(open)
 }
 
-/// A token bucket bounding retries: each request adds `retry_budget_ratio` of a token (up to
-/// `retry_budget_min` tokens, the start level), each retry takes one. A fleet failing everywhere
-/// then sees at most that share of extra requests, not a retry storm.
+/// A token bucket bounding retries: each request adds `retry_budget_ratio` of a token, each
+/// retry takes one. The bucket's capacity scales with traffic: `retry_budget_ratio` times the
+/// requests of the last complete `retry_budget_window`, at least `retry_budget_min` (also the
+/// start level). A fleet failing everywhere then sees at most that share of extra requests, not
+/// a retry storm, while a busy fleet with one failing endpoint keeps retrying.
 #[derive(Debug)]
 pub struct RetryBudget {
     milli_tokens: AtomicI64,
     per_request: i64,
-    cap: i64,
+    floor: i64,
+    /// The current capacity (milli-tokens).
+    cap: AtomicI64,
+    window: Duration,
+    /// Requests in the current window, and when it began.
+    rate: std::sync::Mutex<(tokio::time::Instant, u64)>,
 }
 
 impl RetryBudget {
     /// The budget of `config`.
     pub fn new(config: &LimitsConfig) -> Self {
-        let cap = i64::from(config.retry_budget_min.max(1)) * 1000;
+        let floor = i64::from(config.retry_budget_min.max(1)) * 1000;
         RetryBudget {
-            milli_tokens: AtomicI64::new(cap),
+            milli_tokens: AtomicI64::new(floor),
             per_request: (config.retry_budget_ratio * 1000.0).round() as i64,
-            cap,
+            floor,
+            cap: AtomicI64::new(floor),
+            window: config.retry_budget_window.max(Duration::from_millis(1)),
+            rate: std::sync::Mutex::new((tokio::time::Instant::now(), 0)),
         }
+    }
+
+    /// Counts one request in the window; a window that is over sets the capacity.
+    fn count(&self) -> i64 {
+        let now = tokio::time::Instant::now();
+        let mut rate = self.rate.lock().unwrap_or_else(|p| p.into_inner());
+        rate.1 += 1;
+        if now.duration_since(rate.0) >= self.window {
+            let requests = i64::try_from(rate.1).unwrap_or(i64::MAX);
+            let cap = self.per_request.saturating_mul(requests).max(self.floor);
+            self.cap.store(cap, Ordering::Release);
+            *rate = (now, 0);
+        }
+        self.cap.load(Ordering::Acquire)
     }
 
     /// One request arrived.
     pub fn deposit(&self) {
-        let (per, cap) = (self.per_request, self.cap);
+        let (per, cap) = (self.per_request, self.count());
         let _ = self
             .milli_tokens
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
@@ -213,6 +248,11 @@ impl RetryBudget {
     /// Retry tokens available now.
     pub fn tokens(&self) -> f64 {
         self.milli_tokens.load(Ordering::Acquire) as f64 / 1000.0
+    }
+
+    /// The bucket's capacity now, in tokens.
+    pub fn capacity(&self) -> f64 {
+        self.cap.load(Ordering::Acquire) as f64 / 1000.0
     }
 
     /// Takes one retry token, if any.
@@ -292,3 +332,44 @@ mod tests {
 
 #[cfg(test)]
 mod timing_tests;
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+
+    /// The capacity follows the last window's request count: ten times the traffic, ten times
+    /// the retries; back to the floor when traffic stops.
+    #[tokio::test(start_paused = true)]
+    async fn the_retry_budget_scales_with_traffic() {
+        let config = LimitsConfig {
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 2,
+            retry_budget_window: Duration::from_secs(10),
+            ..LimitsConfig::default()
+        };
+        let b = RetryBudget::new(&config);
+        assert_eq!(b.capacity(), 2.0);
+        // 1,000 requests within one window, then the window ends.
+        for _ in 0..1000 {
+            b.deposit();
+        }
+        tokio::time::advance(Duration::from_secs(10)).await;
+        b.deposit();
+        assert_eq!(b.capacity(), 200.2);
+        // The bucket fills up to it with the next requests' deposits.
+        for _ in 0..1000 {
+            b.deposit();
+        }
+        let mut retries = 0;
+        while b.try_withdraw() {
+            retries += 1;
+        }
+        assert_eq!(retries, 200, "a share of the recent traffic may be retried");
+        // A quiet window: back to the floor.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        b.deposit();
+        tokio::time::advance(Duration::from_secs(10)).await;
+        b.deposit();
+        assert_eq!(b.capacity(), 2.0);
+    }
+}

@@ -92,6 +92,7 @@ pub struct Metrics {
     rejected: Family<ReasonLabels, Counter>,
     clients: Family<ClientLabels, Counter>,
     retry_budget: Gauge<f64, std::sync::atomic::AtomicU64>,
+    retry_budget_capacity: Gauge<f64, std::sync::atomic::AtomicU64>,
     retries_refused: Family<LegLabels, Counter>,
     /// Requests holding an admission slot.
     pub admitted: Gauge,
@@ -177,8 +178,14 @@ impl Metrics {
         let retry_budget = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         registry.register(
             "retry_budget_tokens",
-            "Retry tokens available (retry_budget_ratio per request, at most retry_budget_min)",
+            "Retry tokens available (retry_budget_ratio per request, up to the capacity)",
             retry_budget.clone(),
+        );
+        let retry_budget_capacity = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "retry_budget_capacity",
+            "Retry bucket capacity: retry_budget_ratio times the last window's requests, at least retry_budget_min",
+            retry_budget_capacity.clone(),
         );
         let retries_refused = Family::<LegLabels, Counter>::default();
         registry.register(
@@ -237,6 +244,7 @@ impl Metrics {
             rejected,
             clients,
             retry_budget,
+            retry_budget_capacity,
             retries_refused,
             admitted,
             queued,
@@ -295,8 +303,9 @@ impl Metrics {
     }
 
     /// Sets the retry tokens available (read at scrape time).
-    pub fn set_retry_budget(&self, tokens: f64) {
+    pub fn set_retry_budget(&self, tokens: f64, capacity: f64) {
         self.retry_budget.set(tokens);
+        self.retry_budget_capacity.set(capacity);
     }
 
     /// Counts an ejection of a `role` endpoint.

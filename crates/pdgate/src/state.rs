@@ -61,6 +61,8 @@ pub struct Gateway {
     pub(crate) draining: AtomicBool,
     /// Cache-aware routing state, when a policy is `cache_aware`.
     pub(crate) cache: Option<Arc<Cache>>,
+    /// Prefills whose bootstrap facts the reconciler must look up again now.
+    pub(crate) requery: crate::endpoints::bootstrap::Requery,
 }
 
 impl Gateway {
@@ -128,7 +130,8 @@ impl Gateway {
             server_tls,
             health: Arc::new(
                 Health::new(&config.health.clone(), metrics.clone())
-                    .with_half_open_probe(config.reliability.half_open_probe),
+                    .with_half_open_probe(config.reliability.half_open_probe)
+                    .with_latency_outliers(config.reliability.latency_rule()),
             ),
             admission: Admission::new(&config.limits, metrics.clone()),
             retry_budget: RetryBudget::new(&config.limits),
@@ -141,6 +144,7 @@ impl Gateway {
             ),
             draining: AtomicBool::new(false),
             cache,
+            requery: Default::default(),
             prefill_policy,
             decode_policy,
             client: EnginePool::with_tls(config.pool, Some(engine_tls)),

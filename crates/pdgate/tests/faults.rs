@@ -888,6 +888,35 @@ async fn send_all(fleet: &Fleet, range: std::ops::Range<usize>, want: &[String])
     row
 }
 
+/// The campaign's fleet: two prefills and two decodes of `connector` with zero delay, health
+/// checks off and one ejection lasting the whole run (the measured requests see the fleet after
+/// detection), unless `tweak` says otherwise.
+async fn campaign_fleet(
+    connector: Connector,
+    tweak: impl FnOnce(&mut Config),
+    engines: impl Fn(&mut SimConfig),
+) -> Fleet {
+    let zero = |role| {
+        let mut c = sim(role, connector);
+        c.handoff_timeout = Duration::from_secs(2);
+        engines(&mut c);
+        c
+    };
+    start(
+        vec![zero(Role::Prefill), zero(Role::Prefill)],
+        vec![zero(Role::Decode), zero(Role::Decode)],
+        |c| {
+            tight(c);
+            c.health.health_checks = false;
+            c.health.base_ejection = Duration::from_secs(60);
+            c.health.max_ejection = Duration::from_secs(60);
+            c.limits.retry_budget_min = 100;
+            tweak(c);
+        },
+    )
+    .await
+}
+
 /// Runs one scenario: fleet, fault, warm-up, measured run; checks the gauges and prints a row.
 /// Returns the measured success share and the metrics text.
 async fn campaign(
@@ -898,30 +927,15 @@ async fn campaign(
     fault: impl FnOnce(&Fleet),
 ) -> (f64, String) {
     let want = oracle().await;
-    let zero = |role| {
-        let mut c = sim(role, connector);
-        c.handoff_timeout = Duration::from_secs(2);
-        engines(&mut c);
-        c
-    };
-    let fleet = start(
-        vec![zero(Role::Prefill), zero(Role::Prefill)],
-        vec![zero(Role::Decode), zero(Role::Decode)],
-        |c| {
-            tight(c);
-            c.health.health_checks = false;
-            // One ejection lasts the whole run: the measured requests see the fleet after
-            // detection.
-            c.health.base_ejection = Duration::from_secs(60);
-            c.health.max_ejection = Duration::from_secs(60);
-            c.limits.retry_budget_min = 100;
-            tweak(c);
-        },
-    )
-    .await;
+    let fleet = campaign_fleet(connector, tweak, engines).await;
     fault(&fleet);
     let warm = send_all(&fleet, 0..WARM_UP, &want).await;
     let row = send_all(&fleet, WARM_UP..WARM_UP + MEASURED, &want).await;
+    finish(name, &fleet, &warm, &row).await
+}
+
+/// Heals every engine, checks that the gauges are back to 0, prints the scenario's row.
+async fn finish(name: &str, fleet: &Fleet, warm: &Row, row: &Row) -> (f64, String) {
     for e in fleet.prefill.iter().chain(fleet.decode.iter()) {
         e.set_faults(Faults::default());
     }
@@ -949,6 +963,78 @@ async fn campaign(
         metric(&metrics, "pdgate_fallbacks_total"),
     );
     (share, metrics)
+}
+
+/// Which engine a restart scenario kills.
+#[derive(Clone, Copy, Debug)]
+enum Victim {
+    Prefill,
+    Decode,
+}
+
+/// One engine killed under load (half of the warm-up in flight), gone for 300 ms, then started
+/// again on the same ports with a new engine id. The detection window is the warm-up plus the
+/// wait until the gateway routes to the restarted engine again (active checks every 100 ms,
+/// ejections of 500 ms); the measured requests then run on the whole fleet again.
+async fn restart_scenario(name: &str, connector: Connector, victim: Victim) -> (f64, String) {
+    let want = oracle().await;
+    let mut fleet = campaign_fleet(
+        connector,
+        |c| {
+            c.health.health_checks = true;
+            c.health.base_ejection = Duration::from_millis(500);
+            c.health.max_ejection = Duration::from_secs(2);
+        },
+        |_| {},
+    )
+    .await;
+    let engine = match victim {
+        Victim::Prefill => fleet.prefill.remove(0),
+        Victim::Decode => fleet.decode.remove(0),
+    };
+    let name_of = engine.addr().to_string();
+    let half = WARM_UP / 2;
+    let (first, back) = tokio::join!(send_all(&fleet, 0..half, &want), async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        restart(engine, Duration::from_millis(300)).await
+    });
+    match victim {
+        Victim::Prefill => fleet.prefill.insert(0, back),
+        Victim::Decode => fleet.decode.insert(0, back),
+    }
+    // Routable again: listed by /ready and not excluded.
+    let role = match victim {
+        Victim::Prefill => "prefill",
+        Victim::Decode => "decode",
+    };
+    ready_until(&fleet, "restarted engine routable", |s, v| {
+        s == 200
+            && v[role].to_string().contains(&name_of)
+            && !v["excluded"].to_string().contains(&name_of)
+    })
+    .await;
+    let second = send_all(&fleet, half..WARM_UP, &want).await;
+    let served_before = served(&fleet, victim);
+    let row = send_all(&fleet, WARM_UP..WARM_UP + MEASURED, &want).await;
+    assert!(
+        served(&fleet, victim) > served_before,
+        "{name}: the restarted engine takes traffic again"
+    );
+    let warm = Row {
+        ok: first.ok + second.ok,
+        errors: Default::default(),
+        worst: first.worst.max(second.worst),
+    };
+    finish(name, &fleet, &warm, &row).await
+}
+
+/// Generation requests the victim (index 0 of its role) has received.
+fn served(fleet: &Fleet, victim: Victim) -> u64 {
+    let e = match victim {
+        Victim::Prefill => &fleet.prefill[0],
+        Victim::Decode => &fleet.decode[0],
+    };
+    e.stats().requests.completions + e.stats().requests.chat_completions
 }
 
 const CONNECTORS: [Connector; 3] = [Connector::Shfs, Connector::Mooncake, Connector::Sglang];
@@ -1062,6 +1148,62 @@ async fn campaign_kv_wait_blames_the_frozen_prefill() {
             0.0,
             "{c:?}: the decodes are not blamed: {metrics}"
         );
+        assert!(
+            metric(&metrics, "pdgate_ejections_total{role=\"prefill\"}") >= 1.0,
+            "{c:?}: {metrics}"
+        );
+    }
+}
+
+/// A prefill restarted (killed under load, back on the same port after 300 ms; for mooncake
+/// with a new engine id, which the decodes refuse when handed the old one). Its bootstrap facts
+/// are looked up again when it comes back, and a request that meets the stale id is retried on
+/// fresh ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_prefill_restarted() {
+    for c in CONNECTORS {
+        let (share, _) =
+            restart_scenario(&each_connector("prefill-restarted", c), c, Victim::Prefill).await;
+        assert!(share >= 0.999, "{c:?}: {share}");
+    }
+}
+
+/// A decode killed under load and restarted on the same port: connect failures are retried on
+/// the other decode, and the restarted one takes traffic again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_decode_killed_and_restarted() {
+    for c in CONNECTORS {
+        let (share, _) =
+            restart_scenario(&each_connector("decode-restarted", c), c, Victim::Decode).await;
+        assert!(share >= 0.999, "{c:?}: {share}");
+    }
+}
+
+/// A prefill answering correctly but 2 s slower than its peer (within every timeout): the
+/// latency outlier rule ejects it in the detection window, the requests waiting on it are
+/// released and retried, and the measured requests never wait for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_prefill_2s_slower() {
+    for c in CONNECTORS {
+        let want = oracle().await;
+        let fleet = campaign_fleet(
+            c,
+            |cfg| {
+                cfg.legs.prefill_timeout = Duration::from_secs(5);
+                cfg.reliability.concurrent_prefill_timeout = Duration::from_secs(5);
+            },
+            |e| e.handoff_timeout = Duration::from_secs(4),
+        )
+        .await;
+        set(&fleet.prefill[0], |x| x.first_byte_delay_ms = 2000);
+        let warm = send_all(&fleet, 0..WARM_UP, &want).await;
+        let before = served(&fleet, Victim::Prefill);
+        let row = send_all(&fleet, WARM_UP..WARM_UP + MEASURED, &want).await;
+        let slow_served = served(&fleet, Victim::Prefill) - before;
+        let (share, metrics) =
+            finish(&each_connector("prefill-2s-slower", c), &fleet, &warm, &row).await;
+        assert!(share >= 0.999, "{c:?}: {share}");
+        assert_eq!(slow_served, 0, "{c:?}: the slow prefill is out of rotation");
         assert!(
             metric(&metrics, "pdgate_ejections_total{role=\"prefill\"}") >= 1.0,
             "{c:?}: {metrics}"

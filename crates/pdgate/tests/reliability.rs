@@ -239,3 +239,91 @@ async fn requests_waiting_on_an_ejected_prefill_are_retried_at_once() {
     fleet.prefill[0].set_faults(Faults::default());
     fleet.wait_idle().await;
 }
+
+/// A Mooncake prefill restarted on the same ports has a new engine id; the decode refuses the
+/// cached one (500). With health checks off nothing else notices: the decode's failure makes
+/// the gateway look the prefill's bootstrap facts up again, and the request is retried once on
+/// the fresh ones (nothing had reached the client), so no request fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_mooncake_prefill_is_served_on_fresh_bootstrap_facts() {
+    let mut fleet = pair(Connector::Mooncake, |c| c.health.health_checks = false).await;
+    for stream in [false, true] {
+        let r = fleet
+            .post_bounded("/v1/completions", &completion(stream))
+            .await;
+        assert_eq!(r.status(), 200);
+        assert!(!text_of(&r.text().await.unwrap()).is_empty());
+    }
+    let prefill = fleet.prefill.remove(0);
+    fleet
+        .prefill
+        .push(restart(prefill, Duration::from_millis(50)).await);
+    for i in 0..6 {
+        let r = fleet
+            .post_bounded("/v1/completions", &completion(i % 2 == 0))
+            .await;
+        assert_eq!(r.status(), 200, "request {i}");
+        assert!(!text_of(&r.text().await.unwrap()).is_empty());
+    }
+    // One request met the stale engine id; it was retried, and nothing else failed.
+    let m = fleet.metrics().await;
+    assert!(
+        !m.contains("pdgate_retries_total{leg=\"prefill\"} 0"),
+        "{m}"
+    );
+    assert!(fleet.decode[0].stats().transfers_failed >= 1);
+    assert_eq!(outcome(&m, "decode_error"), 0.0, "{m}");
+    fleet.wait_idle().await;
+}
+
+/// Requests waiting for a decode's response head are released the moment it is taken out of
+/// rotation (here by its health checks) and run again on another decode, instead of waiting
+/// out the decode timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_on_an_ejected_decode_are_retried_at_once() {
+    for connector in [Connector::Shfs, Connector::Sglang] {
+        let fleet = start(
+            vec![sim(Role::Prefill, connector)],
+            vec![sim(Role::Decode, connector), sim(Role::Decode, connector)],
+            |c| {
+                c.legs.decode_timeout = Duration::from_secs(30);
+                c.health.health_check_interval = Duration::from_millis(100);
+                c.health.health_check_timeout = Duration::from_millis(200);
+                c.health.unhealthy_threshold = 2;
+                c.policy.decode_policy = "round_robin".into();
+                c.limits.retry_budget_min = 20;
+            },
+        )
+        .await;
+        fleet.decode[0].set_faults(Faults {
+            hang: true,
+            dead: true,
+            ..Faults::default()
+        });
+        let started = Instant::now();
+        let body = completion(false);
+        let answers = futures_util::future::join_all(
+            (0..6).map(|_| fleet.post_bounded("/v1/completions", &body)),
+        )
+        .await;
+        assert!(
+            answers.iter().all(|r| r.status() == 200),
+            "{connector:?}: {:?}",
+            answers.iter().map(|r| r.status()).collect::<Vec<_>>()
+        );
+        // Far below the 30 s decode timeout: released by the health checks (~200 ms).
+        assert!(
+            started.elapsed() < Duration::from_secs(8),
+            "{:?}",
+            started.elapsed()
+        );
+        let m = fleet.metrics().await;
+        assert!(
+            m.contains("pdgate_retries_total{leg=\"decode\"}")
+                && !m.contains("pdgate_retries_total{leg=\"decode\"} 0"),
+            "{connector:?}: {m}"
+        );
+        fleet.decode[0].set_faults(Faults::default());
+        fleet.wait_idle().await;
+    }
+}

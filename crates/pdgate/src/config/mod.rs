@@ -243,6 +243,7 @@ impl Config {
         self.pool.validate()?;
         self.health.validate()?;
         self.limits.validate()?;
+        self.reliability.validate()?;
         self.shutdown.validate()?;
         self.security
             .validate()

@@ -91,6 +91,10 @@ async fn lookup_bootstrap(gw: &Gateway, pod: &Pod) -> Result<MooncakeBootstrap, 
     )?)
 }
 
+fn engine_ids(info: &MooncakeBootstrap) -> Vec<&str> {
+    info.ranks.values().map(|r| r.engine_id.as_str()).collect()
+}
+
 /// Bound on each request of a bootstrap lookup.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(3);
 /// Largest `/query` answer read.
@@ -119,7 +123,14 @@ pub(crate) async fn reconcile(
     let mut cache: HashMap<String, CachedBootstrap> = HashMap::new();
     let mut last = String::new();
     let mut last_targets = Vec::new();
+    let mut was_down = std::collections::BTreeSet::new();
     loop {
+        // Asked by requests (a decode failed on that prefill's KV), or back from being down: a
+        // restarted prefill has a new engine id.
+        let (mut asked, ticket) = gw.requery.take();
+        let down = gw.health.unhealthy();
+        asked.extend(was_down.difference(&down).cloned());
+        was_down = down;
         let current = pods.borrow_and_update().clone();
         let targets = probe_targets(&gw, &current);
         if targets != last_targets {
@@ -132,12 +143,18 @@ pub(crate) async fn reconcile(
             let mut pod = pod.clone();
             if needs_lookup(&gw, &pod) && pod.mooncake_bootstrap.is_none() {
                 let key = (pod.ip.clone(), pod.mooncake_bootstrap_port());
-                let fresh = cache.get(&pod.name).is_some_and(|c| {
-                    c.key == key && c.fetched.elapsed() < gw.config.discovery.bootstrap_refresh
-                });
+                let fresh = !asked.contains(&pod.name)
+                    && cache.get(&pod.name).is_some_and(|c| {
+                        c.key == key && c.fetched.elapsed() < gw.config.discovery.bootstrap_refresh
+                    });
                 if !fresh {
                     match lookup_bootstrap(&gw, &pod).await {
                         Ok(info) => {
+                            if let Some(old) = cache.get(&pod.name)
+                                && old.info != info
+                            {
+                                info!(pod = %pod.name, before = ?engine_ids(&old.info), now = ?engine_ids(&info), "mooncake bootstrap facts changed (the prefill restarted)");
+                            }
                             cache.insert(
                                 pod.name.clone(),
                                 CachedBootstrap {
@@ -178,6 +195,7 @@ pub(crate) async fn reconcile(
             }
             last = fingerprint;
         }
+        gw.requery.finished(ticket);
         let wait = if missing {
             Duration::from_secs(1)
         } else {
@@ -187,6 +205,7 @@ pub(crate) async fn reconcile(
             _ = cancel.cancelled() => return,
             changed = pods.changed() => if changed.is_err() { return },
             _ = gw.health.changed() => {}
+            _ = gw.requery.asked() => {}
             _ = tokio::time::sleep(wait) => {}
         }
     }

@@ -19,13 +19,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
-use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::endpoints::Role;
-use crate::engine::EnginePool;
-use crate::engine::probe::{ProbeError, get_ok};
 use crate::error::{ConfigError, field_error};
 use crate::metrics::Metrics;
 
@@ -66,6 +62,8 @@ struct Entry {
     window_start: Instant,
     window_total: u32,
     window_failures: u32,
+    /// Recent answer times (prefills), for latency outliers.
+    latency: latency::Samples,
 }
 
 impl Entry {
@@ -85,6 +83,7 @@ impl Entry {
             window_start: Instant::now(),
             window_total: 0,
             window_failures: 0,
+            latency: latency::Samples::default(),
         }
     }
 
@@ -203,6 +202,8 @@ pub struct Health {
     /// A half-open endpoint takes one probe request before full traffic
     /// (`reliability.half_open_probe`).
     half_open_probe: bool,
+    /// Latency outlier ejection of prefills (`reliability.latency_outlier_*`), if on.
+    latency: Option<LatencyRule>,
     knobs: HealthConfig,
     metrics: Arc<Metrics>,
 }
@@ -219,6 +220,7 @@ impl Health {
             changed: Notify::new(),
             downs: tokio::sync::watch::Sender::new(0),
             half_open_probe: true,
+            latency: None,
             knobs,
             metrics,
         }
@@ -227,6 +229,12 @@ impl Health {
     /// With `on` false, a half-open endpoint takes full traffic at once.
     pub fn with_half_open_probe(mut self, on: bool) -> Self {
         self.half_open_probe = on;
+        self
+    }
+
+    /// Prefills far slower than their peers are ejected by `rule`.
+    pub fn with_latency_outliers(mut self, rule: LatencyRule) -> Self {
+        self.latency = (rule.ratio > 0.0).then_some(rule);
         self
     }
 
@@ -436,6 +444,38 @@ impl Health {
             }
             return;
         }
+        self.eject(&mut map, name, "failing on real traffic");
+    }
+
+    /// Records how long prefill `name` took to answer a request it served: one whose median is
+    /// far above its serving peers' (the latency rule) is ejected like a failing one.
+    pub fn observe_latency(&self, name: &str, took: Duration) {
+        let Some(rule) = self.latency else { return };
+        let now = tokio::time::Instant::now();
+        let mut map = self.lock();
+        let Some(e) = map.get_mut(name) else { return };
+        if e.target.role != Role::Prefill || e.down() {
+            return;
+        }
+        e.latency.push(now, took);
+        let Some(e) = map.get(name) else { return };
+        let mut peers = map
+            .values()
+            .filter(|p| p.target.role == Role::Prefill && p.target.name != name && p.serving())
+            .peekable();
+        if peers.peek().is_none() {
+            return;
+        }
+        let Some((own, theirs)) = rule.outlier(&e.latency, peers.map(|p| &p.latency), now) else {
+            return;
+        };
+        warn!(endpoint = %name, median = ?own, peers_median = ?theirs, "prefill far slower than its peers");
+        self.eject(&mut map, name, "latency outlier");
+    }
+
+    /// Takes `name` out of rotation for its back-off period; requests waiting on it are woken.
+    fn eject(&self, map: &mut HashMap<String, Entry>, name: &str, why: &str) {
+        let Some(e) = map.get_mut(name) else { return };
         let factor = 1u32 << e.ejections.min(16);
         let period = self
             .knobs
@@ -449,8 +489,9 @@ impl Health {
         e.traffic_failures = 0;
         e.window_total = 0;
         e.window_failures = 0;
-        warn!(endpoint = %name, ?period, "endpoint ejected after failing on real traffic");
-        self.metrics.count_ejection(role.as_str());
+        e.latency.clear();
+        warn!(endpoint = %name, ?period, reason = why, "endpoint ejected");
+        self.metrics.count_ejection(e.target.role.as_str());
         self.set_gauge(e);
         self.changed.notify_one();
         self.bump_downs();
@@ -482,93 +523,10 @@ impl Health {
     }
 }
 
-/// One check's outcome: the endpoint, whether it passed, the models it named (if asked).
-type Checked = (String, Result<(), ProbeError>, Option<Vec<String>>);
-
-async fn probe(client: EnginePool, target: ProbeTarget, limit: Duration) -> Checked {
-    let mut result = get_ok(&client, &target.health_url, limit).await;
-    if result.is_ok()
-        && let Some(q) = &target.query_url
-    {
-        result = get_ok(&client, q, limit).await;
-    }
-    let mut models = None;
-    if result.is_ok()
-        && let Some(url) = &target.models_url
-    {
-        models = learn_models(&client, url, target.authorization.as_ref(), limit).await;
-    }
-    (target.name, result, models)
-}
-
-/// The model ids of an OpenAI `/v1/models` answer; `None` when it cannot be had (the check
-/// itself still passed: `/health` decides that).
-async fn learn_models(
-    client: &EnginePool,
-    url: &str,
-    authorization: Option<&http::HeaderValue>,
-    limit: Duration,
-) -> Option<Vec<String>> {
-    #[derive(serde::Deserialize)]
-    struct Model {
-        id: String,
-    }
-    #[derive(serde::Deserialize)]
-    struct List {
-        data: Vec<Model>,
-    }
-    match crate::engine::probe::get_with(client, url, authorization, limit, 256 * 1024).await {
-        Ok((status, body)) if status.is_success() => serde_json::from_slice::<List>(&body)
-            .ok()
-            .map(|l| l.data.into_iter().map(|m| m.id).collect()),
-        Ok((status, _)) => {
-            tracing::debug!(url, %status, "engine models not learned");
-            None
-        }
-        Err(e) => {
-            tracing::debug!(url, error = %e, "engine models not learned");
-            None
-        }
-    }
-}
-
-/// Runs active checks every `health_check_interval` (when enabled) and ends ejection periods.
-/// Ends when `cancel` fires.
-pub async fn run(
-    health: Arc<Health>,
-    client: EnginePool,
-    config: HealthConfig,
-    cancel: CancellationToken,
-) {
-    let tick = config.health_check_interval.min(Duration::from_millis(250));
-    let mut next_check = Instant::now();
-    let mut probes: JoinSet<Checked> = JoinSet::new();
-    loop {
-        let now = Instant::now();
-        health.tick(now);
-        if config.health_checks && now >= next_check && probes.is_empty() {
-            next_check = now + config.health_check_interval;
-            for target in health.targets() {
-                probes.spawn(probe(client.clone(), target, config.health_check_timeout));
-            }
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            Some(done) = probes.join_next(), if !probes.is_empty() => {
-                if let Ok((name, result, models)) = done {
-                    if let Some(models) = models {
-                        health.learned(&name, models);
-                    }
-                    match result {
-                        Ok(()) => health.check_result(&name, true, ""),
-                        Err(why) => health.check_result(&name, false, &why.to_string()),
-                    }
-                }
-            }
-            _ = tokio::time::sleep(tick) => {}
-        }
-    }
-}
+mod checks;
+mod latency;
+pub use checks::run;
+pub use latency::LatencyRule;
 
 #[cfg(test)]
 mod tests;

@@ -5,6 +5,7 @@
 //! endpoint, so they survive snapshot swaps and policies read them without locks. Choosing among
 //! endpoints is [`policy`]'s; whether they are fit to choose is [`health`]'s.
 
+pub mod bootstrap;
 pub mod health;
 pub mod policy;
 pub mod reliability;

@@ -23,9 +23,52 @@ pub struct ReliabilityConfig {
     /// An ejected endpoint coming back half-open takes one probe request; it returns to full
     /// traffic only when that request succeeds (false: all traffic at once).
     pub half_open_probe: bool,
-    /// Requests still waiting for a prefill's answer when it is ejected are retried elsewhere (or
-    /// fall back) at once instead of waiting out `prefill_timeout`.
+    /// Requests still waiting for an endpoint's answer when it is ejected give up on it at once
+    /// instead of waiting out their leg's timeout: a prefill leg is retried on another prefill
+    /// (or falls back), a decode leg waiting for its head on another pair (both legs again).
     pub retry_on_ejection: bool,
+    /// A prefill whose median time-to-answer is above this many times its peers' is ejected
+    /// like a failing one (0 disables).
+    pub latency_outlier_ratio: f64,
+    /// How far back answer times count for `latency_outlier_ratio`.
+    #[serde(with = "crate::durations::text")]
+    pub latency_outlier_window: Duration,
+    /// Answers within the window needed (the prefill's own and its peers') before it is judged.
+    pub latency_outlier_min_requests: u32,
+    /// An outlier's median must also be at least this much above its peers' (so that 3 ms
+    /// against 1 ms is no outlier).
+    #[serde(with = "crate::durations::text")]
+    pub latency_outlier_min_excess: Duration,
+}
+
+impl ReliabilityConfig {
+    /// The latency outlier rule of these knobs.
+    pub fn latency_rule(&self) -> crate::endpoints::health::LatencyRule {
+        crate::endpoints::health::LatencyRule {
+            ratio: self.latency_outlier_ratio,
+            window: self.latency_outlier_window,
+            min_requests: self.latency_outlier_min_requests,
+            min_excess: self.latency_outlier_min_excess,
+        }
+    }
+
+    /// Checks the section, naming the key at fault.
+    pub(crate) fn validate(&self) -> Result<(), crate::error::ConfigError> {
+        let ratio = self.latency_outlier_ratio;
+        if !(ratio.is_finite() && (ratio == 0.0 || ratio >= 1.0)) {
+            return Err(crate::error::field_error(
+                "reliability.latency_outlier_ratio",
+                "must be 0 (off) or at least 1",
+            ));
+        }
+        if self.latency_outlier_window.is_zero() {
+            return Err(crate::error::field_error(
+                "reliability.latency_outlier_window",
+                "must be greater than zero",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for ReliabilityConfig {
@@ -35,6 +78,10 @@ impl Default for ReliabilityConfig {
             kv_wait_evidence: Duration::from_secs(1),
             half_open_probe: true,
             retry_on_ejection: true,
+            latency_outlier_ratio: 3.0,
+            latency_outlier_window: Duration::from_secs(30),
+            latency_outlier_min_requests: 10,
+            latency_outlier_min_excess: Duration::from_millis(500),
         }
     }
 }

@@ -129,7 +129,8 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
         ("prefill", in_flight(&snap.prefill)),
         ("decode", in_flight(&snap.decode)),
     ]);
-    gw.metrics.set_retry_budget(gw.retry_budget.tokens());
+    gw.metrics
+        .set_retry_budget(gw.retry_budget.tokens(), gw.retry_budget.capacity());
     let text = gw.metrics.render();
     (
         [(

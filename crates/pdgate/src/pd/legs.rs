@@ -10,7 +10,6 @@ use bytes::Bytes;
 use futures_util::future::OptionFuture;
 use http::{Method, Response};
 use http_body::Frame;
-use http_body_util::BodyExt;
 use kvtransfer::MergeOutcome;
 use tokio::time::timeout;
 use tokio_util::task::AbortOnDropHandle;
@@ -21,7 +20,11 @@ use crate::endpoints::{Endpoint, LoadGuard};
 use crate::engine::EngineBody;
 use crate::engine::client::{self, Collected, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::pd::handover::{FirstByte, first_byte, next_frame};
 use crate::pd::relay::{self, PartnerResult};
+use crate::pd::retry::{
+    self, RELEASED, another_decode, fall_back, kv_wait_failure, released, retry_both_legs,
+};
 use crate::pd::{Answer, Exchange, Pd, abort, select, usage};
 use crate::state::Gateway;
 
@@ -63,7 +66,7 @@ fn prefill_span(request_id: &str, endpoint: &str) -> tracing::Span {
 }
 
 /// The span of the decode leg up to its response head (`retries`: connect failures retried).
-fn decode_span(request_id: &str, endpoint: &str, decode_only: bool) -> tracing::Span {
+pub(crate) fn decode_span(request_id: &str, endpoint: &str, decode_only: bool) -> tracing::Span {
     info_span!(
         "decode",
         request_id,
@@ -99,6 +102,7 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
         client::collect(Leg::Prefill, job.endpoint.target(), head).await
     };
     let limit = job.limit;
+    let started = tokio::time::Instant::now();
     let went_down = async {
         if gw.config.reliability.retry_on_ejection {
             gw.health.went_down(&job.endpoint.name).await;
@@ -122,12 +126,44 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
     };
     let healthy = matches!(&result, Ok(c) if !c.status.is_server_error());
     gw.health.observe(&job.endpoint.name, healthy);
+    if healthy {
+        gw.health
+            .observe_latency(&job.endpoint.name, started.elapsed());
+    }
     result
 }
 
 /// Prefill, merge, decode. A failed prefill is retried on another prefill, then (by policy)
-/// either fails the request or lets the decode serve it alone.
+/// either fails the request or lets the decode serve it alone. A decode taken out of rotation
+/// while the request waits for its head is given up at once: both legs run again on another
+/// decode (once; its KV may already be gone).
 pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
+    let mut body = prefill_and_merge(ex, &mut pd).await?;
+    let mut moved = false;
+    loop {
+        let span = decode_span(&ex.request_id, &pd.decode.name, false);
+        let head = decode_head(&gw, &pd, &ex.request_id, body)
+            .instrument(span)
+            .await;
+        match head {
+            Err(err) if !moved && released(&err) => {
+                let Some(next) = another_decode(ex, &mut pd)? else {
+                    return Err(err);
+                };
+                moved = true;
+                abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
+                pd.switch_decode(next);
+                body = prefill_and_merge(ex, &mut pd).await?;
+            }
+            head => return relay_head(ex, pd, head?.0),
+        }
+    }
+}
+
+/// The prefill leg (retried on other prefills) and the merge of its answer: the decode leg's
+/// body (the client's own when the decode serves alone after a failed prefill).
+async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, GatewayError> {
     let gw = ex.gw.clone();
     let mut tried = vec![pd.prefill.name.clone()];
     let collected = loop {
@@ -207,8 +243,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             }
         },
     };
-    let span = decode_span(&ex.request_id, &pd.decode.name, false);
-    decode_last(ex, pd, decode_body, span).await
+    Ok(decode_body)
 }
 
 /// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
@@ -220,16 +255,23 @@ pub(crate) async fn decode_only(ex: &mut Exchange, pd: Pd) -> Result<Answer, Gat
 }
 
 /// Sends `body` as the decode leg (no prefill leg left running) and relays its response.
-async fn decode_last(
+pub(crate) async fn decode_last(
     ex: &mut Exchange,
-    mut pd: Pd,
+    pd: Pd,
     body: Bytes,
     span: tracing::Span,
 ) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
-    let ((head, decode, decode_load), _) = decode_head(&gw, &pd, &ex.request_id, body)
+    let (head, _) = decode_head(&gw, &pd, &ex.request_id, body)
         .instrument(span)
         .await?;
+    relay_head(ex, pd, head)
+}
+
+/// Relays the decode's response (no prefill leg left running).
+fn relay_head(ex: &mut Exchange, mut pd: Pd, head: DecodeHead) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
+    let (head, decode, decode_load) = head;
     if head.status().is_server_error() {
         gw.health.observe(&decode.name, false);
     }
@@ -273,7 +315,19 @@ async fn decode_head(
             extra: &[],
         };
         let sent = tokio::time::Instant::now();
-        match client::send_within(&gw.client, leg, gw.config.legs.decode_timeout).await {
+        let went_down = async {
+            if gw.config.reliability.retry_on_ejection {
+                gw.health.went_down(&endpoint.name).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        let head = tokio::select! {
+            head = client::send_within(&gw.client, leg, gw.config.legs.decode_timeout) => head,
+            // Already counted (that is why it is down): not observed again.
+            () = went_down => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Broken, RELEASED.into())),
+        };
+        match head {
             // A decode's success is counted when its body ends cleanly (the relay), not at the
             // head: a decode that breaks its streams after a 200 must not look healthy.
             Ok(head) => return Ok(((head, endpoint, load), sent.elapsed())),
@@ -302,53 +356,6 @@ async fn decode_head(
     }
 }
 
-/// What came first while a concurrent prefill was still running: the decode's first frame, or
-/// the prefill's end.
-#[derive(Debug)]
-enum FirstByte {
-    /// The decode's first frame (`None`: its body was empty); the prefill still runs.
-    Frame(Option<Frame<Bytes>>),
-    /// The prefill succeeded first.
-    PrefillDone,
-    /// The prefill failed first: nothing reached the client, a retry is safe.
-    PrefillFailed(GatewayError),
-    /// The decode broke or stayed silent past `idle`.
-    DecodeFailed(GatewayError),
-}
-
-/// Waits for the decode's first frame or the prefill's end, whichever comes first.
-async fn first_byte(
-    body: &mut EngineBody,
-    prefill: &mut AbortOnDropHandle<PartnerResult>,
-    idle: Duration,
-    decode: &Endpoint,
-) -> FirstByte {
-    tokio::select! {
-        biased;
-        done = prefill => match done {
-            Ok(Ok(())) => FirstByte::PrefillDone,
-            Ok(Err(e)) => FirstByte::PrefillFailed(e),
-            Err(join) => FirstByte::PrefillFailed(GatewayError::Internal(format!("prefill task ended: {join}"))),
-        },
-        frame = timeout(idle, body.frame()) => match frame {
-            Ok(None) => FirstByte::Frame(None),
-            Ok(Some(Ok(frame))) => FirstByte::Frame(Some(frame)),
-            Ok(Some(Err(e))) => FirstByte::DecodeFailed(client::upstream(
-                Leg::Decode,
-                decode.target(),
-                UpstreamKind::Broken,
-                format!("broke the response stream: {e}"),
-            )),
-            Err(_) => FirstByte::DecodeFailed(client::upstream(
-                Leg::Decode,
-                decode.target(),
-                UpstreamKind::Silent,
-                format!("sent nothing for {idle:?}"),
-            )),
-        },
-    }
-}
-
 /// Both legs at once. The response head is held until the decode's first byte or the
 /// prefill's end, so a prefill failing meanwhile can still be retried (the client has nothing).
 ///
@@ -367,6 +374,11 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         .prefill_timeout
         .min(gw.config.reliability.concurrent_prefill_timeout);
     let mut tried = vec![pd.prefill.name.clone()];
+    // A bootstrap-based connector (Mooncake): a decode failure may be the prefill's stale facts
+    // (a restarted prefill's new engine id); checked once per request.
+    let bootstrap = pd.agent.needs_bootstrap_lookup();
+    let mut requeried = false;
+    let mut moved = false;
     loop {
         let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
         let prefill_request =
@@ -425,6 +437,17 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         };
         let ((head, decode, decode_load), took) = match head {
             Ok(head) => head,
+            Err(err) if released(&err) && !moved => {
+                drop(partner.take());
+                let Some(next) = another_decode(ex, &mut pd)? else {
+                    abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
+                    return Err(err);
+                };
+                moved = true;
+                abort::abort_now(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id).await;
+                pd.switch_decode(next);
+                continue;
+            }
             Err(err) => {
                 abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
                 return Err(err);
@@ -439,6 +462,14 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                 match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
                     Ok(()) => continue,
                     Err(err) => return fall_back(ex, pd, err).await,
+                }
+            }
+            if bootstrap && !requeried {
+                requeried = true;
+                if let Some(fresh) = retry::fresh_prefill(&gw, &pd.prefill).await {
+                    drop((partner.take(), head, decode_load));
+                    retry::retry_on_fresh_facts(&gw, &mut pd, ex, &decode, fresh).await?;
+                    continue;
                 }
             }
             gw.health.observe(&decode.name, false);
@@ -479,6 +510,32 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                 }
             }
         }
+        // A streaming decode reports a refused KV pull as an error event after its 200 head.
+        if bootstrap && !requeried {
+            if prefix.is_none() {
+                let idle = gw.config.legs.stream_idle_timeout;
+                match next_frame(&mut body, idle, &pd.decode).await {
+                    Ok(frame) => prefix = frame,
+                    Err(err) => {
+                        abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
+                        return Err(err);
+                    }
+                }
+            }
+            let refused = prefix
+                .as_ref()
+                .and_then(Frame::data_ref)
+                .is_some_and(|d| relay::is_error_event(d));
+            if refused {
+                requeried = true;
+                if let Some(fresh) = retry::fresh_prefill(&gw, &pd.prefill).await {
+                    drop((partner.take(), body, decode_load));
+                    let decode = pd.decode.clone();
+                    retry::retry_on_fresh_facts(&gw, &mut pd, ex, &decode, fresh).await?;
+                    continue;
+                }
+            }
+        }
         if partner.is_none()
             && let Some(r) = ex.record()
         {
@@ -497,95 +554,4 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             record,
         ));
     }
-}
-
-/// A decode gave up waiting for KV (a late 5xx or first-frame error event) while its concurrent
-/// prefill had not answered: logged, counted against the prefill, and returned as the prefill's
-/// (retryable) failure.
-fn kv_wait_failure(
-    gw: &Gateway,
-    pd: &Pd,
-    request_id: &str,
-    decode: &str,
-    waited: Duration,
-) -> GatewayError {
-    warn!(
-        id = %request_id,
-        prefill = %pd.prefill.name,
-        decode,
-        ?waited,
-        "decode gave up waiting for KV while the prefill had not answered; blaming the prefill"
-    );
-    gw.health.observe(&pd.prefill.name, false);
-    client::upstream(
-        Leg::Prefill,
-        pd.prefill.target(),
-        UpstreamKind::Timeout,
-        format!("did not hand its KV over within {waited:?}"),
-    )
-}
-
-/// A concurrent prefill failed before any decode byte reached the client: moves `pd` to
-/// another prefill (the caller restarts both legs), or gives the error back.
-async fn retry_both_legs(
-    gw: &Gateway,
-    pd: &mut Pd,
-    ex: &mut Exchange,
-    tried: &mut Vec<String>,
-    err: GatewayError,
-) -> Result<(), GatewayError> {
-    let request_id = ex.request_id.as_str();
-    let next = if err.retryable() {
-        select::retry_target(
-            gw,
-            Leg::Prefill,
-            pd.model.as_deref(),
-            &pd.prefill,
-            &pd.decode,
-            tried,
-        )
-    } else {
-        None
-    };
-    let Some(next) = next else {
-        return Err(err);
-    };
-    warn!(id = %request_id, from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
-    // The decode must drop the request before the retry reuses its id.
-    abort::abort_now(gw, pd.agent.as_ref(), &pd.decode, request_id).await;
-    tried.push(next.name.clone());
-    pd.switch_prefill(request_id, next)?;
-    if let Some(r) = ex.record() {
-        r.trace().retried();
-    }
-    Ok(())
-}
-
-/// The concurrent prefill failed for good before any decode byte reached the client. With
-/// `on_prefill_failure = "fallback"` and a connector whose decode can serve a plain request
-/// ([`kvtransfer::KvTransferAgent::allows_decode_only`]), the decode serves the client's request
-/// alone, marked `x-pdgate-fallback`; otherwise the decode is told to drop the request and the
-/// error goes back. A client error (the prefill refused the request) never falls back.
-async fn fall_back(
-    ex: &mut Exchange,
-    mut pd: Pd,
-    err: GatewayError,
-) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
-    let fallback = gw.config.legs.on_prefill_failure == PrefillFailurePolicy::Fallback
-        && pd.agent.allows_decode_only()
-        && !err.status().is_client_error();
-    // The decode must drop the bootstrapped request before its id is reused (or given up).
-    if !fallback {
-        abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
-        return Err(err);
-    }
-    abort::abort_now(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id).await;
-    warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
-    gw.metrics.count_fallback(pd.served.connector);
-    pd.served.fallback = true;
-    pd.prefill_cached = None;
-    let body = pd.clean.to_bytes();
-    let span = decode_span(&ex.request_id, &pd.decode.name, false);
-    decode_last(ex, pd, body, span).await
 }

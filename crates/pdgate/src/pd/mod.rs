@@ -12,8 +12,10 @@
 //! Errors go back to the HTTP edge, which renders them.
 
 pub(crate) mod abort;
+pub(crate) mod handover;
 pub(crate) mod legs;
 pub(crate) mod relay;
+pub(crate) mod retry;
 pub(crate) mod select;
 pub(crate) mod usage;
 pub(crate) mod view;

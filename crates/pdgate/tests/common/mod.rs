@@ -306,3 +306,32 @@ impl Drop for WordTokenizer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Kills `engine` (its listeners close at once, as when the process dies), keeps it gone for
+/// `gone`, and starts it again on the same ports with a new engine id (bounded retries while
+/// the old sockets close).
+pub async fn restart(engine: SimHandle, gone: Duration) -> SimHandle {
+    let mut c = engine.config().clone();
+    let ip = engine.addr().ip();
+    c.listen = engine.addr();
+    if let Some(p) = engine.side_channel_port() {
+        c.side_channel_listen = std::net::SocketAddr::new(ip, p);
+    }
+    if let Some(p) = engine.bootstrap_port() {
+        c.bootstrap_listen = std::net::SocketAddr::new(ip, p);
+    }
+    let old_id = engine.engine_id().to_string();
+    c.engine_id = None;
+    drop(engine);
+    tokio::time::sleep(gone).await;
+    for _ in 0..100 {
+        match pdsim::spawn(c.clone()).await {
+            Ok(e) => {
+                assert_ne!(e.engine_id(), old_id, "a restarted engine has a new id");
+                return e;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    panic!("engine could not bind its ports again");
+}

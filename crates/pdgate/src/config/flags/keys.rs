@@ -201,6 +201,11 @@ pub const KEYS: &[Key] = &[
     ),
     key(
         "limits",
+        "retry_budget_window",
+        "The retry bucket holds retry_budget_ratio times the requests of the last window",
+    ),
+    key(
+        "limits",
         "max_in_flight",
         "Requests served at once; 0 means unlimited",
     ),

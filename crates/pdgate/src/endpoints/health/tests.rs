@@ -111,3 +111,40 @@ fn active_checks_use_thresholds_and_passive_can_be_disabled() {
     assert_eq!(h.targets().len(), 1);
     assert!(h.is_healthy("p1"), "unknown endpoints count as healthy");
 }
+
+/// A prefill whose answers take far longer than its peers' is ejected once both have enough
+/// answers in the window; a lone slow prefill (no serving peer) is never ejected.
+#[tokio::test(start_paused = true)]
+async fn a_prefill_far_slower_than_its_peers_is_ejected() {
+    let rule = LatencyRule {
+        ratio: 3.0,
+        window: Duration::from_secs(30),
+        min_requests: 5,
+        min_excess: Duration::from_millis(500),
+    };
+    let h = health(5).with_latency_outliers(rule);
+    for _ in 0..5 {
+        h.observe_latency("p2", Duration::from_millis(100));
+    }
+    for i in 0..4 {
+        h.observe_latency("p1", Duration::from_millis(2100));
+        assert!(h.is_healthy("p1"), "answer {i}: too few to judge");
+    }
+    // Decodes are not judged.
+    for _ in 0..10 {
+        h.observe_latency("d1", Duration::from_secs(5));
+    }
+    assert!(h.is_healthy("d1"));
+    h.observe_latency("p1", Duration::from_millis(2100));
+    assert_eq!(h.unhealthy(), BTreeSet::from(["p1".to_string()]));
+    // The peer, now alone, is never judged against nobody.
+    for _ in 0..10 {
+        h.observe_latency("p2", Duration::from_secs(9));
+    }
+    assert!(h.is_healthy("p2"));
+    // Old answers leave the window: back from ejection, p1 is judged afresh.
+    tokio::time::advance(Duration::from_secs(31)).await;
+    h.tick(Instant::now() + Duration::from_secs(11));
+    h.observe_latency("p1", Duration::from_millis(2100));
+    assert!(h.is_healthy("p1"));
+}
