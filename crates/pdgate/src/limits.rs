@@ -337,8 +337,8 @@ mod timing_tests;
 mod budget_tests {
     use super::*;
 
-    /// The capacity follows the last window's request count: ten times the traffic, ten times
-    /// the retries; back to the floor when traffic stops.
+    /// The capacity follows the last window's request count (a share of it may be retried);
+    /// back to the floor when traffic stops.
     #[tokio::test(start_paused = true)]
     async fn the_retry_budget_scales_with_traffic() {
         let config = LimitsConfig {

@@ -1161,20 +1161,19 @@ async fn campaign_kv_wait_blames_the_frozen_prefill() {
 /// fresh ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn campaign_prefill_restarted() {
-    for c in CONNECTORS {
-        let (share, _) =
-            restart_scenario(&each_connector("prefill-restarted", c), c, Victim::Prefill).await;
-        assert!(share >= 0.999, "{c:?}: {share}");
-    }
+    restart_each_connector("prefill-restarted", Victim::Prefill).await;
 }
 
 /// A decode killed under load and restarted on the same port: connect failures are retried on
 /// the other decode, and the restarted one takes traffic again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn campaign_decode_killed_and_restarted() {
+    restart_each_connector("decode-restarted", Victim::Decode).await;
+}
+
+async fn restart_each_connector(name: &str, victim: Victim) {
     for c in CONNECTORS {
-        let (share, _) =
-            restart_scenario(&each_connector("decode-restarted", c), c, Victim::Decode).await;
+        let (share, _) = restart_scenario(&each_connector(name, c), c, victim).await;
         assert!(share >= 0.999, "{c:?}: {share}");
     }
 }
