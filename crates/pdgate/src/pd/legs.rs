@@ -308,8 +308,8 @@ async fn decode_head(
 enum FirstByte {
     /// The decode's first frame (`None`: its body was empty); the prefill still runs.
     Frame(Option<Frame<Bytes>>),
-    /// The prefill succeeded first.
-    PrefillDone,
+    /// The prefill succeeded first, reporting these cached prompt tokens.
+    PrefillDone(Option<u32>),
     /// The prefill failed first: nothing reached the client, a retry is safe.
     PrefillFailed(GatewayError),
     /// The decode broke or stayed silent past `idle`.
@@ -326,7 +326,7 @@ async fn first_byte(
     tokio::select! {
         biased;
         done = prefill => match done {
-            Ok(Ok(())) => FirstByte::PrefillDone,
+            Ok(Ok(cached)) => FirstByte::PrefillDone(cached),
             Ok(Err(e)) => FirstByte::PrefillFailed(e),
             Err(join) => FirstByte::PrefillFailed(GatewayError::Internal(format!("prefill task ended: {join}"))),
         },
@@ -382,7 +382,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                 async move {
                     let c = prefill_leg(&gw, job).await?;
                     if c.status.is_success() {
-                        Ok(())
+                        Ok(usage::reported(&c.body))
                     } else {
                         Err(client::status_error(Leg::Prefill, c))
                     }
@@ -392,6 +392,8 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         };
         let mut partner = Some(prefill_task);
         let decode_sent = tokio::time::Instant::now();
+        // The prefill's cached tokens, when it answers before the decode's head.
+        let mut early_cached = None;
         let step = {
             let decode = decode_head(&gw, &pd, &ex.request_id, pd.ctx.req_body.clone())
                 .instrument(decode_span(&ex.request_id, &pd.decode.name, false));
@@ -403,18 +405,22 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     head = &mut decode => Step::Decode(head),
                 };
                 match step {
-                    Step::Prefill(Ok(Ok(()))) => partner = None,
+                    Step::Prefill(Ok(Ok(cached))) => {
+                        early_cached = cached;
+                        partner = None;
+                    }
                     other => break other,
                 }
             }
         };
+        pd.prefill_cached = early_cached;
         let head = match step {
             Step::Decode(head) => head,
             Step::Prefill(done) => {
                 // The decode future is dropped (its connection closed).
                 let err = match done {
                     Ok(Err(e)) => e,
-                    Ok(Ok(())) => GatewayError::Internal("prefill outcome lost".into()),
+                    Ok(Ok(_)) => GatewayError::Internal("prefill outcome lost".into()),
                     Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
                 };
                 match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
@@ -465,7 +471,10 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     }
                 }
                 FirstByte::Frame(frame) => prefix = frame,
-                FirstByte::PrefillDone => partner = None,
+                FirstByte::PrefillDone(cached) => {
+                    pd.prefill_cached = cached;
+                    partner = None;
+                }
                 FirstByte::PrefillFailed(err) => {
                     drop((body, decode_load));
                     match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
