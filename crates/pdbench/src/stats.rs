@@ -298,6 +298,8 @@ pub struct Percentiles {
     pub p50: f64,
     /// 90th percentile.
     pub p90: f64,
+    /// 95th percentile.
+    pub p95: f64,
     /// 99th percentile.
     pub p99: f64,
     /// Largest value.
@@ -317,6 +319,7 @@ impl Percentiles {
             min: ms(h.min()),
             p50: ms(h.value_at_quantile(0.50)),
             p90: ms(h.value_at_quantile(0.90)),
+            p95: ms(h.value_at_quantile(0.95)),
             p99: ms(h.value_at_quantile(0.99)),
             max: ms(h.max()),
         })

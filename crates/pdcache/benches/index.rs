@@ -142,6 +142,19 @@ fn bench_match(c: &mut Criterion) {
         })
     });
 
+    // The gateway's form: matched blocks into a dense table by endpoint id.
+    let mut dense: Vec<u32> = Vec::with_capacity(ENDPOINTS);
+    g.bench_function("dense_hot_same_prompt", |b| {
+        b.iter(|| idx.match_blocks(black_box(&hot), &mut dense))
+    });
+    let mut j = 0;
+    g.bench_function("dense_cold_rotating_prompts", |b| {
+        b.iter(|| {
+            j = (j + 7) % prompts.len();
+            idx.match_blocks(black_box(&prompts[j]), &mut dense)
+        })
+    });
+
     // The system prompt, then a question nobody has seen.
     let mut fresh = system_prompt();
     fresh.extend(tokens(42, PROMPT_BLOCKS * BLOCK - SHARED_BLOCKS * BLOCK));

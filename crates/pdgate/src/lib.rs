@@ -79,6 +79,8 @@ pub(crate) mod state;
 pub mod telemetry;
 pub(crate) mod watch;
 
+#[doc(hidden)]
+pub use cache::bench as cache_bench;
 pub use cache::{CacheConfig, ModelCacheConfig};
 pub use config::{Config, ConfigError, EndpointConfig, LogFormat, RunArgs};
 pub use discovery::file::watch_config_file;

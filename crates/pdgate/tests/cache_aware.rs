@@ -181,9 +181,24 @@ fn usage_cached(body: &str) -> u64 {
 
 #[tokio::test]
 async fn usage_reports_the_prefills_cached_tokens() {
+    prefills_cached_tokens_are_billed(Connector::Shfs).await;
+}
+
+#[tokio::test]
+async fn usage_reports_the_prefills_cached_tokens_with_mooncake() {
+    // Concurrent legs: the prefill's answer may come after the decode's usage, which then waits.
+    prefills_cached_tokens_are_billed(Connector::Mooncake).await;
+}
+
+#[tokio::test]
+async fn usage_reports_the_prefills_cached_tokens_with_sglang() {
+    prefills_cached_tokens_are_billed(Connector::Sglang).await;
+}
+
+async fn prefills_cached_tokens_are_billed(connector: Connector) {
     // Round robin over two prefills, one decode: the decode caches every prompt it served, so
     // on a prompt's second visit it holds it while the other prefill does not.
-    let fleet = two_prefills_one_decode(Connector::Shfs, |c| {
+    let fleet = two_prefills_one_decode(connector, |c| {
         c.policy.prefill_policy = "round_robin".into()
     })
     .await;

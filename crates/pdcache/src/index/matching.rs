@@ -8,6 +8,35 @@ impl CacheIndex {
     /// consecutively (endpoints absent from the result hold none). Order is unspecified.
     pub fn match_prefix(&self, keys: &[BlockKey], out: &mut Vec<Match>) {
         out.clear();
+        self.walk(keys, |endpoint, blocks| {
+            out.push(Match {
+                endpoint: EndpointId(endpoint),
+                blocks,
+            })
+        });
+    }
+
+    /// [`CacheIndex::match_prefix`] into a dense table: `blocks[id]` is set to the leading keys
+    /// endpoint `id` holds, 0 for those holding none. `blocks` is resized to
+    /// [`CacheIndex::endpoint_slots`].
+    pub fn match_blocks(&self, keys: &[BlockKey], blocks: &mut Vec<u32>) {
+        blocks.clear();
+        blocks.resize(self.endpoints.len(), 0);
+        self.walk(keys, |endpoint, n| {
+            if let Some(b) = blocks.get_mut(usize::from(endpoint)) {
+                *b = n;
+            }
+        });
+    }
+
+    /// Endpoint ids in use or free: every [`EndpointId`] of this index is below it.
+    pub fn endpoint_slots(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// Walks `keys` while the candidate set shrinks; `emit(endpoint, blocks)` once per endpoint
+    /// holding at least the first key.
+    fn walk(&self, keys: &[BlockKey], mut emit: impl FnMut(u16, u32)) {
         let Some((first, rest)) = keys.split_first() else {
             return;
         };
@@ -28,19 +57,6 @@ impl CacheIndex {
                 wide = true;
             }
         }
-        let emit_bits = |bits: &[u64], depth: u32, out: &mut Vec<Match>| {
-            for (wi, &word) in bits.iter().enumerate() {
-                let mut w = word;
-                while w != 0 {
-                    let b = w.trailing_zeros();
-                    out.push(Match {
-                        endpoint: EndpointId((wi * 64) as u16 + b as u16),
-                        blocks: depth,
-                    });
-                    w &= w - 1;
-                }
-            }
-        };
         let mut depth = 1u32;
         // Probe a few keys ahead before walking them: the probes are independent, so their
         // cache misses overlap instead of queueing (the difference between ~3 and ~1 DRAM
@@ -55,22 +71,26 @@ impl CacheIndex {
                 let Some(p) = p else { break 'walk };
                 match (p, wide) {
                     (Posting::Wide(w), true) => {
-                        let mut any = false;
-                        for (wi, word) in bits.iter_mut().enumerate() {
-                            let keep = *word & w.bits.get(wi).copied().unwrap_or(0);
-                            let mut dropped = *word & !keep;
-                            while dropped != 0 {
-                                let b = dropped.trailing_zeros();
-                                out.push(Match {
-                                    endpoint: EndpointId((wi * 64) as u16 + b as u16),
-                                    blocks: depth,
-                                });
-                                dropped &= dropped - 1;
+                        // Words past the shorter bitmap hold no endpoint of this key.
+                        let common = bits.len().min(w.bits.len());
+                        let (head, tail) = bits.split_at_mut(common);
+                        let mut any = 0u64;
+                        for (wi, (word, &other)) in head.iter_mut().zip(&w.bits).enumerate() {
+                            let keep = *word & other;
+                            let dropped = *word ^ keep;
+                            if dropped != 0 {
+                                emit_word(wi, dropped, depth, &mut emit);
                             }
                             *word = keep;
-                            any |= keep != 0;
+                            any |= keep;
                         }
-                        if !any {
+                        for (wi, word) in tail.iter_mut().enumerate() {
+                            if *word != 0 {
+                                emit_word(common + wi, *word, depth, &mut emit);
+                                *word = 0;
+                            }
+                        }
+                        if any == 0 {
                             return;
                         }
                     }
@@ -78,10 +98,7 @@ impl CacheIndex {
                         list.retain(|&ep| {
                             let keep = bit(&w.bits, ep);
                             if !keep {
-                                out.push(Match {
-                                    endpoint: EndpointId(ep),
-                                    blocks: depth,
-                                });
+                                emit(ep, depth);
                             }
                             keep
                         });
@@ -101,7 +118,7 @@ impl CacheIndex {
                             }
                             i = e.key_next;
                         }
-                        emit_bits(&bits, depth, out);
+                        emit_bits(&bits, depth, &mut emit);
                         wide = false;
                         if list.is_empty() {
                             return;
@@ -117,10 +134,7 @@ impl CacheIndex {
                                 }
                                 i = e.key_next;
                             }
-                            out.push(Match {
-                                endpoint: EndpointId(ep),
-                                blocks: depth,
-                            });
+                            emit(ep, depth);
                             false
                         });
                         if list.is_empty() {
@@ -132,12 +146,30 @@ impl CacheIndex {
             }
         }
         if wide {
-            emit_bits(&bits, depth, out);
+            emit_bits(&bits, depth, &mut emit);
         } else {
-            out.extend(list.iter().map(|&ep| Match {
-                endpoint: EndpointId(ep),
-                blocks: depth,
-            }));
+            for &ep in &list {
+                emit(ep, depth);
+            }
         }
+    }
+}
+
+/// Emits every endpoint of `bits` at `depth`.
+fn emit_bits(bits: &[u64], depth: u32, emit: &mut impl FnMut(u16, u32)) {
+    for (wi, &word) in bits.iter().enumerate() {
+        if word != 0 {
+            emit_word(wi, word, depth, emit);
+        }
+    }
+}
+
+/// Emits the endpoints of word `wi` of a bitmap.
+fn emit_word(wi: usize, word: u64, depth: u32, emit: &mut impl FnMut(u16, u32)) {
+    let base = (wi * 64) as u16;
+    let mut w = word;
+    while w != 0 {
+        emit(base + w.trailing_zeros() as u16, depth);
+        w &= w - 1;
     }
 }

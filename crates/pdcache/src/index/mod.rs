@@ -42,6 +42,8 @@ use crate::keys::{BlockKey, chain_token_block};
 pub const WIDE_AT: usize = 8;
 
 const NIL: u32 = u32::MAX;
+/// Decision targets whose keys are written in one walk.
+const GROUP: usize = 4;
 const WIDE_BIT: u32 = 1 << 31;
 const CHUNK_SHIFT: u32 = 12;
 const CHUNK: usize = 1 << CHUNK_SHIFT;
@@ -395,14 +397,17 @@ impl CacheIndex {
         self.slab.release(i);
     }
 
-    /// Inserts or refreshes (key, endpoint). A kind never downgrades: a decision's insert on a
-    /// precise entry only marks it recently used.
-    fn upsert(&mut self, ep: u16, key: u64, kind: EntryKind, engine: u64, now: u32) {
-        let ttl = match kind {
+    fn ttl_of(&self, kind: EntryKind) -> u32 {
+        match kind {
             EntryKind::Precise => 0,
             EntryKind::Approximate => Self::ttl_ticks(self.config.approximate_ttl),
             EntryKind::Speculative => Self::ttl_ticks(self.config.speculative_ttl),
-        };
+        }
+    }
+
+    /// Inserts or refreshes (key, endpoint). A kind never downgrades: a decision's insert on a
+    /// precise entry only marks it recently used.
+    fn upsert(&mut self, ep: u16, key: u64, kind: EntryKind, engine: u64, now: u32) {
         if kind == EntryKind::Precise {
             // The engine re-used a hash for other tokens (or we missed its removal): the old
             // entry is stale.
@@ -413,47 +418,56 @@ impl CacheIndex {
             }
         }
         if let Some(i) = self.find(key, ep) {
-            let old = *self.slab.get(i);
-            let old_kind = EntryKind::from_slot(old.kind);
-            let new_kind = if old_kind == EntryKind::Precise || kind == EntryKind::Precise {
-                EntryKind::Precise
-            } else if old_kind == EntryKind::Approximate || kind == EntryKind::Approximate {
-                EntryKind::Approximate
-            } else {
-                EntryKind::Speculative
-            };
-            if new_kind == EntryKind::Approximate && kind == EntryKind::Speculative {
-                // A speculative touch on an approximate entry changes nothing: moving it to the
-                // front without extending its life would break the list's expiry order.
-                return;
-            }
-            self.unlink(i);
-            if old_kind == EntryKind::Precise && kind == EntryKind::Precise && old.engine != engine
-            {
-                self.engine_remove(i);
-            }
-            let e = self.slab.get_mut(i);
-            e.kind = new_kind.slot() as u8;
-            if new_kind == EntryKind::Precise {
-                e.expires = 0;
-                if kind == EntryKind::Precise {
-                    e.engine = engine;
-                }
-            } else {
-                e.expires = now.wrapping_add(ttl);
-            }
-            if new_kind != old_kind {
-                self.counts[old_kind.slot()] -= 1;
-                self.counts[new_kind.slot()] += 1;
-            }
-            self.link_front(i);
-            if kind == EntryKind::Precise
-                && (old_kind != EntryKind::Precise || old.engine != engine)
-            {
-                self.engine_insert(i);
-            }
+            self.touch(i, kind, engine, now);
             return;
         }
+        self.insert_new(ep, key, kind, engine, now);
+    }
+
+    /// Refreshes entry `i` for a new sighting of `kind` (see [`CacheIndex::upsert`]).
+    fn touch(&mut self, i: u32, kind: EntryKind, engine: u64, now: u32) {
+        let ttl = self.ttl_of(kind);
+        let old = *self.slab.get(i);
+        let old_kind = EntryKind::from_slot(old.kind);
+        let new_kind = if old_kind == EntryKind::Precise || kind == EntryKind::Precise {
+            EntryKind::Precise
+        } else if old_kind == EntryKind::Approximate || kind == EntryKind::Approximate {
+            EntryKind::Approximate
+        } else {
+            EntryKind::Speculative
+        };
+        if new_kind == EntryKind::Approximate && kind == EntryKind::Speculative {
+            // A speculative touch on an approximate entry changes nothing: moving it to the
+            // front without extending its life would break the list's expiry order.
+            return;
+        }
+        self.unlink(i);
+        if old_kind == EntryKind::Precise && kind == EntryKind::Precise && old.engine != engine {
+            self.engine_remove(i);
+        }
+        let e = self.slab.get_mut(i);
+        e.kind = new_kind.slot() as u8;
+        if new_kind == EntryKind::Precise {
+            e.expires = 0;
+            if kind == EntryKind::Precise {
+                e.engine = engine;
+            }
+        } else {
+            e.expires = now.wrapping_add(ttl);
+        }
+        if new_kind != old_kind {
+            self.counts[old_kind.slot()] -= 1;
+            self.counts[new_kind.slot()] += 1;
+        }
+        self.link_front(i);
+        if kind == EntryKind::Precise && (old_kind != EntryKind::Precise || old.engine != engine) {
+            self.engine_insert(i);
+        }
+    }
+
+    /// A new entry (key, endpoint), evicting the endpoint's least recently used beyond capacity.
+    fn insert_new(&mut self, ep: u16, key: u64, kind: EntryKind, engine: u64, now: u32) {
+        let ttl = self.ttl_of(kind);
         let i = self.slab.alloc(Entry {
             key,
             engine: if kind == EntryKind::Precise {
@@ -507,13 +521,59 @@ impl CacheIndex {
         kind: EntryKind,
         now: Instant,
     ) {
-        if !self.live(ep) {
-            return;
+        self.insert_decisions(&[(ep, kind)], keys, now);
+    }
+
+    /// Records that a routing decision sent `keys` to each of `targets` (an endpoint and the kind
+    /// its entries get: [`EntryKind::Approximate`] or [`EntryKind::Speculative`]; precise entries
+    /// are the events' to make, so a precise target is skipped), in one walk of the keys: each
+    /// key's posting is looked up once for all targets (a PD decision writes its prefill and its
+    /// decode).
+    pub fn insert_decisions(
+        &mut self,
+        targets: &[(EndpointId, EntryKind)],
+        keys: &[BlockKey],
+        now: Instant,
+    ) {
+        let mut group = [(0u16, EntryKind::Approximate); GROUP];
+        let mut n = 0;
+        let mut swept = false;
+        for (i, &(ep, kind)) in targets.iter().enumerate() {
+            // The first of duplicate targets counts.
+            if kind != EntryKind::Precise
+                && self.live(ep)
+                && !targets[..i].iter().any(|&(e, _)| e == ep)
+            {
+                group[n] = (ep.0, kind);
+                n += 1;
+            }
+            if n == GROUP || (i + 1 == targets.len() && n > 0) {
+                if !swept {
+                    self.expire(now);
+                    swept = true;
+                }
+                self.insert_group(&group[..n], keys, self.ticks(now));
+                n = 0;
+            }
         }
-        self.expire(now);
-        let t = self.ticks(now);
+    }
+
+    /// Writes `keys` for up to [`GROUP`] distinct live endpoints.
+    fn insert_group(&mut self, group: &[(u16, EntryKind)], keys: &[BlockKey], t: u32) {
         for k in keys {
-            self.upsert(ep.0, k.0, kind, 0, t);
+            let mut found = [NIL; GROUP];
+            if let Some(p) = self.posting(k.0) {
+                for (f, &(ep, _)) in found.iter_mut().zip(group) {
+                    *f = self.find_in(p, k.0, ep).unwrap_or(NIL);
+                }
+            }
+            for (&i, &(ep, kind)) in found.iter().zip(group) {
+                if i == NIL {
+                    self.insert_new(ep, k.0, kind, 0, t);
+                } else {
+                    self.touch(i, kind, 0, t);
+                }
+            }
         }
     }
 

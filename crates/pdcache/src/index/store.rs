@@ -164,7 +164,12 @@ impl CacheIndex {
     }
 
     pub(super) fn find(&self, key: u64, ep: u16) -> Option<u32> {
-        match self.posting(key)? {
+        self.find_in(self.posting(key)?, key, ep)
+    }
+
+    /// The entry (key, ep) among `key`'s posting.
+    pub(super) fn find_in(&self, posting: Posting<'_>, key: u64, ep: u16) -> Option<u32> {
+        match posting {
             Posting::Narrow(mut i) => {
                 while i != NIL {
                     let e = self.slab.get(i);

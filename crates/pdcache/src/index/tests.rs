@@ -292,3 +292,63 @@ proptest! {
         prop_assert_eq!(idx.stats().entries, total);
     }
 }
+
+#[test]
+fn one_walk_writes_every_target_of_a_decision() {
+    let (mut idx, t0) = index(6);
+    let eps: Vec<EndpointId> = (0..12).map(|_| ep(&mut idx)).collect();
+    // Ten endpoints already hold [1, 2] (a wide key), one holds [1] precisely.
+    for &e in &eps[..10] {
+        idx.insert_approximate(e, &keys(&[1, 2]), t0);
+    }
+    let stored = BlockStored::new(vec![BlockHash::Uint(7)], None, (0..4).collect(), 4);
+    idx.apply_event(eps[10], &KvEvent::BlockStored(stored), t0);
+    let precise = token_keys(&(0..4).collect::<Vec<u32>>(), 4);
+    let prompt = [precise[0], BlockKey(2), BlockKey(3)];
+    let targets = [
+        (eps[0], EntryKind::Approximate),
+        (eps[10], EntryKind::Speculative),
+        (eps[11], EntryKind::Speculative),
+        (eps[0], EntryKind::Speculative),
+        (eps[1], EntryKind::Precise),
+    ];
+    idx.insert_decisions(&targets, &prompt, t0);
+    let mut blocks = Vec::new();
+    idx.match_blocks(&prompt, &mut blocks);
+    assert_eq!(blocks.len(), 12);
+    assert_eq!(
+        blocks[usize::from(eps[0].0)],
+        3,
+        "the first of duplicate targets counts"
+    );
+    assert_eq!(blocks[usize::from(eps[10].0)], 3);
+    assert_eq!(blocks[usize::from(eps[11].0)], 3);
+    assert_eq!(
+        blocks[usize::from(eps[1].0)],
+        0,
+        "a precise target is skipped"
+    );
+    // The precise entry stays precise; the new ones are what their target asked for.
+    let s = idx.stats();
+    assert_eq!(s.precise, 1);
+    assert_eq!(s.speculative, 5);
+    assert_eq!(s.approximate, 20 + 2);
+    // The same as one insert per target, key for key.
+    let mut one_by_one = Vec::new();
+    idx.match_prefix(&keys(&[1, 2]), &mut one_by_one);
+    assert_eq!(one_by_one.len(), 10);
+    // Capacity still holds per endpoint (6), evicting the oldest.
+    let long: Vec<BlockKey> = (100..110).map(BlockKey).collect();
+    idx.insert_decisions(
+        &[
+            (eps[2], EntryKind::Approximate),
+            (eps[3], EntryKind::Approximate),
+        ],
+        &long,
+        t0,
+    );
+    assert_eq!(idx.endpoint_len(eps[2]), 6);
+    assert_eq!(idx.endpoint_len(eps[3]), 6);
+    idx.match_blocks(&long[4..], &mut blocks);
+    assert_eq!(blocks[usize::from(eps[2].0)], 6);
+}

@@ -11,25 +11,29 @@
 //! Approximate mode (endpoints without KV events): each decision inserts the request's keys for
 //! the chosen endpoints with a TTL. Every endpoint is approximate until it publishes events.
 
+#[doc(hidden)]
+pub mod bench;
 pub(crate) mod config;
 pub(crate) mod engine_tokens;
 pub(crate) mod events;
 pub(crate) mod metrics;
 pub(crate) mod score;
+mod scorer;
 pub(crate) mod view;
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use kvtransfer::JsonBody;
-use pdcache::index::{CacheIndex, EndpointId, IndexConfig, Match};
+use pdcache::index::{CacheIndex, EndpointId, IndexConfig};
 use pdcache::subscribe::{Feed, SharedIndex, SubscriberConfig, SubscriberStats, Subscription};
 use pdcache::tokenizer::HfTokenizer;
 
 pub use config::{CacheConfig, ModelCacheConfig};
-use events::{EventWatch, EventsNow};
 pub(crate) use metrics::CacheMetrics;
+use scorer::IndexState;
+pub(crate) use scorer::Scorer;
 pub(crate) use view::PrefixView;
 
 use crate::endpoints::{Endpoint, Role, Snapshot};
@@ -55,139 +59,6 @@ pub(crate) struct ModelCache {
     events_timeout: Duration,
     state: Mutex<IndexState>,
     index: SharedIndex,
-}
-
-/// The gateway's side of a model index: endpoint names to ids, which ids publish events, and
-/// scratch space. Locked before the index (the subscribers lock only the index).
-#[derive(Debug, Default)]
-struct IndexState {
-    ids: HashMap<String, EndpointId>,
-    /// By endpoint id: whether its KV events feed the index (precise), so a decision inserts
-    /// speculative entries for it (confirmed by the event) instead of approximate ones.
-    precise: Vec<bool>,
-    /// By endpoint id: whether its events still flow (see [`EventWatch`]).
-    watches: Vec<Option<EventWatch>>,
-    matches: Vec<Match>,
-    /// Matched blocks by endpoint id, for the last [`Scorer::prepare`].
-    blocks: Vec<u32>,
-}
-
-fn saturate(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-impl IndexState {
-    fn id(&mut self, index: &mut CacheIndex, name: &str) -> Option<EndpointId> {
-        if let Some(id) = self.ids.get(name) {
-            return Some(*id);
-        }
-        let id = index.add_endpoint().ok()?;
-        self.ids.insert(name.to_string(), id);
-        Some(id)
-    }
-
-    fn is_precise(&self, id: EndpointId) -> bool {
-        self.precise
-            .get(usize::from(id.0))
-            .copied()
-            .unwrap_or(false)
-    }
-
-    fn set_precise(&mut self, id: EndpointId, on: bool) {
-        let i = usize::from(id.0);
-        if self.precise.len() <= i {
-            self.precise.resize(i + 1, false);
-        }
-        self.precise[i] = on;
-        if !on && let Some(w) = self.watches.get_mut(i) {
-            *w = None;
-        }
-    }
-
-    fn watch(&mut self, id: EndpointId, stats: Arc<SubscriberStats>) {
-        let i = usize::from(id.0);
-        if self.watches.len() <= i {
-            self.watches.resize_with(i + 1, || None);
-        }
-        self.watches[i] = Some(EventWatch::new(stats));
-    }
-}
-
-/// A locked model index, for one decision.
-pub(crate) struct Scorer<'a> {
-    state: MutexGuard<'a, IndexState>,
-    index: MutexGuard<'a, CacheIndex>,
-    events_timeout: Duration,
-}
-
-impl Scorer<'_> {
-    /// Matches `view` against the index; [`Scorer::blocks`] then answers per endpoint.
-    pub(crate) fn prepare(&mut self, view: &PrefixView) {
-        let st = &mut *self.state;
-        st.blocks.iter_mut().for_each(|b| *b = 0);
-        self.index.match_prefix(&view.keys, &mut st.matches);
-        for m in &st.matches {
-            let i = usize::from(m.endpoint.0);
-            if st.blocks.len() <= i {
-                st.blocks.resize(i + 1, 0);
-            }
-            st.blocks[i] = m.blocks;
-        }
-    }
-
-    /// Leading blocks of the prepared view that `ep` holds.
-    pub(crate) fn blocks(&self, ep: &Endpoint) -> u32 {
-        self.state
-            .ids
-            .get(&ep.name)
-            .and_then(|id| self.state.blocks.get(usize::from(id.0)))
-            .copied()
-            .unwrap_or(0)
-    }
-
-    /// [`Scorer::blocks`] of `ep` and the entries the index holds for it, with one lookup of its
-    /// name.
-    pub(crate) fn facts(&self, ep: &Endpoint) -> (u32, usize) {
-        self.state.ids.get(&ep.name).map_or((0, 0), |id| {
-            let blocks = self.state.blocks.get(usize::from(id.0)).copied();
-            (blocks.unwrap_or(0), self.index.endpoint_len(*id))
-        })
-    }
-
-    /// Records that `view` was sent to `ep`: its blocks will be in `ep`'s cache. Speculative
-    /// (until the confirming event) where `ep` publishes events; approximate (with a TTL)
-    /// elsewhere, and where its events stopped arriving. Precise mode needs token keys: text
-    /// keys never match an event. Returns whether `ep`'s events were found stopped just now.
-    pub(crate) fn record(&mut self, ep: &Endpoint, view: &PrefixView, now: Instant) -> bool {
-        let Some(id) = self.state.id(&mut self.index, &ep.name) else {
-            return false;
-        };
-        let events = if self.state.is_precise(id) {
-            let timeout = self.events_timeout;
-            let expects =
-                view.kind == view::KeyKind::Tokens && saturate(view.keys.len()) > self.blocks(ep);
-            self.state
-                .watches
-                .get_mut(usize::from(id.0))
-                .and_then(Option::as_mut)
-                .map_or(EventsNow::Flowing, |w| w.check(expects, now, timeout))
-        } else {
-            EventsNow::StillStopped
-        };
-        if view.keys.is_empty() {
-            return events == EventsNow::Stopped;
-        }
-        match events {
-            EventsNow::Flowing if view.kind == view::KeyKind::Tokens => {
-                self.index.insert_speculative(id, &view.keys, now);
-            }
-            EventsNow::Flowing => {}
-            EventsNow::Stopped | EventsNow::StillStopped => {
-                self.index.insert_approximate(id, &view.keys, now);
-            }
-        }
-        events == EventsNow::Stopped
-    }
 }
 
 impl ModelCache {
@@ -256,6 +127,7 @@ impl ModelCache {
             .filter(|(name, _)| !keep.contains(name.as_str()))
             .map(|(n, id)| (n.clone(), *id))
             .collect();
+        state.by_load.clear();
         for (name, id) in gone {
             index.remove_endpoint(id);
             state.set_precise(id, false);

@@ -69,14 +69,19 @@ fn least_loaded(facts: &[Facts], among: impl Iterator<Item = usize> + Clone) -> 
 }
 
 /// Chooses among `facts` (one per candidate, non-empty) for `view`.
+///
+/// One pass over the candidates finds the cheapest (cost, then load, then entries) and how many
+/// tie; a second picks one of the ties at random. Everything per view (the cap on predicted
+/// hits) is computed once, so a candidate costs a few arithmetic operations.
 pub(crate) fn choose(facts: &[Facts], view: &PrefixView, cfg: &CacheConfig) -> Option<Choice> {
     if facts.is_empty() {
         return None;
     }
-    let cached =
-        |i: usize| predicted_cached_tokens(facts[i].blocks, view.block_size, view.prompt_tokens);
+    // As `predicted_cached_tokens`, with its division done once.
+    let cap = predicted_cached_tokens(u32::MAX, view.block_size, view.prompt_tokens);
+    let cached = |f: &Facts| f.blocks.saturating_mul(view.block_size).min(cap);
     let choice = |index: usize, kind: DecisionKind| {
-        let cached_tokens = cached(index);
+        let cached_tokens = cached(&facts[index]);
         let kind = match kind {
             DecisionKind::Imbalance => kind,
             _ if cached_tokens > 0 => DecisionKind::Hit,
@@ -89,12 +94,12 @@ pub(crate) fn choose(facts: &[Facts], view: &PrefixView, cfg: &CacheConfig) -> O
             uncached_tokens: view.prompt_tokens - cached_tokens,
         }
     };
-    let all = 0..facts.len();
-    let max = facts.iter().map(|f| f.in_flight).max().unwrap_or(0);
-    let min = facts.iter().map(|f| f.in_flight).min().unwrap_or(0);
+    let (min, max) = facts.iter().fold((usize::MAX, 0), |(lo, hi), f| {
+        (lo.min(f.in_flight), hi.max(f.in_flight))
+    });
     if max - min > cfg.balance_abs && max as f64 > cfg.balance_rel * min as f64 {
         let best_by_cache = facts.iter().map(|f| f.blocks).max().unwrap_or(0);
-        let i = least_loaded(facts, all);
+        let i = least_loaded(facts, 0..facts.len());
         // Only an override when the cache would have sent it elsewhere.
         let kind = if best_by_cache > facts[i].blocks {
             DecisionKind::Imbalance
@@ -103,13 +108,33 @@ pub(crate) fn choose(facts: &[Facts], view: &PrefixView, cfg: &CacheConfig) -> O
         };
         return Some(choice(i, kind));
     }
-    let cost = |i: usize| {
-        let uncached = f64::from(view.prompt_tokens - cached(i));
-        cfg.cache_weight * uncached + cfg.load_weight * facts[i].in_flight as f64
+    let prompt = f64::from(view.prompt_tokens);
+    let cost = |f: &Facts| {
+        cfg.cache_weight * (prompt - f64::from(cached(f))) + cfg.load_weight * f.in_flight as f64
     };
-    let best = all.clone().map(cost).fold(f64::INFINITY, f64::min);
-    let tied = all.filter(|&i| cost(i) <= best);
-    Some(choice(least_loaded(facts, tied), DecisionKind::Miss))
+    let mut best = (f64::INFINITY, usize::MAX, usize::MAX);
+    let mut ties = 0usize;
+    for f in facts {
+        let key = (cost(f), f.in_flight, f.entries);
+        if key.0 < best.0 || (key.0 == best.0 && (key.1, key.2) < (best.1, best.2)) {
+            best = key;
+            ties = 1;
+        } else if key == best {
+            ties += 1;
+        }
+    }
+    let nth = if ties > 1 {
+        rand::rng().random_range(0..ties)
+    } else {
+        0
+    };
+    let index = facts
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| (cost(f), f.in_flight, f.entries) == best)
+        .nth(nth)
+        .map_or(0, |(i, _)| i);
+    Some(choice(index, DecisionKind::Miss))
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Tests of the cache module: model caches, scoring, event watches.
 
+use super::events::{EventWatch, EventsNow};
 use super::*;
 use crate::endpoints::Load;
 use bytes::Bytes;
@@ -84,11 +85,16 @@ fn a_recorded_decision_is_matched_and_purged_with_its_endpoint() {
     {
         let mut s = mc.lock();
         s.prepare(&view);
-        assert_eq!(s.blocks(&snap.prefill[0]), 0);
-        s.record(&snap.prefill[0], &view, now);
+        assert_eq!(s.facts(&snap.prefill[0]), (0, 0));
+        s.record(&[&snap.prefill[0]], &view, now, |_| {});
         s.prepare(&view);
-        assert_eq!(s.blocks(&snap.prefill[0]), 10);
-        assert_eq!(s.blocks(&snap.prefill[1]), 0);
+        assert_eq!(s.facts(&snap.prefill[0]), (10, 10));
+        assert_eq!(s.facts(&snap.prefill[1]).0, 0);
+        // Both endpoints of a decision in one walk.
+        s.record(&[&snap.prefill[0], &snap.prefill[1]], &view, now, |_| {});
+        s.prepare(&view);
+        assert_eq!(s.facts(&snap.prefill[0]), (10, 10));
+        assert_eq!(s.facts(&snap.prefill[1]), (10, 10));
     }
     // Unknown models share the default index; no label is minted for them.
     assert_eq!(c.model(Some("nope"), &snap).label, DEFAULT_MODEL);
@@ -101,5 +107,6 @@ fn a_recorded_decision_is_matched_and_purged_with_its_endpoint() {
     c.retain(&gone);
     let mut s = mc.lock();
     s.prepare(&view);
-    assert_eq!(s.blocks(&snap.prefill[0]), 0);
+    assert_eq!(s.facts(&snap.prefill[0]).0, 0);
+    assert_eq!(s.facts(&snap.prefill[1]).0, 10);
 }

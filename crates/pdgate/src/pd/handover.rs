@@ -21,8 +21,8 @@ use crate::pd::relay::PartnerResult;
 pub(crate) enum FirstByte {
     /// The decode's first frame (`None`: its body was empty); the prefill still runs.
     Frame(Option<Frame<Bytes>>),
-    /// The prefill succeeded first.
-    PrefillDone,
+    /// The prefill succeeded first, reporting these cached prompt tokens.
+    PrefillDone(Option<u32>),
     /// The prefill failed first: nothing reached the client, a retry is safe.
     PrefillFailed(GatewayError),
     /// The decode broke or stayed silent past `idle`.
@@ -39,7 +39,7 @@ pub(crate) async fn first_byte(
     tokio::select! {
         biased;
         done = prefill => match done {
-            Ok(Ok(())) => FirstByte::PrefillDone,
+            Ok(Ok(cached)) => FirstByte::PrefillDone(cached),
             Ok(Err(e)) => FirstByte::PrefillFailed(e),
             Err(join) => FirstByte::PrefillFailed(GatewayError::Internal(format!("prefill task ended: {join}"))),
         },

@@ -394,7 +394,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                 async move {
                     let c = prefill_leg(&gw, job).await?;
                     if c.status.is_success() {
-                        Ok(())
+                        Ok(usage::reported(&c.body))
                     } else {
                         Err(client::status_error(Leg::Prefill, c))
                     }
@@ -404,6 +404,8 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         };
         let mut partner = Some(prefill_task);
         let decode_sent = tokio::time::Instant::now();
+        // The prefill's cached tokens, when it answers before the decode's head.
+        let mut early_cached = None;
         let step = {
             let decode = decode_head(&gw, &pd, &ex.request_id, pd.ctx.req_body.clone())
                 .instrument(decode_span(&ex.request_id, &pd.decode.name, false));
@@ -415,18 +417,22 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     head = &mut decode => Step::Decode(head),
                 };
                 match step {
-                    Step::Prefill(Ok(Ok(()))) => partner = None,
+                    Step::Prefill(Ok(Ok(cached))) => {
+                        early_cached = cached;
+                        partner = None;
+                    }
                     other => break other,
                 }
             }
         };
+        pd.prefill_cached = early_cached;
         let head = match step {
             Step::Decode(head) => head,
             Step::Prefill(done) => {
                 // The decode future is dropped (its connection closed).
                 let err = match done {
                     Ok(Err(e)) => e,
-                    Ok(Ok(())) => GatewayError::Internal("prefill outcome lost".into()),
+                    Ok(Ok(_)) => GatewayError::Internal("prefill outcome lost".into()),
                     Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
                 };
                 match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
@@ -496,7 +502,10 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     }
                 }
                 FirstByte::Frame(frame) => prefix = frame,
-                FirstByte::PrefillDone => partner = None,
+                FirstByte::PrefillDone(cached) => {
+                    pd.prefill_cached = cached;
+                    partner = None;
+                }
                 FirstByte::PrefillFailed(err) => {
                     drop((body, decode_load));
                     match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {

@@ -34,8 +34,9 @@ use crate::pd::abort::AbortOnLeave;
 use crate::pd::{Answer, Pd, usage};
 use crate::state::Gateway;
 
-/// The outcome of a leg running beside the relayed body.
-pub(crate) type PartnerResult = Result<(), GatewayError>;
+/// The outcome of a leg running beside the relayed body: for a concurrent prefill, the cached
+/// prompt tokens its answer reports (written into the usage the decode reports).
+pub(crate) type PartnerResult = Result<Option<u32>, GatewayError>;
 
 pin_project! {
     /// A decode response body on its way to the client.
@@ -250,8 +251,10 @@ impl Body for RelayBody {
                     "prefill task ended: {join}"
                 ))),
             };
-            if let Err(err) = outcome {
-                return fail(this.done, *this.sse, this.guards, this.record, err);
+            match outcome {
+                Err(err) => return fail(this.done, *this.sse, this.guards, this.record, err),
+                Ok(Some(cached)) => *this.cached_tokens = Some(cached),
+                Ok(None) => {}
             }
         }
         let polled = match this.prefix.take() {
@@ -259,6 +262,18 @@ impl Body for RelayBody {
             None => this.inner.as_mut().poll_frame(cx),
         };
         match polled {
+            // The decode's usage came before the concurrent prefill's answer, which has the
+            // figure to bill: the frame waits for it (woken by the partner polled above; the
+            // prefill leg is bounded by its own timeout).
+            Poll::Ready(Some(Ok(frame)))
+                if this.partner.is_some()
+                    && frame
+                        .data_ref()
+                        .is_some_and(|d| usage::reported(d).is_some()) =>
+            {
+                *this.prefix = Some(frame);
+                Poll::Pending
+            }
             Poll::Ready(Some(Ok(mut frame))) => {
                 if let Some(data) = frame.data_ref() {
                     if !*this.first_byte {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use tracing::warn;
 
 use crate::cache::config::CacheConfig;
-use crate::cache::score::{self, Choice, Facts};
+use crate::cache::score::Choice;
 use crate::cache::{Cache, PrefixView, Scorer};
 use crate::endpoints::policy::Policy;
 use crate::endpoints::{Endpoint, Role, Snapshot};
@@ -113,7 +113,7 @@ pub(crate) fn pair(
 /// `policy` is cache-aware, else by the policy; the prediction is `None` then.
 fn pick_by(
     policy: &dyn Policy,
-    scorer: &Scorer<'_>,
+    scorer: &mut Scorer<'_>,
     cache: &Cache,
     role: Role,
     candidates: &[Arc<Endpoint>],
@@ -122,18 +122,7 @@ fn pick_by(
     if !policy.cache_aware() {
         return policy.pick(candidates).map(|i| (i, None));
     }
-    let facts: Vec<Facts> = candidates
-        .iter()
-        .map(|e| {
-            let (blocks, entries) = scorer.facts(e);
-            Facts {
-                blocks,
-                in_flight: e.load.in_flight(),
-                entries,
-            }
-        })
-        .collect();
-    let choice = score::choose(&facts, view, &cache.config)?;
+    let choice = scorer.choose(candidates, view, &cache.config)?;
     cache.metrics.decision(
         role.as_str(),
         choice.kind.label(),
@@ -160,7 +149,7 @@ fn cache_pair(
     let mut scorer = mc.lock();
     scorer.prepare(view);
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
-    let pick_prefill = |prefills: Vec<Arc<Endpoint>>, scorer: &Scorer<'_>| {
+    let pick_prefill = |prefills: Vec<Arc<Endpoint>>, scorer: &mut Scorer<'_>| {
         let prefills = under_cap(cap, &gw.metrics, prefills)?;
         let (i, choice) = pick_by(
             gw.prefill_policy.as_ref(),
@@ -183,7 +172,7 @@ fn cache_pair(
         let decodes = under_cap(cap, &gw.metrics, decodes)?;
         let (j, d_choice) = pick_by(
             gw.decode_policy.as_ref(),
-            &scorer,
+            &mut scorer,
             cache,
             Role::Decode,
             &decodes,
@@ -208,7 +197,7 @@ fn cache_pair(
                 d_choice.map(|c| c.cached_tokens),
             )
         } else {
-            let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
+            let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
             (prefill, decode, false, p_choice.map(|c| c.cached_tokens))
         }
     } else {
@@ -220,7 +209,7 @@ fn cache_pair(
             })
             .cloned()
             .collect();
-        let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
+        let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
         let decodes: Vec<Arc<Endpoint>> = snap
             .decode
             .iter()
@@ -240,16 +229,16 @@ fn cache_pair(
         )
     };
     // Both engines will hold the prompt's blocks: the prefill computed them, the decode
-    // received (or computed) them and caches them too.
+    // received (or computed) them and caches them too. One walk of the keys writes both.
     let now = std::time::Instant::now();
-    if scorer.record(&decode, view, now) {
-        cache.metrics.events_stopped(Role::Decode.as_str());
-    }
     if decode_only {
         cache.metrics.decode_only();
-    } else if scorer.record(&prefill, view, now) {
-        cache.metrics.events_stopped(Role::Prefill.as_str());
     }
+    let both: [&Endpoint; 2] = [&decode, &prefill];
+    let chosen = if decode_only { &both[..1] } else { &both[..] };
+    scorer.record(chosen, view, now, |ep| {
+        cache.metrics.events_stopped(ep.role.as_str());
+    });
     Ok(Pair {
         prefill,
         decode,

@@ -1,0 +1,98 @@
+//! A whole cache-aware routing decision at scale: 500 prefills and 500 decodes, a million
+//! indexed blocks, a 4k-token prompt (256 blocks of 16 tokens). One decision matches the prompt,
+//! scores the decodes, then the prefills that pair with the chosen one, and writes the prompt's
+//! keys for both (the same code a request runs, `select::pair`).
+//!
+//! `cargo bench -p pdgate --bench decision [-- ROUNDS]`: prints, per case, the fastest of ROUNDS
+//! (default 20) rounds of 2,000 decisions each, per decision (the minimum is the figure a busy
+//! machine blurs least; instruction counts: run the binary under `valgrind --tool=callgrind`).
+//! A plain harness: no statistics crate in the gateway's dependencies.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use pdgate::cache_bench::DecisionBench;
+
+const PER_ROLE: usize = 500;
+const BLOCK: usize = 16;
+const SHARED_BLOCKS: usize = 64;
+const CONTINUATIONS: usize = 5;
+const PROMPT_BLOCKS: usize = 256;
+
+/// Deterministic pseudo-random tokens (splitmix64), so runs are comparable.
+fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % 50_000) as u32
+        })
+        .collect()
+}
+
+/// The `c`-th prompt of pair `p`: the shared system prompt, then its own continuation.
+fn prompt(p: usize, c: usize) -> Vec<u32> {
+    let mut t = tokens(1, SHARED_BLOCKS * BLOCK);
+    t.extend(tokens(
+        1000 + (p * CONTINUATIONS + c) as u64,
+        (PROMPT_BLOCKS - SHARED_BLOCKS) * BLOCK,
+    ));
+    t
+}
+
+/// The fastest per-decision time over `rounds` rounds of `per_round` calls of `f`.
+fn fastest(rounds: usize, per_round: usize, mut f: impl FnMut(usize) -> bool) -> Duration {
+    let mut best = Duration::MAX;
+    let mut n = 0;
+    for _ in 0..rounds {
+        let t = Instant::now();
+        for _ in 0..per_round {
+            n += 1;
+            black_box(f(n));
+        }
+        best = best.min(t.elapsed() / per_round as u32);
+    }
+    best
+}
+
+fn main() {
+    let rounds: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(20);
+    let mut fleet = DecisionBench::new(PER_ROLE, PER_ROLE, BLOCK).expect("fleet");
+    // Prefill p and decode p hold the prompts of pair p (each decision then refreshes entries
+    // instead of growing the index).
+    for p in 0..PER_ROLE {
+        for k in 0..CONTINUATIONS {
+            let t = prompt(p, k);
+            fleet.seed(p, &t);
+            fleet.seed(PER_ROLE + p, &t);
+        }
+    }
+    let sizes = fleet.sizes();
+    println!(
+        "decision fleet: {} endpoints, {} index entries, {} bytes = {:.1} bytes/entry",
+        fleet.endpoints(),
+        sizes.entries,
+        sizes.bytes,
+        sizes.bytes as f64 / sizes.entries as f64
+    );
+    let prompts: Vec<usize> = (0..PER_ROLE)
+        .map(|p| fleet.prompt(&prompt(p, p % CONTINUATIONS)))
+        .collect();
+    let hot = prompts[250];
+    let t = fastest(rounds, 2000, |_| fleet.decide(black_box(hot)));
+    println!(
+        "decision_4k_prompt_1000_endpoints_1M_blocks/hot_same_prompt: {t:?} (fastest of {rounds} rounds)"
+    );
+    let t = fastest(rounds, 2000, |n| {
+        fleet.decide(black_box(prompts[(n * 7) % prompts.len()]))
+    });
+    println!(
+        "decision_4k_prompt_1000_endpoints_1M_blocks/cold_rotating_prompts: {t:?} (fastest of {rounds} rounds)"
+    );
+}

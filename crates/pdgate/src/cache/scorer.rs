@@ -1,0 +1,207 @@
+//! One decision's view of a model index: the gateway's side of it ([`IndexState`]: endpoint
+//! ids, which publish events, scratch) and the locked pair ([`Scorer`]) a decision matches,
+//! scores and records through.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pdcache::index::{CacheIndex, EndpointId, EntryKind};
+use pdcache::subscribe::SubscriberStats;
+
+use super::config::CacheConfig;
+use super::events::{EventWatch, EventsNow};
+use super::{PrefixView, score, view};
+use crate::endpoints::{Endpoint, Load};
+
+/// Hashes an address (already unique): one multiply, folded so the low bits vary too.
+#[derive(Default)]
+pub(super) struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8) | u64::from(*b);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = n as u64;
+    }
+    fn finish(&self) -> u64 {
+        let p = u128::from(self.0) * 0x9e37_79b9_7f4a_7c15;
+        (p as u64) ^ ((p >> 64) as u64)
+    }
+}
+
+/// The gateway's side of a model index: endpoint names to ids, which ids publish events, and
+/// scratch space. Locked before the index (the subscribers lock only the index).
+#[derive(Debug, Default)]
+pub(super) struct IndexState {
+    pub(super) ids: HashMap<String, EndpointId>,
+    /// The same ids by the address of the endpoint's [`Load`] (one per name, shared across
+    /// snapshots): a decision resolves each candidate with one pointer hash instead of hashing
+    /// its name. The `Arc` keeps the address from being reused; [`ModelCache::retain`] clears
+    /// it.
+    pub(super) by_load: HashMap<usize, (Arc<Load>, EndpointId), BuildHasherDefault<AddressHasher>>,
+    /// By endpoint id: whether its KV events feed the index (precise), so a decision inserts
+    /// speculative entries for it (confirmed by the event) instead of approximate ones.
+    pub(super) precise: Vec<bool>,
+    /// By endpoint id: whether its events still flow (see [`EventWatch`]).
+    pub(super) watches: Vec<Option<EventWatch>>,
+    /// Matched blocks by endpoint id, for the last [`Scorer::prepare`].
+    pub(super) blocks: Vec<u32>,
+    /// Scratch: the candidates' facts of the last [`Scorer::choose`].
+    pub(super) facts: Vec<score::Facts>,
+}
+
+fn saturate(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+impl IndexState {
+    /// `ep`'s id, registering it on first sight.
+    fn id_of(&mut self, index: &mut CacheIndex, ep: &Endpoint) -> Option<EndpointId> {
+        let address = Arc::as_ptr(&ep.load) as usize;
+        if let Some((_, id)) = self.by_load.get(&address) {
+            return Some(*id);
+        }
+        let id = self.id(index, &ep.name)?;
+        self.by_load.insert(address, (ep.load.clone(), id));
+        Some(id)
+    }
+
+    pub(super) fn id(&mut self, index: &mut CacheIndex, name: &str) -> Option<EndpointId> {
+        if let Some(id) = self.ids.get(name) {
+            return Some(*id);
+        }
+        let id = index.add_endpoint().ok()?;
+        self.ids.insert(name.to_string(), id);
+        Some(id)
+    }
+
+    pub(super) fn is_precise(&self, id: EndpointId) -> bool {
+        self.precise
+            .get(usize::from(id.0))
+            .copied()
+            .unwrap_or(false)
+    }
+
+    pub(super) fn set_precise(&mut self, id: EndpointId, on: bool) {
+        let i = usize::from(id.0);
+        if self.precise.len() <= i {
+            self.precise.resize(i + 1, false);
+        }
+        self.precise[i] = on;
+        if !on && let Some(w) = self.watches.get_mut(i) {
+            *w = None;
+        }
+    }
+
+    pub(super) fn watch(&mut self, id: EndpointId, stats: Arc<SubscriberStats>) {
+        let i = usize::from(id.0);
+        if self.watches.len() <= i {
+            self.watches.resize_with(i + 1, || None);
+        }
+        self.watches[i] = Some(EventWatch::new(stats));
+    }
+}
+
+/// A locked model index, for one decision.
+pub(crate) struct Scorer<'a> {
+    pub(super) state: MutexGuard<'a, IndexState>,
+    pub(super) index: MutexGuard<'a, CacheIndex>,
+    pub(super) events_timeout: Duration,
+}
+
+impl Scorer<'_> {
+    /// Matches `view` against the index; [`Scorer::facts`] then answers per endpoint.
+    pub(crate) fn prepare(&mut self, view: &PrefixView) {
+        self.index.match_blocks(&view.keys, &mut self.state.blocks);
+    }
+
+    /// Leading blocks of the prepared view that `ep` holds, and the entries the index holds for
+    /// it (registering `ep` on first sight).
+    pub(crate) fn facts(&mut self, ep: &Endpoint) -> (u32, usize) {
+        let st = &mut *self.state;
+        st.id_of(&mut self.index, ep).map_or((0, 0), |id| {
+            let blocks = st.blocks.get(usize::from(id.0)).copied();
+            (blocks.unwrap_or(0), self.index.endpoint_len(id))
+        })
+    }
+
+    /// Chooses among `candidates` (non-empty) by cache and load for the prepared `view`.
+    pub(crate) fn choose(
+        &mut self,
+        candidates: &[Arc<Endpoint>],
+        view: &PrefixView,
+        cfg: &CacheConfig,
+    ) -> Option<score::Choice> {
+        let mut facts = std::mem::take(&mut self.state.facts);
+        facts.clear();
+        facts.extend(candidates.iter().map(|e| {
+            let (blocks, entries) = self.facts(e);
+            score::Facts {
+                blocks,
+                in_flight: e.load.in_flight(),
+                entries,
+            }
+        }));
+        let choice = score::choose(&facts, view, cfg);
+        self.state.facts = facts;
+        choice
+    }
+
+    /// Records that `view` was sent to each of `eps`: its blocks will be in their caches, all
+    /// written in one walk of the keys. Speculative (until the confirming event) where an
+    /// endpoint publishes events; approximate (with a TTL) elsewhere, and where its events
+    /// stopped arriving. Precise mode needs token keys: text keys never match an event. Calls
+    /// `stopped` for each endpoint whose events were found stopped just now.
+    pub(crate) fn record(
+        &mut self,
+        eps: &[&Endpoint],
+        view: &PrefixView,
+        now: Instant,
+        mut stopped: impl FnMut(&Endpoint),
+    ) {
+        const MOST: usize = 4;
+        let mut targets = [(EndpointId(0), EntryKind::Approximate); MOST];
+        for chunk in eps.chunks(MOST) {
+            let mut n = 0;
+            for ep in chunk {
+                let Some(id) = self.state.id_of(&mut self.index, ep) else {
+                    continue;
+                };
+                let st = &mut *self.state;
+                let events = if st.is_precise(id) {
+                    let held = st.blocks.get(usize::from(id.0)).copied().unwrap_or(0);
+                    let expects =
+                        view.kind == view::KeyKind::Tokens && saturate(view.keys.len()) > held;
+                    st.watches
+                        .get_mut(usize::from(id.0))
+                        .and_then(Option::as_mut)
+                        .map_or(EventsNow::Flowing, |w| {
+                            w.check(expects, now, self.events_timeout)
+                        })
+                } else {
+                    EventsNow::StillStopped
+                };
+                if events == EventsNow::Stopped {
+                    stopped(ep);
+                }
+                let kind = match events {
+                    EventsNow::Flowing if view.kind == view::KeyKind::Tokens => {
+                        EntryKind::Speculative
+                    }
+                    EventsNow::Flowing => continue,
+                    EventsNow::Stopped | EventsNow::StillStopped => EntryKind::Approximate,
+                };
+                targets[n] = (id, kind);
+                n += 1;
+            }
+            if n > 0 && !view.keys.is_empty() {
+                self.index.insert_decisions(&targets[..n], &view.keys, now);
+            }
+        }
+    }
+}
