@@ -5,7 +5,8 @@
 Writes OUT_DIR/cache-ttft.svg (TTFT of every request per arm, one panel per workload: box of
 p25-p75 with the median, whiskers p5-p95, points beyond) and OUT_DIR/cache-hits.svg (prefill
 hit share per arm from the engines' counters, one group per workload, against the trace's
-oracle share).
+oracle share; below it, prompt tokens computed on the prefills and the decode per prompt token,
+where a decode that recomputes the prompt shows and decode-only serving counts as reuse).
 """
 
 import json
@@ -16,14 +17,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"direct": "#888888", "pdgate": "#1f77b4", "vllm-router": "#ff7f0e", "smg": "#2ca02c"}
+COLORS = {
+    "direct": "#999999",
+    "pdgate-rr": "#9ecae1", "pdgate-ca-approx": "#4292c6", "pdgate-ca-precise": "#08519c",
+    "pdgate-ca-precise-do": "#08306b",
+    "vllm-router-rr": "#fdd0a2", "vllm-router-ca": "#e6550d",
+    "smg-rr": "#c7e9c0", "smg-ca": "#31a354",
+}
 
 
 def color(arm: str) -> str:
-    for k, v in COLORS.items():
-        if arm.startswith(k):
-            return v
-    return "#444444"
+    return COLORS.get(arm, "#444444")
 
 
 def main() -> int:
@@ -55,27 +59,32 @@ def main() -> int:
     fig.savefig(f"{out}/cache-ttft.svg", metadata={"Date": None})
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(arms) * len(workloads) / 2), 4.2))
+    fig, (ax, bx) = plt.subplots(2, 1, sharex=True,
+                                 figsize=(max(8.0, 0.45 * len(arms) * len(workloads) + 2.5), 6.6))
     width = 0.8 / max(1, len(arms))
     for j, wl in enumerate(workloads):
         for i, a in enumerate(arms):
             r = by.get((a, wl))
-            if not r or r.get("prefill_hit_share") is None:
+            if not r:
                 continue
             x = j + (i - (len(arms) - 1) / 2) * width
-            ax.bar(x, r["prefill_hit_share"], width * 0.9, color=color(a),
-                   alpha=0.35 if a.endswith("-rr") or a == "direct" else 0.85,
-                   label=a if j == 0 else None)
+            if r.get("prefill_hit_share") is not None:
+                ax.bar(x, r["prefill_hit_share"], width * 0.9, color=color(a), label=a if j == 0 else None)
+            if r.get("reuse_share") is not None:
+                bx.bar(x, 1 - r["reuse_share"], width * 0.9, color=color(a))
         orc = [by[(a, wl)]["oracle_share"] for a in arms if (a, wl) in by and by[(a, wl)].get("oracle_share") is not None]
         if orc:
             o = sum(orc) / len(orc)
             ax.hlines(o, j - 0.45, j + 0.45, colors="black", linestyles="dashed",
                       label="oracle (one infinite cache)" if j == 0 else None)
-    ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylabel("prefill hit share (engine counters)")
+            bx.hlines(1 - o, j - 0.45, j + 0.45, colors="black", linestyles="dashed")
+    ax.set_ylabel("prefill hit share\n(engine counters)")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=7, ncol=2, loc="upper right")
-    ax.set_title("Prefill prefix-cache hit share per arm against the oracle")
+    ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title("Prefill prefix-cache hit share per arm against the oracle (dashed)")
+    bx.set_ylabel("prompt tokens computed\n(prefills + decode) / prompt")
+    bx.set_title("Tokens computed per prompt token: 1 - oracle at best; a decode that recomputes adds up to 1", fontsize=8)
+    bx.set_xticks(range(len(workloads)), workloads)
     fig.tight_layout()
     fig.savefig(f"{out}/cache-hits.svg", metadata={"Date": None})
     plt.close(fig)

@@ -5,11 +5,14 @@
   cache_metrics.py row ARM WORKLOAD BEFORE AFTER TRACE_JSON ORACLE_JSON GW_JSON   one result row
   cache_metrics.py oracle URL MODEL BS SENT_JSONL     oracle prefill hits of what was sent (JSON)
   cache_metrics.py table RESULTS_JSONL [SUMMARY_JSON] the table (rounds pooled); the pooled rows
+  cache_metrics.py markdown RESULTS_JSONL            the same table in Markdown
+  cache_metrics.py rows OUT_DIR                       every cell's row again from its saved files
 
 Engines are named p1, p2 (prefills) and d (decode) in snapshots.
 """
 
 import json
+import os
 import sys
 import urllib.request
 
@@ -64,16 +67,21 @@ def oracle(url: str, model: str, bs: int, sent: str) -> dict:
 
 
 def decode_only(url: str) -> float | None:
-    """pdgate's decode-only decisions (its /metrics), None when the gateway has no such counter."""
+    """pdgate's decode-only decisions (its /metrics), None when the gateway is not pdgate."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+            return decode_only_of(r.read().decode())
     except OSError:
         return None
+
+
+def decode_only_of(text: str) -> float | None:
     n = None
     for line in text.splitlines():
+        if line.startswith("pdgate_"):
+            n = n or 0.0
         if line.startswith("pdgate_cache_decisions_total{") and 'kind="decode_only"' in line:
-            n = (n or 0.0) + float(line.rsplit(" ", 1)[1])
+            n += float(line.rsplit(" ", 1)[1])
     return n
 
 
@@ -104,13 +112,15 @@ def row(arm: str, workload: str, before: dict, after: dict, trace: dict, orc: di
         "nixl_bytes": d("vllm:nixl_bytes_transferred_sum"),
         "nixl_failed": d("vllm:nixl_num_failed_transfers_total"),
         "decode_only": gw,
+        "prompt_tokens": orc.get("prompt_tokens"),
         **{k: trace.get(k) for k in ("requests", "ok", "errors", "ttft_p50_ms", "ttft_p95_ms",
                                      "e2e_p50_ms", "e2e_p95_ms", "throughput_rps", "ttft_ms", "e2e_ms")},
     }
 
 
 SUMS = ("prefill_hits", "prefill_queried", "prefill_computed", "decode_computed", "decode_queried",
-        "decode_local_hits", "decode_external_hits", "nixl_bytes", "nixl_failed", "requests", "ok")
+        "decode_local_hits", "decode_external_hits", "nixl_bytes", "nixl_failed", "requests", "ok",
+        "prompt_tokens")
 
 
 def pct(xs: list, q: float):
@@ -130,6 +140,10 @@ def pool(rows: list[dict]) -> list[dict]:
         for k in SUMS:
             p[k] = sum(r.get(k) or 0 for r in rs)
         p["prefill_hit_share"] = round(p["prefill_hits"] / p["prefill_queried"], 3) if p["prefill_queried"] else None
+        # Prompt tokens computed nowhere (reused on the prefill, pulled by the decode, or served
+        # from the decode's cache): a decode that recomputes the prompt counts against it.
+        computed = p["prefill_computed"] + p["decode_computed"]
+        p["reuse_share"] = round(1 - computed / p["prompt_tokens"], 3) if p["prompt_tokens"] else None
         orc = [r["oracle_share"] for r in rs if r.get("oracle_share") is not None]
         p["oracle_share"] = round(sum(orc) / len(orc), 3) if orc else None
         splits = [[float(x) for x in r["prefill_split"].split("/")] for r in rs]
@@ -151,12 +165,12 @@ def pool(rows: list[dict]) -> list[dict]:
     return out
 
 
-def table(path: str, summary: str | None) -> None:
+def table(path: str, summary: str | None, markdown: bool = False) -> None:
     rows = pool([json.loads(line) for line in open(path) if line.strip()])
     if summary:
         with open(summary, "w") as f:
             json.dump(rows, f)
-    cols = ("arm", "workload", "hit", "oracle", "P split", "P comp", "D comp", "D ext", "D local",
+    cols = ("arm", "workload", "hit", "oracle", "reuse", "P split", "P comp", "D comp", "D ext", "D local",
             "NIXL MB", "D-only", "TTFT p50", "p95", "E2E p50", "p95", "req/s", "ok/n", "note")
     out = [cols]
     for r in rows:
@@ -169,11 +183,17 @@ def table(path: str, summary: str | None) -> None:
             note = (note + " errors " + json.dumps(r["errors"])).strip()
         f = lambda v, fmt="{:.0f}": "-" if v is None else fmt.format(v)  # noqa: E731
         out.append((r["arm"], r["workload"], f(r["prefill_hit_share"], "{:.2f}"), f(r["oracle_share"], "{:.2f}"),
-                    r["prefill_split"], f(r["prefill_computed"]), f(r["decode_computed"]),
+                    f(r.get("reuse_share"), "{:.2f}"), r["prefill_split"], f(r["prefill_computed"]), f(r["decode_computed"]),
                     f(r["decode_external_hits"]), f(r["decode_local_hits"]), f(r["nixl_bytes"] / 1e6, "{:.1f}"),
                     f(r.get("decode_only")),
                     f(r["ttft_p50_ms"]), f(r["ttft_p95_ms"]), f(r["e2e_p50_ms"]), f(r["e2e_p95_ms"]),
                     f(r["throughput_rps"], "{:.2f}"), f"{r.get('ok')}/{r.get('requests')}", note))
+    if markdown:
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for row_ in out[1:]:
+            print("| " + " | ".join(str(v) for v in row_) + " |")
+        return
     widths = [max(len(str(row[i])) for row in out) for i in range(len(cols))]
     for row_ in out:
         print("  ".join(str(v).ljust(w) for v, w in zip(row_, widths)).rstrip())
@@ -187,12 +207,29 @@ def main() -> int:
         arm, workload, b, a, t, o, g = rest
         load = lambda p: json.load(open(p))  # noqa: E731
         print(json.dumps(row(arm, workload, load(b), load(a), load(t), load(o), load(g).get("decode_only"))))
+    elif cmd == "rows":
+        import glob
+        load = lambda p: json.load(open(p))  # noqa: E731
+        for t in sorted(glob.glob(rest[0] + "/r*.trace.json"), key=lambda p: os.path.getmtime(p)):
+            tag = t[: -len(".trace.json")]
+            cell = os.path.basename(tag).split("-", 1)[1]  # r<round>-<workload>-<arm>
+            wl = next(w for w in ("shared-prefix", "multi-turn", "random") if cell.startswith(w + "-"))
+            arm = cell[len(wl) + 1:]
+            if not all(os.path.exists(tag + x) for x in (".after.json", ".oracle.json", ".gw.json")):
+                continue  # a cell still running, or cut short
+            gw = load(tag + ".gw.json").get("decode_only")
+            if os.path.exists(tag + ".gw.prom"):
+                gw = decode_only_of(open(tag + ".gw.prom").read())
+            print(json.dumps(row(arm, wl, load(tag + ".before.json"), load(tag + ".after.json"), load(t),
+                                 load(tag + ".oracle.json"), gw)))
     elif cmd == "gw":
         print(json.dumps({"decode_only": decode_only(rest[0])}))
     elif cmd == "oracle":
         print(json.dumps(oracle(rest[0], rest[1], int(rest[2]), rest[3])))
     elif cmd == "table":
         table(rest[0], rest[1] if len(rest) > 1 else None)
+    elif cmd == "markdown":
+        table(rest[0], None, markdown=True)
     else:
         print(__doc__, file=sys.stderr)
         return 2
