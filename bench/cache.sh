@@ -7,7 +7,9 @@
 # KV events, each prefill's KV cache sized so that one cannot hold every prefix group of the
 # trace but both together can. Then, interleaved (round by round, workload by workload, arm by
 # arm), every arm runs the same bounded trace after every engine's prefix cache was reset; each
-# engine's /metrics is read before and after each arm. Prints one table (also in $OUT).
+# engine's /metrics is read before and after each arm. Prints one table (also in $OUT, with
+# results.jsonl, summary.json and the charts cache-ttft.svg and cache-hits.svg drawn by
+# bench/cache_charts.py with matplotlib from the bench venv).
 #
 # Arms (BENCH_ARMS):
 #   direct            no gateway: the driver plays the PD flow, prefills round robin (the floor)
@@ -16,29 +18,36 @@
 #   vllm-router-rr    the same with round_robin
 #   smg-ca            SMG 1.13 `smg launch --pd-disaggregation --backend vllm`, cache_aware
 #   smg-rr            the same with round_robin
-#   pdgate-ca-approx, pdgate-ca-precise, pdgate-ca-precise-do   HOOKS: pdgate cache_aware
-#                     (approximate / KV-event precise / precise + decode-only); skipped until
-#                     BENCH_PDGATE_CACHE_AWARE=1 (their flags are in pdgate_args below)
-# Workloads (BENCH_WORKLOADS): shared-prefix, random (bench/cache_trace.py today);
-#   multi-turn and pdbench's own traces are HOOKS (BENCH_DRIVER=pdbench, run_trace below).
+#   pdgate-ca-approx  pdgate cache_aware on both roles, approximate (byte blocks, no events)
+#   pdgate-ca-precise pdgate cache_aware with the model's tokenizer.json, block size 32 and
+#                     every engine's KV events (precise); every request through both legs
+#   pdgate-ca-precise-do  the same, and a request whose prompt is cached on the decode up to
+#                     BENCH_DECODE_ONLY_BELOW uncached tokens is served there alone
+# Workloads (BENCH_WORKLOADS): shared-prefix, multi-turn, random (bench/cache_trace.py).
 #
 # Every step is bounded; every process started here leads its own process group and is
-# stopped by that id on exit. Heavy: 3 engines hold ~3 GB each; everything runs under nice.
+# stopped by that id on exit. Heavy: 3 engines hold ~2.5 GB each; everything runs under nice.
 #
 # Environment (all optional):
 #   PDGATE_CACHE       cache root: vllm-venv/, bench-llama/, bench-venv/     [~/.cache/pdgate]
 #   CARGO_TARGET_DIR   where release pdgate is built/found                   [<repo>/target]
 #   PDGATE_BIN         pdgate binary to use (skips the build)
 #   BENCH_OUT          results dir                                 [<repo>/bench/out/cache-<utc>]
-#   BENCH_ARMS         see above            ["direct pdgate-rr vllm-router-ca vllm-router-rr smg-ca smg-rr"]
-#   BENCH_WORKLOADS    ["shared-prefix random"]
+#   BENCH_ARMS         see above                                            [all of them]
+#   BENCH_WORKLOADS    ["shared-prefix multi-turn random"]
 #   BENCH_ROUNDS       interleaved rounds                                   [1]
 #   BENCH_GROUPS, BENCH_PER_GROUP, BENCH_SYSTEM_WORDS, BENCH_QUESTION_WORDS,
-#   BENCH_OUTPUT_TOKENS, BENCH_CONCURRENCY     trace shape          [8, 4, 600, 40, 8, 2]
-#   BENCH_PREFILL_KV_MIB  KV cache per prefill (MiB); 12 KiB per token for the bench model [48]
+#   BENCH_OUTPUT_TOKENS, BENCH_CONCURRENCY     trace shape          [6, 4, 600, 40, 8, 2]
+#   BENCH_SESSIONS, BENCH_TURNS, BENCH_MT_SYSTEM_WORDS   multi-turn shape       [6, 4, 500]
+#   BENCH_DECODE_ONLY_BELOW  pdgate-ca-precise-do's decode_only_below_tokens         [128]
+#   BENCH_SPECULATIVE_TTL    the precise arms' cache.speculative_ttl                 [30s]
+#   BENCH_PREFILL_KV_MIB  KV cache per prefill (MiB); 12 KiB per token for the bench model [32]
+#                      (2,730 tokens: 4 of the 6 groups' 640-token prefixes; both prefills hold all 6)
 #   BENCH_DECODE_KV_MIB   KV cache of the decode (MiB)                                   [256]
-#   BENCH_DRIVER       trace (bench/cache_trace.py) | pdbench (HOOK, not yet)          [trace]
 #   BENCH_ARM_TIMEOUT  seconds per arm                                      [600]
+#   BENCH_NICE         niceness of the engines, gateways and driver           [10]
+#                      (0 on a machine busy with other work: niced engines starve and TTFT
+#                      then measures the other work, not the cache)
 #   VLLM_ROUTER_VERSION [0.1.17], SMG_VERSION [1.13.*]
 set -euo pipefail
 
@@ -54,28 +63,35 @@ MODEL_DIR="$CACHE/bench-llama"
 MODEL=bench
 BLOCK=32
 OUT="${BENCH_OUT:-$ROOT/bench/out/cache-$(date -u +%Y%m%dT%H%M%SZ)}"
-ARMS="${BENCH_ARMS:-direct pdgate-rr vllm-router-ca vllm-router-rr smg-ca smg-rr}"
-WORKLOADS="${BENCH_WORKLOADS:-shared-prefix random}"
+ARMS="${BENCH_ARMS:-direct pdgate-rr pdgate-ca-approx pdgate-ca-precise pdgate-ca-precise-do vllm-router-ca vllm-router-rr smg-ca smg-rr}"
+WORKLOADS="${BENCH_WORKLOADS:-shared-prefix multi-turn random}"
 ROUNDS="${BENCH_ROUNDS:-1}"
-GROUPS_N="${BENCH_GROUPS:-8}"
+GROUPS_N="${BENCH_GROUPS:-6}"
 PER_GROUP="${BENCH_PER_GROUP:-4}"
 SYSTEM_WORDS="${BENCH_SYSTEM_WORDS:-600}"
 QUESTION_WORDS="${BENCH_QUESTION_WORDS:-40}"
 OUTPUT_TOKENS="${BENCH_OUTPUT_TOKENS:-8}"
 CONCURRENCY="${BENCH_CONCURRENCY:-2}"
-PREFILL_KV_MIB="${BENCH_PREFILL_KV_MIB:-48}"
+SESSIONS="${BENCH_SESSIONS:-6}"
+TURNS="${BENCH_TURNS:-4}"
+MT_SYSTEM_WORDS="${BENCH_MT_SYSTEM_WORDS:-500}"
+DECODE_ONLY_BELOW="${BENCH_DECODE_ONLY_BELOW:-128}"
+SPECULATIVE_TTL="${BENCH_SPECULATIVE_TTL:-30s}"
+PREFILL_KV_MIB="${BENCH_PREFILL_KV_MIB:-32}"
 DECODE_KV_MIB="${BENCH_DECODE_KV_MIB:-256}"
-DRIVER="${BENCH_DRIVER:-trace}"
 ARM_TIMEOUT="${BENCH_ARM_TIMEOUT:-600}"
 VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
 SMG_VERSION="${SMG_VERSION:-1.13.*}"
 BENCH_VENV="$CACHE/bench-venv"
 START_TIMEOUT=900
-NICE=(nice -n 10)
+NICE=(nice -n "${BENCH_NICE:-10}")
 T0=$SECONDS
 
 mkdir -p "$OUT/logs"
 LOGS="$OUT/logs"
+# The engines bind their KV-event PUB on ipc:// sockets here (a short path: ipc paths are capped
+# near 100 bytes); removed on exit.
+SOCKS="$(mktemp -d "${TMPDIR:-/tmp}/pdgate-cache.XXXXXX")"
 RESULTS="$OUT/results.jsonl"
 : >"$RESULTS"
 log() { printf '[cache %s +%ss] %s\n' "$(date -u +%H:%M:%S)" "$((SECONDS - T0))" "$*" >&2; }
@@ -94,6 +110,7 @@ stop_pg() {
 cleanup() {
   local pg
   for pg in "${PGIDS[@]}"; do stop_pg "$pg"; done
+  rm -rf "$SOCKS"
   log "stopped everything; results in $OUT"
 }
 trap cleanup EXIT
@@ -122,6 +139,12 @@ if [[ ! -f "$MODEL_DIR/pdgate-tiny-model.json" ]]; then
 fi
 
 want_router() { [[ " $ARMS " == *" vllm-router-"* || " $ARMS " == *" smg-"* ]]; }
+# matplotlib draws the charts; without it (no registry) the run still prints its table.
+if ! [[ -x "$BENCH_VENV/bin/python" ]] || ! "$BENCH_VENV/bin/python" -c 'import matplotlib' 2>/dev/null; then
+  log "installing matplotlib into $BENCH_VENV (charts)"
+  (timeout 900 python3 -m venv "$BENCH_VENV" && timeout 900 "$BENCH_VENV/bin/pip" install -q matplotlib) \
+    >"$LOGS/pip-matplotlib.log" 2>&1 || log "matplotlib install failed: no charts (see $LOGS/pip-matplotlib.log)"
+fi
 if want_router && ! [[ -x "$BENCH_VENV/bin/vllm-router" && -x "$BENCH_VENV/bin/smg" ]]; then
   log "installing vllm-router==$VLLM_ROUTER_VERSION smg==$SMG_VERSION into $BENCH_VENV"
   if ! (timeout 900 python3 -m venv "$BENCH_VENV" &&
@@ -132,24 +155,19 @@ if want_router && ! [[ -x "$BENCH_VENV/bin/vllm-router" && -x "$BENCH_VENV/bin/s
   fi
 fi
 
-PDGATE="${PDGATE_BIN:-}"
-if [[ " $ARMS " == *" pdgate-"* && -z "$PDGATE" ]]; then
-  log "building release pdgate"
-  (cd "$ROOT" && timeout 1800 "${NICE[@]}" cargo build -q --release -p pdgate) >"$LOGS/build.log" 2>&1
-  PDGATE="${CARGO_TARGET_DIR:-$ROOT/target}/release/pdgate"
-fi
 
 # ---- 2. engines ---------------------------------------------------------------------------
 P1=$(free_port) P2=$(free_port) D=$(free_port)
 declare -A EVENTS REPLAY
-# KV events: each engine connects its PUB to a port that a precise-mode pdgate binds (HOOK);
-# nobody listens in the other arms, so the engine's events go nowhere (ZMQ drops them).
-for e in p1 p2 d; do EVENTS[$e]=$(free_port) REPLAY[$e]=$(free_port); done
+# KV events: each engine binds its PUB on an ipc:// socket (vLLM binds only for `*`, `::` or
+# ipc://; `*` would be every interface) and a replay ROUTER on a loopback port; a precise pdgate
+# connects to both. With nobody subscribed (the other arms) ZMQ drops the events.
+for e in p1 p2 d; do EVENTS[$e]="ipc://$SOCKS/kv-$e.sock" REPLAY[$e]=$(free_port); done
 
 # start_engine NAME PORT ROLE KV_MIB
 start_engine() {
   local name=$1 port=$2 role=$3 mib=$4
-  local ev="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:${EVENTS[$name]}\",\"replay_endpoint\":\"tcp://127.0.0.1:${REPLAY[$name]}\",\"topic\":\"kv\"}"
+  local ev="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"${EVENTS[$name]}\",\"replay_endpoint\":\"tcp://127.0.0.1:${REPLAY[$name]}\",\"topic\":\"kv\"}"
   spawn "engine-$name" env PYTHONPATH="$E2E/pyhooks" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 UCX_NET_DEVICES=lo \
     VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$(free_port)" \
@@ -169,6 +187,14 @@ t_eng=$SECONDS
 start_engine p1 "$P1" kv_producer "$PREFILL_KV_MIB"
 start_engine p2 "$P2" kv_producer "$PREFILL_KV_MIB"
 start_engine d "$D" kv_consumer "$DECODE_KV_MIB"
+# pdgate builds while the engines load.
+PDGATE="${PDGATE_BIN:-}"
+if [[ " $ARMS " == *" pdgate-"* && -z "$PDGATE" ]]; then
+  log "building release pdgate (while the engines start)"
+  (cd "$ROOT" && timeout 1800 "${NICE[@]}" cargo build -q --release -p pdgate) >"$LOGS/build.log" 2>&1 ||
+    { log "pdgate build failed (see $LOGS/build.log)"; exit 1; }
+  PDGATE="${CARGO_TARGET_DIR:-$ROOT/target}/release/pdgate"
+fi
 for e in p1:$P1 p2:$P2 d:$D; do
   name=${e%%:*} port=${e#*:}
   deadline=$((SECONDS + START_TIMEOUT))
@@ -195,15 +221,42 @@ reset_caches() {
 }
 
 # ---- 3. arms ------------------------------------------------------------------------------
-# pdgate_args ARM: pdgate's routing flags per arm. The cache_aware arms are HOOKS for when
-# pdgate routes by cache: fill in the flags the final CLI takes (tokenizer, events, decode-only).
-pdgate_args() {
-  case "$1" in
-    pdgate-rr) echo "--prefill-policy round_robin --decode-policy round_robin" ;;
-    pdgate-ca-approx) echo "--prefill-policy cache_aware --decode-policy cache_aware" ;;
-    pdgate-ca-precise) echo "--prefill-policy cache_aware --decode-policy cache_aware --tokenizer $MODEL_DIR/tokenizer.json ${PDGATE_EVENTS_ARGS:-}" ;;
-    pdgate-ca-precise-do) echo "--prefill-policy cache_aware --decode-policy cache_aware --tokenizer $MODEL_DIR/tokenizer.json ${PDGATE_EVENTS_ARGS:-} --decode-only-below-tokens 64" ;;
-  esac
+# pdgate_config ARM PORT FILE: pdgate's config per arm (sectioned keys, docs/operations.md).
+pdgate_config() {
+  local arm=$1 port=$2 file=$3 e url role
+  {
+    echo "listen = \"127.0.0.1:$port\""
+    echo 'kv_connector = "shfs"'
+    if [[ $arm == pdgate-rr ]]; then
+      echo 'prefill_policy = "round_robin"'
+      echo 'decode_policy = "round_robin"'
+    else
+      echo 'prefill_policy = "cache_aware"'
+      echo 'decode_policy = "cache_aware"'
+    fi
+    if [[ $arm == pdgate-ca-precise* ]]; then
+      echo '[cache]'
+      echo "block_size = $BLOCK"
+      echo "tokenizer = \"$MODEL_DIR/tokenizer.json\""
+      # A CPU prefill of 600+ tokens takes seconds (more on a busy machine) and the engine
+      # publishes BlockStored only once it ran: a decision's entry must outlive that.
+      echo "speculative_ttl = \"$SPECULATIVE_TTL\""
+      if [[ $arm == pdgate-ca-precise-do ]]; then echo "decode_only_below_tokens = $DECODE_ONLY_BELOW"; fi
+    fi
+    for e in p1:$PURL1 p2:$PURL2 d:$DURL; do
+      url=${e#*:} e=${e%%:*}
+      role=prefill
+      [[ $e == d ]] && role=decode
+      echo "[[$role]]"
+      echo "url = \"$url\""
+      echo "name = \"$e\""
+      echo "model = \"$MODEL\""
+      if [[ $arm == pdgate-ca-precise* ]]; then
+        echo "kv_events = \"${EVENTS[$e]}\""
+        echo "kv_events_replay = \"tcp://127.0.0.1:${REPLAY[$e]}\""
+      fi
+    done
+  } >"$file"
 }
 
 # start_arm ARM PORT: starts the arm's gateway (none for direct); sets ARM_PG (or empty).
@@ -212,16 +265,9 @@ start_arm() {
   ARM_PG=""
   case "$arm" in
     direct) return 0 ;;
-    pdgate-ca-*)
-      if [[ "${BENCH_PDGATE_CACHE_AWARE:-0}" != 1 ]]; then
-        log "$arm: skipped (HOOK: set BENCH_PDGATE_CACHE_AWARE=1 once pdgate routes by cache)"
-        return 2
-      fi
-      ;&
     pdgate-*)
-      # shellcheck disable=SC2046 # word-split the per-arm flags on purpose
-      spawn "$arm-$port" env RUST_LOG=warn "$PDGATE" --prefill "$PURL1" --prefill "$PURL2" --decode "$DURL" \
-        --kv-connector shfs --listen "127.0.0.1:$port" $(pdgate_args "$arm")
+      pdgate_config "$arm" "$port" "$OUT/$arm.toml"
+      spawn "$arm-$port" env RUST_LOG=warn "$PDGATE" --config "$OUT/$arm.toml"
       ;;
     vllm-router-*)
       [[ $arm == *-ca ]] && policy=cache_aware || policy=round_robin
@@ -257,37 +303,20 @@ start_arm() {
   done
 }
 
-TRACE_ARGS=(workload WL groups "$GROUPS_N" per_group "$PER_GROUP" system_words "$SYSTEM_WORDS"
-  question_words "$QUESTION_WORDS" seed 1)
-
-# run_trace ARM WORKLOAD PORT OUT_JSON: the arm's load. HOOK: BENCH_DRIVER=pdbench switches to
-# pdbench's traces (shared-prefix / multi-turn / random) once pdbench has them.
+# run_trace ARM WORKLOAD PORT OUT_JSON SENT_JSONL: the arm's load (bench/cache_trace.py).
 run_trace() {
-  local arm=$1 wl=$2 port=$3 out=$4 target
+  local arm=$1 wl=$2 port=$3 out=$4 sent=$5 target sys=$SYSTEM_WORDS
   if [[ $arm == direct ]]; then target=(--direct "$PURL1,$PURL2" --decode "$DURL"); else target=(--url "http://127.0.0.1:$port"); fi
-  case "$DRIVER" in
-    trace)
-      timeout "$ARM_TIMEOUT" "${NICE[@]}" python3 "$ROOT/bench/cache_trace.py" "${target[@]}" --model "$MODEL" \
-        --workload "$wl" --groups "$GROUPS_N" --per-group "$PER_GROUP" --system-words "$SYSTEM_WORDS" \
-        --question-words "$QUESTION_WORDS" --output-tokens "$OUTPUT_TOKENS" --concurrency "$CONCURRENCY" \
-        >"$out" 2>"$LOGS/trace-$arm-$wl.err"
-      ;;
-    pdbench)
-      log "BENCH_DRIVER=pdbench: HOOK, not implemented yet (pdbench's cache workloads are pending)"
-      return 1
-      ;;
-  esac
+  [[ $wl == multi-turn ]] && sys=$MT_SYSTEM_WORDS
+  timeout "$ARM_TIMEOUT" "${NICE[@]}" python3 "$ROOT/bench/cache_trace.py" "${target[@]}" --model "$MODEL" \
+    --workload "$wl" --groups "$GROUPS_N" --per-group "$PER_GROUP" --sessions "$SESSIONS" --turns "$TURNS" \
+    --system-words "$sys" --question-words "$QUESTION_WORDS" --output-tokens "$OUTPUT_TOKENS" \
+    --concurrency "$CONCURRENCY" --sent "$sent" >"$out" 2>"$LOGS/trace-$arm-$wl.err"
 }
-
-for wl in $WORKLOADS; do
-  ta=("${TRACE_ARGS[@]}")
-  ta[1]=$wl
-  "$PY" "$ROOT/bench/cache_metrics.py" oracle "$PURL1" "$MODEL" "$BLOCK" "${ta[@]}" >"$OUT/oracle-$wl.json"
-  log "$wl: oracle $(cat "$OUT/oracle-$wl.json")"
-done
 
 CELLS_TOTAL=$((ROUNDS * $(wc -w <<<"$WORKLOADS") * $(wc -w <<<"$ARMS")))
 CELLS_DONE=0
+LOADS=()
 for round in $(seq 1 "$ROUNDS"); do
   for wl in $WORKLOADS; do
     for arm in $ARMS; do
@@ -297,7 +326,6 @@ for round in $(seq 1 "$ROUNDS"); do
       reset_caches
       rc=0
       start_arm "$arm" "$port" || rc=$?
-      if ((rc == 2)); then continue; fi
       if ((rc != 0)); then
         echo "{\"arm\":\"$arm\",\"workload\":\"$wl\",\"failed\":\"gateway did not start\"}" >>"$OUT/failures.jsonl"
         continue
@@ -305,26 +333,41 @@ for round in $(seq 1 "$ROUNDS"); do
       tag="r$round-$wl-$arm"
       snap "$OUT/$tag.before.json"
       t_arm=$SECONDS
-      if ! run_trace "$arm" "$wl" "$port" "$OUT/$tag.trace.json"; then
+      if ! run_trace "$arm" "$wl" "$port" "$OUT/$tag.trace.json" "$OUT/$tag.sent.jsonl"; then
         log "$tag: trace failed (see $LOGS/trace-$arm-$wl.err)"
         echo '{}' >"$OUT/$tag.trace.json"
       fi
       snap "$OUT/$tag.after.json"
-      [[ -n "$ARM_PG" ]] && stop_pg "$ARM_PG"
+      LOADS+=("$(cut -d' ' -f1 /proc/loadavg)")
+      "$PY" "$ROOT/bench/cache_metrics.py" gw "http://127.0.0.1:$port" >"$OUT/$tag.gw.json"
+      if [[ $arm == pdgate-* ]]; then curl -fsS -m 10 "http://127.0.0.1:$port/metrics" -o "$OUT/$tag.gw.prom" || true; fi
+      if [[ -n "$ARM_PG" ]]; then stop_pg "$ARM_PG"; fi
+      # The oracle of what this arm sent (multi-turn histories hold each arm's own answers).
+      "$PY" "$ROOT/bench/cache_metrics.py" oracle "$PURL1" "$MODEL" "$BLOCK" "$OUT/$tag.sent.jsonl" \
+        >"$OUT/$tag.oracle.json" || echo '{}' >"$OUT/$tag.oracle.json"
       "$PY" "$ROOT/bench/cache_metrics.py" row "$arm" "$wl" "$OUT/$tag.before.json" "$OUT/$tag.after.json" \
-        "$OUT/$tag.trace.json" "$OUT/oracle-$wl.json" >>"$RESULTS"
+        "$OUT/$tag.trace.json" "$OUT/$tag.oracle.json" "$OUT/$tag.gw.json" >>"$RESULTS"
       log "$tag: $((SECONDS - t_arm))s $(tail -n 1 "$RESULTS" | cut -c1-200)"
     done
   done
 done
 
+LOAD_RANGE="$(printf '%s\n' "${LOADS[@]:-0}" | sort -n | sed -n '1p;$p' | xargs | tr ' ' '-')"
 {
   echo "bench/cache.sh: $(date -u +%Y-%m-%dT%H:%MZ), HEAD $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)," \
-    "vLLM 0.32.0 CPU, model $MODEL (hidden 768, 6 layers), block $BLOCK, prefill KV ${PREFILL_KV_MIB} MiB each," \
-    "decode KV ${DECODE_KV_MIB} MiB; trace ${GROUPS_N}x${PER_GROUP}, system ${SYSTEM_WORDS} words," \
-    "question ${QUESTION_WORDS}, output ${OUTPUT_TOKENS}, concurrency $CONCURRENCY, $ROUNDS round(s); engine RSS $RSS"
-  echo "hit = prefill prefix hits / prefill tokens queried (engine counters); oracle = one infinite cache;"
-  echo "P/D comp = prefill tokens computed on the prefills / on the decode; D ext = tokens the decode pulled over NIXL"
-  "$PY" "$ROOT/bench/cache_metrics.py" table "$RESULTS"
+    "$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/ {print $2}') GiB," \
+    "1-min load average at the end of each cell $LOAD_RANGE; $((SECONDS - T0))s in all"
+  echo "vLLM 0.32.0 CPU, model $MODEL (hidden 768, 6 layers), block $BLOCK, prefill KV ${PREFILL_KV_MIB} MiB each," \
+    "decode KV ${DECODE_KV_MIB} MiB; shared-prefix/random ${GROUPS_N}x${PER_GROUP}, system ${SYSTEM_WORDS} words;" \
+    "multi-turn ${SESSIONS}x${TURNS}, system ${MT_SYSTEM_WORDS} words; question ${QUESTION_WORDS} words, output ${OUTPUT_TOKENS}," \
+    "concurrency $CONCURRENCY, $ROUNDS round(s); engine RSS $RSS"
+  echo "hit = prefill prefix hits / prefill tokens queried (engine counters); oracle = one infinite cache over what was sent;"
+  echo "P/D comp = prompt tokens computed on the prefills / on the decode; D ext = tokens the decode pulled over NIXL;"
+  echo "D local = decode prefix-cache hits; D-only = pdgate's decode-only decisions; rounds pooled (sums, percentiles of all requests)"
+  "$PY" "$ROOT/bench/cache_metrics.py" table "$RESULTS" "$OUT/summary.json"
   if [[ -f "$OUT/failures.jsonl" ]]; then cat "$OUT/failures.jsonl"; fi
 } | tee "$OUT/table.txt"
+if [[ -x "$BENCH_VENV/bin/python" ]]; then
+  "$BENCH_VENV/bin/python" "$ROOT/bench/cache_charts.py" "$OUT/summary.json" "$OUT" ||
+    log "charts failed (no matplotlib?)"
+fi
