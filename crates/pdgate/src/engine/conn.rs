@@ -27,8 +27,10 @@ pub(crate) type Sender = http1::SendRequest<Full<Bytes>>;
 type Plain = http1::Connection<TokioIo<TcpStream>, Full<Bytes>>;
 type Tls = http1::Connection<TokioIo<TlsStream<TcpStream>>, Full<Bytes>>;
 
+// Boxed: hyper's connection state is large, and a response (which carries it in its body) is
+// moved several times on its way to the client.
 enum Io {
-    Plain(Plain),
+    Plain(Box<Plain>),
     Tls(Box<Tls>),
 }
 
@@ -48,7 +50,7 @@ impl Driver {
     /// or not kept alive) is dropped: whatever waited on it has its answer or its error.
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) {
         let ended = match &mut self.0 {
-            Some(Io::Plain(c)) => Pin::new(c).poll(cx).is_ready(),
+            Some(Io::Plain(c)) => Pin::new(&mut **c).poll(cx).is_ready(),
             Some(Io::Tls(c)) => Pin::new(&mut **c).poll(cx).is_ready(),
             None => false,
         };
@@ -95,7 +97,7 @@ impl Connection {
         let (sender, conn) = http1::handshake(TokioIo::new(tcp)).await?;
         Ok(Connection {
             sender,
-            driver: Driver(Some(Io::Plain(conn))),
+            driver: Driver(Some(Io::Plain(Box::new(conn)))),
         })
     }
 

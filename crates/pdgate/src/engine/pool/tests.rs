@@ -99,6 +99,8 @@ async fn serve(
             Mode::KeepAlive => {}
             Mode::CloseAfterEach => return,
             Mode::CloseWhenIdle => {
+                // After the client has read the answer and pooled the connection.
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 drop(tcp);
                 closed.fetch_add(1, Ordering::SeqCst);
                 return;
