@@ -149,6 +149,18 @@ async fn read_all(pool: &EnginePool, authority: &str) -> Bytes {
     response.into_body().collect().await.unwrap().to_bytes()
 }
 
+/// A streamed response from `engine` on a new pool, and its first frame.
+async fn first_frame(engine: &Engine) -> (EnginePool, EngineBody, Bytes) {
+    let pool = pool(Duration::from_secs(60), 16);
+    let mut body = pool
+        .request(get(&engine.authority))
+        .await
+        .unwrap()
+        .into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    (pool, body, first)
+}
+
 async fn eventually(what: &str, check: impl Fn() -> bool) {
     for _ in 0..500 {
         if check() {
@@ -182,13 +194,7 @@ async fn a_connection_read_to_the_end_is_reused_with_origin_form_and_host() {
 #[tokio::test]
 async fn a_body_dropped_before_its_end_closes_its_connection() {
     let engine = engine(Mode::HoldStream).await;
-    let pool = pool(Duration::from_secs(60), 16);
-    let mut body = pool
-        .request(get(&engine.authority))
-        .await
-        .unwrap()
-        .into_body();
-    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let (pool, body, first) = first_frame(&engine).await;
     assert_eq!(first, "hello");
     drop(body);
     eventually("the engine seeing the connection close", || {
@@ -267,13 +273,7 @@ async fn refused_connections_and_bad_targets_are_told_apart() {
 #[tokio::test]
 async fn events_already_read_are_handed_over_in_one_wake_up() {
     let engine = engine(Mode::Burst).await;
-    let pool = pool(Duration::from_secs(60), 16);
-    let mut body = pool
-        .request(get(&engine.authority))
-        .await
-        .unwrap()
-        .into_body();
-    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let (_pool, mut body, first) = first_frame(&engine).await;
     assert_eq!(first, "data: 00\n\n");
     // The rest came in the same read: each is there at once, without the task waking again
     // (a connection driven by a task of its own hands over one chunk per wake-up).
