@@ -1,6 +1,5 @@
 //! A body that tells a guard how it ended: the one wrapper behind the admission slot (released at
-//! the end), the SGLang abort (disarmed at a clean end) and the engine pool (a connection goes
-//! back at a clean end).
+//! the end) and the SGLang abort (disarmed at a clean end).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -24,13 +23,6 @@ pin_project! {
         #[pin]
         inner: B,
         guard: G,
-    }
-}
-
-impl<B, G: OnEnd> GuardedBody<B, G> {
-    /// `inner`, with `guard` told when it ends.
-    pub fn new(inner: B, guard: G) -> Self {
-        GuardedBody { inner, guard }
     }
 }
 

@@ -2,6 +2,7 @@
 //! control-plane probes, and the body wrapper that tells a guard how a body ended.
 
 pub(crate) mod client;
+pub(crate) mod conn;
 pub(crate) mod guarded;
 pub(crate) mod pool;
 pub(crate) mod probe;

@@ -11,32 +11,35 @@
 //! it hashed the scheme and authority byte by byte, boxed the request future and spawned a task
 //! to put the connection back (bench/profile.sh callgrind: 5% of pdgate's instructions).
 //!
+//! No task is spawned per connection: the request's task drives its connection while it waits
+//! for the head, and the response body drives it while it is read (`engine::conn`), so the
+//! events already read from a streaming engine are relayed in one write. An idle connection is
+//! polled again when it is taken: one the engine closed meanwhile ends there and the next one is
+//! taken.
+//!
 //! `https://` engines are reached over TLS (rustls, `security.engine_ca_file`); their idle
 //! connections are kept apart from plain ones to the same `host:port`.
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri, header};
-use http_body::Body;
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
-use tokio_util::sync::{CancellationToken, DropGuard};
 
-use crate::engine::guarded::{GuardedBody, OnEnd};
+use crate::engine::conn::Connection;
 use crate::error::{ConfigError, field_error};
-
-type Sender = http1::SendRequest<Full<Bytes>>;
 
 /// Why an engine request failed.
 #[derive(Debug, thiserror::Error)]
@@ -116,14 +119,11 @@ struct Inner {
     config: PoolConfig,
     /// The TLS client for `https://` engines.
     tls: Option<TlsConnector>,
-    /// Ends every connection task once the last handle on the pool is gone.
-    stop: CancellationToken,
-    _stop_on_drop: DropGuard,
 }
 
 #[derive(Debug)]
 struct Idle {
-    sender: Sender,
+    conn: Connection,
     since: Instant,
 }
 
@@ -146,14 +146,11 @@ impl EnginePool {
 
     /// An empty pool; `https://` engines are reached with `tls` (refused without it).
     pub fn with_tls(config: PoolConfig, tls: Option<TlsConnector>) -> Self {
-        let stop = CancellationToken::new();
         EnginePool {
             inner: Arc::new(Inner {
                 idle: Mutex::new([HashMap::new(), HashMap::new()]),
                 config,
                 tls,
-                _stop_on_drop: stop.clone().drop_guard(),
-                stop,
             }),
         }
     }
@@ -175,28 +172,40 @@ impl EnginePool {
             ));
         }
         loop {
-            let (mut sender, pooled) = match self.inner.checkout(authority.as_str(), tls) {
-                Some(sender) => (sender, true),
+            let (mut conn, pooled) = match self.inner.checkout(authority.as_str(), tls) {
+                Some(conn) => (conn, true),
                 None => (self.connect(&authority, tls).await?, false),
             };
             // A new connection takes its first request before the handshake settles; a pooled
-            // one is ready once its previous response has been read to the end.
-            if pooled
-                && !sender.is_ready()
-                && !matches!(
-                    tokio::time::timeout(self.inner.config.connect_timeout, sender.ready()).await,
-                    Ok(Ok(()))
-                )
-            {
-                continue;
+            // one is polled first (one the engine closed while idle ends there), and is ready
+            // once its previous response has been read to the end.
+            if pooled {
+                conn.driver.settle().await;
+                if !conn.is_usable() {
+                    continue;
+                }
+                let Connection { sender, driver } = &mut conn;
+                if !sender.is_ready()
+                    && !matches!(
+                        tokio::time::timeout(
+                            self.inner.config.connect_timeout,
+                            driver.along(std::future::poll_fn(|cx| sender.poll_ready(cx)))
+                        )
+                        .await,
+                        Ok(Ok(()))
+                    )
+                {
+                    continue;
+                }
             }
-            match sender.try_send_request(request).await {
+            let Connection { sender, driver } = &mut conn;
+            match driver.along(sender.try_send_request(request)).await {
                 Ok(response) => {
                     let checkin = Checkin {
                         pool: self.inner.clone(),
                         authority: authority.clone(),
                         tls,
-                        sender,
+                        conn,
                     };
                     return Ok(response.map(|body| engine_body(body, checkin)));
                 }
@@ -215,7 +224,7 @@ impl EnginePool {
         self.inner.lock()[0].get(authority).map_or(0, Vec::len)
     }
 
-    async fn connect(&self, authority: &Authority, tls: bool) -> Result<Sender, PoolError> {
+    async fn connect(&self, authority: &Authority, tls: bool) -> Result<Connection, PoolError> {
         let limit = self.inner.config.connect_timeout;
         let address = socket_target(authority, tls);
         let tcp = match tokio::time::timeout(limit, TcpStream::connect(address)).await {
@@ -240,26 +249,9 @@ impl EnginePool {
                     )));
                 }
             };
-            return Ok(self.drive(TokioIo::new(stream)).await?);
+            return Ok(Connection::tls(stream).await?);
         }
-        Ok(self.drive(TokioIo::new(tcp)).await?)
-    }
-
-    /// The HTTP/1.1 handshake on `io`, with the connection's task owned by the pool.
-    async fn drive<IO>(&self, io: IO) -> Result<Sender, hyper::Error>
-    where
-        IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    {
-        let (sender, connection) = http1::handshake(io).await?;
-        let stop = self.inner.stop.clone();
-        // Owned through `stop`: the task ends with its connection, or with the pool.
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = connection => {}
-                () = stop.cancelled() => {}
-            }
-        });
-        Ok(sender)
+        Ok(Connection::plain(tcp).await?)
     }
 }
 
@@ -268,26 +260,25 @@ impl Inner {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn checkout(&self, authority: &str, tls: bool) -> Option<Sender> {
+    fn checkout(&self, authority: &str, tls: bool) -> Option<Connection> {
         let mut idle = self.lock();
         let list = idle[usize::from(tls)].get_mut(authority)?;
         let now = Instant::now();
         while let Some(entry) = list.pop() {
-            if !entry.sender.is_closed()
-                && now.duration_since(entry.since) < self.config.idle_timeout
+            if entry.conn.is_usable() && now.duration_since(entry.since) < self.config.idle_timeout
             {
-                return Some(entry.sender);
+                return Some(entry.conn);
             }
         }
         None
     }
 
-    fn checkin(&self, authority: &Authority, tls: bool, sender: Sender) {
-        if sender.is_closed() {
+    fn checkin(&self, authority: &Authority, tls: bool, conn: Connection) {
+        if !conn.is_usable() {
             return;
         }
         let entry = Idle {
-            sender,
+            conn,
             since: Instant::now(),
         };
         let mut lists = self.lock();
@@ -360,40 +351,75 @@ fn to_origin_form(request: &mut Request<Full<Bytes>>) -> Result<(Authority, bool
 
 /// What puts a connection back when its response ends.
 #[derive(Debug)]
-pub struct Checkin {
+struct Checkin {
     pool: Arc<Inner>,
     authority: Authority,
     tls: bool,
-    sender: Sender,
+    conn: Connection,
 }
 
-impl Checkin {
-    fn put_back(self) {
-        self.pool.checkin(&self.authority, self.tls, self.sender);
+/// An engine response body, which drives its connection while it is read. Read to its end, it
+/// returns its connection to the pool; dropped earlier, or broken, it closes the connection.
+#[derive(Debug)]
+pub struct EngineBody {
+    inner: Incoming,
+    checkin: Option<Checkin>,
+}
+
+impl EngineBody {
+    fn ended(&mut self, clean: bool) {
+        if let Some(c) = self.checkin.take()
+            && clean
+        {
+            c.pool.checkin(&c.authority, c.tls, c.conn);
+        }
     }
 }
 
-/// An engine response body. Read to its end, it returns its connection to the pool; dropped
-/// earlier, or broken, it closes the connection.
-pub type EngineBody = GuardedBody<Incoming, Option<Checkin>>;
+impl Body for EngineBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
 
-impl OnEnd for Option<Checkin> {
-    fn ended(&mut self, clean: bool) {
-        if let Some(checkin) = self.take()
-            && clean
-        {
-            checkin.put_back();
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        // Reads and decodes what the engine sent, so that the next frame is there to be taken;
+        // a frame already read is handed over without waiting for more.
+        if let Some(c) = this.checkin.as_mut() {
+            c.conn.driver.poll(cx);
         }
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.ended(true),
+            // A sized body can end with its last frame (hyper then polls no more).
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.ended(true),
+            Poll::Ready(Some(Err(_))) => this.ended(false),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
 /// Wraps `inner`; a body without content ends at once.
 fn engine_body(inner: Incoming, checkin: Checkin) -> EngineBody {
-    let mut guard = Some(checkin);
-    if inner.is_end_stream() {
-        guard.ended(true);
+    let mut body = EngineBody {
+        inner,
+        checkin: Some(checkin),
+    };
+    if body.inner.is_end_stream() {
+        body.ended(true);
     }
-    GuardedBody::new(inner, guard)
+    body
 }
 
 #[cfg(test)]

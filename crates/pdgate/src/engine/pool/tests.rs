@@ -17,7 +17,13 @@ enum Mode {
     CloseAfterEach,
     /// Sends the head and one chunk of a stream, then waits for the client to leave.
     HoldStream,
+    /// Sends the head and `BURST` chunks in one write, then waits for the client to leave.
+    Burst,
+    /// Answers on a kept-alive connection, then closes it.
+    CloseWhenIdle,
 }
+
+const BURST: usize = 32;
 
 /// A raw HTTP/1.1 engine on loopback that counts connections and records request heads.
 struct Engine {
@@ -67,20 +73,39 @@ async fn serve(
         let head = String::from_utf8_lossy(&buf[..end]).to_string();
         buf.drain(..end);
         heads.lock().unwrap().push(head);
+        let burst;
         let reply: &[u8] = match mode {
-            Mode::KeepAlive => b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+            Mode::KeepAlive | Mode::CloseWhenIdle => {
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+            }
             Mode::CloseAfterEach => {
                 b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
             }
             Mode::HoldStream => {
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"
             }
+            Mode::Burst => {
+                let mut all = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+                for i in 0..BURST {
+                    let event = format!("data: {i:02}\n\n");
+                    all.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
+                }
+                burst = all;
+                &burst
+            }
         };
         tcp.write_all(reply).await.unwrap();
         match mode {
             Mode::KeepAlive => {}
             Mode::CloseAfterEach => return,
-            Mode::HoldStream => {
+            Mode::CloseWhenIdle => {
+                // After the client has read the answer and pooled the connection.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                drop(tcp);
+                closed.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
+            Mode::HoldStream | Mode::Burst => {
                 let mut rest = [0u8; 64];
                 while matches!(tcp.read(&mut rest).await, Ok(n) if n > 0) {}
                 closed.fetch_add(1, Ordering::SeqCst);
@@ -124,6 +149,18 @@ async fn read_all(pool: &EnginePool, authority: &str) -> Bytes {
     response.into_body().collect().await.unwrap().to_bytes()
 }
 
+/// A streamed response from `engine` on a new pool, and its first frame.
+async fn first_frame(engine: &Engine) -> (EnginePool, EngineBody, Bytes) {
+    let pool = pool(Duration::from_secs(60), 16);
+    let mut body = pool
+        .request(get(&engine.authority))
+        .await
+        .unwrap()
+        .into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    (pool, body, first)
+}
+
 async fn eventually(what: &str, check: impl Fn() -> bool) {
     for _ in 0..500 {
         if check() {
@@ -157,13 +194,7 @@ async fn a_connection_read_to_the_end_is_reused_with_origin_form_and_host() {
 #[tokio::test]
 async fn a_body_dropped_before_its_end_closes_its_connection() {
     let engine = engine(Mode::HoldStream).await;
-    let pool = pool(Duration::from_secs(60), 16);
-    let mut body = pool
-        .request(get(&engine.authority))
-        .await
-        .unwrap()
-        .into_body();
-    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let (pool, body, first) = first_frame(&engine).await;
     assert_eq!(first, "hello");
     drop(body);
     eventually("the engine seeing the connection close", || {
@@ -237,4 +268,43 @@ async fn refused_connections_and_bad_targets_are_told_apart() {
         .unwrap();
     let err = pool.request(https).await.unwrap_err();
     assert!(matches!(err, PoolError::Target(_)), "{err}");
+}
+
+#[tokio::test]
+async fn events_already_read_are_handed_over_in_one_wake_up() {
+    let engine = engine(Mode::Burst).await;
+    let (_pool, mut body, first) = first_frame(&engine).await;
+    assert_eq!(first, "data: 00\n\n");
+    // The rest came in the same read: each is there at once, without the task waking again
+    // (a connection driven by a task of its own hands over one chunk per wake-up).
+    let ready = std::future::poll_fn(|cx| {
+        let mut ready = Vec::new();
+        while let Poll::Ready(Some(Ok(frame))) = Pin::new(&mut body).poll_frame(cx) {
+            ready.push(frame.into_data().unwrap());
+        }
+        Poll::Ready(ready)
+    })
+    .await;
+    assert_eq!(ready.len(), BURST - 1);
+    assert_eq!(ready[BURST - 2], format!("data: {:02}\n\n", BURST - 1));
+    drop(body);
+    eventually("the engine seeing the connection close", || {
+        engine.closed.load(Ordering::SeqCst) == 1
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_connection_the_engine_closed_while_idle_is_not_used() {
+    let engine = engine(Mode::CloseWhenIdle).await;
+    let pool = pool(Duration::from_secs(60), 16);
+    assert_eq!(read_all(&pool, &engine.authority).await, "ok");
+    assert_eq!(pool.idle_connections(&engine.authority), 1);
+    eventually("the engine closing its connection", || {
+        engine.closed.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // Nobody polls an idle connection; taking it notices the close, and a new one is opened.
+    assert_eq!(read_all(&pool, &engine.authority).await, "ok");
+    assert_eq!(engine.accepted.load(Ordering::SeqCst), 2);
 }
