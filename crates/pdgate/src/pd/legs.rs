@@ -172,7 +172,7 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
             pd.agent
                 .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
         let job = PrefillJob::new(
-            &pd,
+            pd,
             &ex.request_id,
             prefill_request,
             gw.config.legs.prefill_timeout,
