@@ -211,7 +211,7 @@ async fn prefills_cached_tokens_are_billed(connector: Connector) {
         }
         let r = fleet.post_bounded("/v1/completions", &body).await;
         assert_eq!(r.status(), 200);
-        cached.push(usage_cached(&r.text().await.unwrap()));
+        cached.push(usage_cached(&r.text().await.expect("body")));
     }
     assert!(
         fleet.decode[0].stats().prefix_cache_hits > 0,
