@@ -106,7 +106,9 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
             std::future::pending::<()>().await;
         }
     };
+    // Biased: the leg's own outcome first (and no random draw per poll).
     let result = tokio::select! {
+        biased;
         done = timeout(limit, work) => done.unwrap_or_else(|_| {
             Err(client::timed_out(Leg::Prefill, job.endpoint.target(), limit))
         }),
@@ -141,7 +143,9 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             prefill_request,
             gw.config.legs.prefill_timeout,
         );
-        let collected = prefill_leg(&gw, job)
+        // Boxed, like the decode leg below: this flow's own future then stays small, and the
+        // flows' box (`pd::serve`) copies no more than the request's state.
+        let collected = Box::pin(prefill_leg(&gw, job))
             .instrument(prefill_span(&ex.request_id, &pd.prefill.name))
             .await;
         let retryable = match &collected {
@@ -208,7 +212,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         },
     };
     let span = decode_span(&ex.request_id, &pd.decode.name, false);
-    decode_last(ex, pd, decode_body, span).await
+    Box::pin(decode_last(ex, pd, decode_body, span)).await
 }
 
 /// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
