@@ -98,6 +98,8 @@ pub struct Metrics {
     pub admitted: Gauge,
     /// Requests waiting for an admission slot.
     pub queued: Gauge,
+    /// The request path's series, resolved once.
+    hot: handles::Hot,
 }
 
 impl Default for Metrics {
@@ -248,6 +250,7 @@ impl Metrics {
             retries_refused,
             admitted,
             queued,
+            hot: handles::Hot::default(),
             requests,
             duration,
             ttft,
@@ -259,15 +262,6 @@ impl Metrics {
             in_flight,
             endpoints,
         }
-    }
-
-    /// Records one prefill leg's duration.
-    pub fn observe_prefill(&self, connector: &str, seconds: f64) {
-        self.prefill
-            .get_or_create(&ConnectorLabels {
-                connector: connector.to_string(),
-            })
-            .observe(seconds);
     }
 
     /// Counts a decode that will recompute the prompt.
@@ -424,6 +418,7 @@ impl Metrics {
     }
 }
 
+mod handles;
 mod record;
 
 pub use record::RequestRecord;

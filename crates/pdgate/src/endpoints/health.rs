@@ -14,6 +14,7 @@
 //! than 503s for everything. Changes wake the reconciler, which republishes the snapshot.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -204,6 +205,9 @@ pub struct Health {
     half_open_probe: bool,
     /// Latency outlier ejection of prefills (`reliability.latency_outlier_*`), if on.
     latency: Option<LatencyRule>,
+    /// Some entry may be half-open (set under the lock with the entry): [`Health::begin`] takes
+    /// the lock only then.
+    any_half_open: AtomicBool,
     knobs: HealthConfig,
     metrics: Arc<Metrics>,
 }
@@ -221,6 +225,7 @@ impl Health {
             downs: tokio::sync::watch::Sender::new(0),
             half_open_probe: true,
             latency: None,
+            any_half_open: AtomicBool::new(false),
             knobs,
             metrics,
         }
@@ -343,10 +348,14 @@ impl Health {
     /// A request is being sent to `name`: a half-open endpoint's first one is its probe, and
     /// until it reports, no other request is routed there.
     pub fn begin(&self, name: &str) {
-        if !self.half_open_probe {
+        if !self.half_open_probe || !self.any_half_open.load(Ordering::Acquire) {
             return;
         }
         let mut map = self.lock();
+        if !map.values().any(|e| e.half_open) {
+            self.any_half_open.store(false, Ordering::Release);
+            return;
+        }
         let Some(e) = map.get_mut(name) else { return };
         if e.half_open && e.probing.is_none() {
             e.probing = Some(Instant::now());
@@ -505,6 +514,7 @@ impl Health {
             if e.ejected_until.is_some_and(|t| t <= now) {
                 e.ejected_until = None;
                 e.half_open = true;
+                self.any_half_open.store(true, Ordering::Release);
                 info!(endpoint = %e.target.name, "ejection over; endpoint back on probation");
                 self.set_gauge(e);
                 any = true;

@@ -67,7 +67,7 @@ fn outcome_of_status(status: u16, fallback: bool) -> &'static str {
 pub struct RequestRecord {
     metrics: Arc<Metrics>,
     route: &'static str,
-    connector: String,
+    connector: &'static str,
     model: String,
     start: Instant,
     prefill_done: Option<Instant>,
@@ -96,7 +96,7 @@ impl RequestRecord {
         RequestRecord {
             metrics,
             route,
-            connector: String::new(),
+            connector: "",
             model: String::new(),
             start: Instant::now(),
             prefill_done: None,
@@ -147,8 +147,8 @@ impl RequestRecord {
     }
 
     /// Names the connector once routing chose it.
-    pub fn set_connector(&mut self, connector: &str) {
-        self.connector = connector.to_string();
+    pub fn set_connector(&mut self, connector: &'static str) {
+        self.connector = connector;
     }
 
     /// Names the model once routing accepted it (only models of the fleet's configuration).
@@ -162,7 +162,7 @@ impl RequestRecord {
         self.trace.prefill_done(&self.request_id);
         self.prefill_done = Some(now);
         self.metrics
-            .observe_prefill(&self.connector, (now - self.start).as_secs_f64());
+            .observe_prefill_leg(self.connector, (now - self.start).as_secs_f64());
     }
 
     /// Marks the first decode byte relayed.
@@ -175,17 +175,10 @@ impl RequestRecord {
         let now = Instant::now();
         let ttft = (now - self.start).as_secs_f64();
         self.ttft = Some(ttft);
-        self.metrics
-            .ttft
-            .get_or_create(&RouteLabels { route: self.route })
-            .observe(ttft);
+        self.metrics.observe_ttft(self.route, ttft);
         if let Some(p) = self.prefill_done {
             self.metrics
-                .handoff
-                .get_or_create(&ConnectorLabels {
-                    connector: self.connector.clone(),
-                })
-                .observe((now - p).as_secs_f64());
+                .observe_handoff(self.connector, (now - p).as_secs_f64());
         }
     }
 
@@ -200,19 +193,9 @@ impl RequestRecord {
         );
         self.trace.finish(outcome, self.status);
         self.metrics
-            .requests
-            .get_or_create(&RequestLabels {
-                route: self.route,
-                connector: self.connector.clone(),
-                outcome,
-                model: self.model.clone(),
-            })
-            .inc();
+            .count_request(self.route, self.connector, outcome, &self.model);
         let total = self.start.elapsed().as_secs_f64();
-        self.metrics
-            .duration
-            .get_or_create(&RouteLabels { route: self.route })
-            .observe(total);
+        self.metrics.observe_duration(self.route, total);
         if self.metrics.access_log.load(Ordering::Relaxed) {
             let ms = |s: f64| (s * 1e6).round() / 1e3;
             tracing::info!(

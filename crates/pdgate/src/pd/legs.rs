@@ -110,7 +110,9 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
             std::future::pending::<()>().await;
         }
     };
+    // Biased: the leg's own outcome first (and no random draw per poll).
     let result = tokio::select! {
+        biased;
         done = timeout(limit, work) => done.unwrap_or_else(|_| {
             Err(client::timed_out(Leg::Prefill, job.endpoint.target(), limit))
         }),
@@ -143,7 +145,9 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     let mut moved = false;
     loop {
         let span = decode_span(&ex.request_id, &pd.decode.name, false);
-        let head = decode_head(&gw, &pd, &ex.request_id, body)
+        // Boxed, like the prefill leg: this flow's own future then stays small, and the flows'
+        // box (`pd::serve`) copies no more than the request's state.
+        let head = Box::pin(decode_head(&gw, &pd, &ex.request_id, body))
             .instrument(span)
             .await;
         match head {
@@ -177,7 +181,9 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
             prefill_request,
             gw.config.legs.prefill_timeout,
         );
-        let collected = prefill_leg(&gw, job)
+        // Boxed, like the decode leg below: this flow's own future then stays small, and the
+        // flows' box (`pd::serve`) copies no more than the request's state.
+        let collected = Box::pin(prefill_leg(&gw, job))
             .instrument(prefill_span(&ex.request_id, &pd.prefill.name))
             .await;
         let retryable = match &collected {
