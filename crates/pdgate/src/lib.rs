@@ -79,12 +79,12 @@ pub(crate) mod state;
 pub mod telemetry;
 pub(crate) mod watch;
 
-#[doc(hidden)]
-pub use cache::bench as cache_bench;
 pub use cache::{CacheConfig, ModelCacheConfig};
 pub use config::{Config, ConfigError, EndpointConfig, LogFormat, RunArgs};
 pub use discovery::file::watch_config_file;
 pub use error::{GatewayError, Leg, Source, UpstreamKind};
+#[doc(hidden)]
+pub use pd::bench as cache_bench;
 pub use run::{RunningGateway, listen};
 pub use state::{Gateway, PodSet};
 pub use telemetry::{OtlpProtocol, Telemetry, TelemetryConfig};

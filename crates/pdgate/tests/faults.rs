@@ -1196,6 +1196,17 @@ async fn campaign_prefill_2s_slower() {
         .await;
         set(&fleet.prefill[0], |x| x.first_byte_delay_ms = 2000);
         let warm = send_all(&fleet, 0..WARM_UP, &want).await;
+        // The detection window ends with the ejection: on a loaded machine the warm-up's
+        // answers can come in too slowly to reach the rule's sample count in time.
+        let detected = tokio::time::Instant::now() + Duration::from_secs(10);
+        while metric(
+            &fleet.metrics().await,
+            "pdgate_ejections_total{role=\"prefill\"}",
+        ) < 1.0
+            && tokio::time::Instant::now() < detected
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let before = served(&fleet, Victim::Prefill);
         let row = send_all(&fleet, WARM_UP..WARM_UP + MEASURED, &want).await;
         let slow_served = served(&fleet, Victim::Prefill) - before;

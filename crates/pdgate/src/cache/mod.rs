@@ -11,8 +11,6 @@
 //! Approximate mode (endpoints without KV events): each decision inserts the request's keys for
 //! the chosen endpoints with a TTL. Every endpoint is approximate until it publishes events.
 
-#[doc(hidden)]
-pub mod bench;
 pub(crate) mod config;
 pub(crate) mod engine_tokens;
 pub(crate) mod events;
@@ -158,7 +156,7 @@ impl ModelCache {
         }
     }
 
-    fn stats(&self) -> pdcache::index::IndexStats {
+    pub(crate) fn stats(&self) -> pdcache::index::IndexStats {
         let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         index.expire(Instant::now());
         index.stats()

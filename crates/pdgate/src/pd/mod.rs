@@ -12,6 +12,8 @@
 //! Errors go back to the HTTP edge, which renders them.
 
 pub(crate) mod abort;
+#[doc(hidden)]
+pub mod bench;
 pub(crate) mod handover;
 pub(crate) mod legs;
 pub(crate) mod relay;

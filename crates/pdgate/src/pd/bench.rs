@@ -11,12 +11,12 @@ use crate::endpoints::Snapshot;
 use crate::pd::select;
 use crate::state::Gateway;
 
-use super::PrefixView;
+use crate::cache::{Cache, PrefixView};
 
 /// A gateway with `cache_aware` on both roles over a static fleet, and prepared prompts.
 pub struct DecisionBench {
     gw: Arc<Gateway>,
-    cache: Arc<super::Cache>,
+    cache: Arc<Cache>,
     snap: Arc<Snapshot>,
     views: Vec<PrefixView>,
 }
