@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use pdsim::{Connector, Faults, Role};
+use pdsim::{Connector, Faults, Role, SimHandle};
 use serde_json::json;
 
 /// `pdgate_requests_total` summed over the samples whose labels contain `outcome="..."`.
@@ -226,28 +226,7 @@ async fn requests_waiting_on_an_ejected_prefill_are_retried_at_once() {
         c.policy.prefill_policy = "round_robin".into();
     })
     .await;
-    fleet.prefill[0].set_faults(Faults {
-        hang: true,
-        dead: true,
-        ..Faults::default()
-    });
-    let started = Instant::now();
-    let body = completion(false);
-    let answers = futures_util::future::join_all(
-        (0..6).map(|_| fleet.post_bounded("/v1/completions", &body)),
-    )
-    .await;
-    assert!(answers.iter().all(|r| r.status() == 200));
-    // Far below the 30 s prefill timeout: released by the health checks (~200 ms).
-    assert!(
-        started.elapsed() < Duration::from_secs(8),
-        "{:?}",
-        started.elapsed()
-    );
-    let m = fleet.metrics().await;
-    assert!(retries(&m, "prefill") >= 1.0, "{m}");
-    fleet.prefill[0].set_faults(Faults::default());
-    fleet.wait_idle().await;
+    released_and_retried(&fleet, &fleet.prefill[0], "prefill", "shfs").await;
 }
 
 /// A Mooncake prefill restarted on the same ports has a new engine id; the decode refuses the
@@ -299,31 +278,39 @@ async fn requests_waiting_on_an_ejected_decode_are_retried_at_once() {
             },
         )
         .await;
-        fleet.decode[0].set_faults(Faults {
-            hang: true,
-            dead: true,
-            ..Faults::default()
-        });
-        let started = Instant::now();
-        let body = completion(false);
-        let answers = futures_util::future::join_all(
-            (0..6).map(|_| fleet.post_bounded("/v1/completions", &body)),
-        )
-        .await;
-        assert!(
-            answers.iter().all(|r| r.status() == 200),
-            "{connector:?}: {:?}",
-            answers.iter().map(|r| r.status()).collect::<Vec<_>>()
-        );
-        // Far below the 30 s decode timeout: released by the health checks (~200 ms).
-        assert!(
-            started.elapsed() < Duration::from_secs(8),
-            "{:?}",
-            started.elapsed()
-        );
-        let m = fleet.metrics().await;
-        assert!(retries(&m, "decode") >= 1.0, "{connector:?}: {m}");
-        fleet.decode[0].set_faults(Faults::default());
-        fleet.wait_idle().await;
+        let what = format!("{connector:?}");
+        released_and_retried(&fleet, &fleet.decode[0], "decode", &what).await;
     }
+}
+
+/// Freezes `victim` (hung, and failing its health checks), sends six requests at once and checks
+/// that every one is answered far below the 30 s leg timeout: released when the health checks
+/// take the victim out of rotation (~200 ms) and retried elsewhere, counted under `leg`'s
+/// retries. Restores the victim and waits for the fleet to go idle.
+async fn released_and_retried(fleet: &Fleet, victim: &SimHandle, leg: &str, what: &str) {
+    victim.set_faults(Faults {
+        hang: true,
+        dead: true,
+        ..Faults::default()
+    });
+    let started = Instant::now();
+    let body = completion(false);
+    let answers = futures_util::future::join_all(
+        (0..6).map(|_| fleet.post_bounded("/v1/completions", &body)),
+    )
+    .await;
+    assert!(
+        answers.iter().all(|r| r.status() == 200),
+        "{what}: {:?}",
+        answers.iter().map(|r| r.status()).collect::<Vec<_>>()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{what}: {:?}",
+        started.elapsed()
+    );
+    let m = fleet.metrics().await;
+    assert!(retries(&m, leg) >= 1.0, "{what}: {m}");
+    victim.set_faults(Faults::default());
+    fleet.wait_idle().await;
 }
