@@ -31,6 +31,9 @@
 #   BENCH_WARMUP        unmeasured requests before each cell       [200, at least the concurrency]
 #   BENCH_CONCURRENCY   closed-loop client counts                  ["1 16 64 256"]
 #   BENCH_MODES         "plain stream"                             ["plain stream"]
+#   BENCH_RATES         open-loop cells: requests started per second, the same offered load
+#                       for every target (cells "<mode>-r<R>"; latency then compares at equal
+#                       load, which closed-loop cells cannot when targets differ in speed) [none]
 #   BENCH_GATEWAYS      gateways to compare                        ["pdgate vllm-router floor"]
 #                       (and "pdgate-base" when PDGATE_BASE_BIN is set; "floor-drive": the
 #                       reference relay with its decode connection driven by the relaying task)
@@ -55,6 +58,7 @@ OUT="${BENCH_OUT:-$ROOT/bench/out/$(date -u +%Y%m%dT%H%M%SZ)}"
 DURATION="${BENCH_DURATION:-5}"
 WARMUP="${BENCH_WARMUP:-200}"
 CONCURRENCIES="${BENCH_CONCURRENCY:-1 16 64 256}"
+RATES="${BENCH_RATES:-}"
 MODES="${BENCH_MODES:-plain stream}"
 GATEWAYS="${BENCH_GATEWAYS:-pdgate vllm-router floor}"
 PDGATE="${PDGATE_BIN:-$TARGET_DIR/release/pdgate}"
@@ -331,7 +335,7 @@ done
 
 # Cells in the whole run, for the progress lines (a target dropped later makes it an upper bound).
 n_targets=$((1 + $(wc -w <<<"$GATEWAYS")))
-CELLS_TOTAL=$(($(wc -w <<<"$MODES") * $(wc -w <<<"$CONCURRENCIES") * n_targets))
+CELLS_TOTAL=$(($(wc -w <<<"$MODES") * ($(wc -w <<<"$CONCURRENCIES") + $(wc -w <<<"$RATES")) * n_targets))
 [ "${BENCH_SHARED:-1}" = 1 ] && CELLS_TOTAL=$((CELLS_TOTAL + n_targets))
 [ "$SOAK_STREAMS" -gt 0 ] && CELLS_TOTAL=$((CELLS_TOTAL + n_targets))
 CELLS_DONE=0
@@ -340,6 +344,19 @@ for mode in $MODES; do
     cell="$mode-c$c"
     warm=$((c > WARMUP ? c : WARMUP))
     args=(--concurrency "$c" --duration "$DURATION" --warmup "$warm" --timeout 30
+      --prompt-len "$PROMPT_LEN")
+    if [ "$mode" = stream ]; then
+      args+=(--stream --output-len "$STREAM_TOKENS")
+    else
+      args+=(--output-len "$PLAIN_TOKENS")
+    fi
+    for target in direct $GATEWAYS; do
+      run_target "$cell" "$target" "$PREFILL" "$DECODE" "${args[@]}"
+    done
+  done
+  for r in $RATES; do
+    cell="$mode-r$r"
+    args=(--rate "$r" --max-in-flight 4096 --duration "$DURATION" --warmup "$WARMUP" --timeout 30
       --prompt-len "$PROMPT_LEN")
     if [ "$mode" = stream ]; then
       args+=(--stream --output-len "$STREAM_TOKENS")

@@ -3,7 +3,7 @@
 
 Usage: ratios.py OUT_DIR [--markdown]
 
-For every cell (plain-cN, stream-cN, shared-c1, soak) and target (direct, pdgate, vllm-router,
+For every cell (plain-cN, stream-cN, open-loop plain-rR and stream-rR, shared-c1, soak) and target (direct, pdgate, vllm-router,
 floor, pdgate-base): throughput and its ratio to direct, p50/p99 end-to-end latency added over
 direct, TTFT p50 added over direct, TTFT p50/p99 and inter-token p99 (streams), the gateway's
 CPU seconds per 1000 successful requests (the CPU sample spans the cell's warm-up, the count does
@@ -17,14 +17,15 @@ import os
 import re
 import sys
 
-CELL_RE = re.compile(r"^((?:plain|stream|shared)-c\d+|soak)-(.+)\.json$")
+CELL_RE = re.compile(r"^((?:plain|stream|shared)-[cr]\d+|soak)-(.+)\.json$")
 
 
 def cell_key(cell):
     if cell == "soak":
-        return (3, 0)
-    mode, c = cell.split("-c")
-    return ({"plain": 0, "stream": 1}.get(mode, 2), int(c))
+        return (3, False, 0)
+    mode, rest = cell.split("-", 1)
+    # Closed-loop cells (cN) first, then open-loop ones (rR), each by size.
+    return ({"plain": 0, "stream": 1}.get(mode, 2), rest[0] == "r", int(rest[1:]))
 
 
 def target_key(t):

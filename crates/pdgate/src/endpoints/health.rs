@@ -14,7 +14,7 @@
 //! than 503s for everything. Changes wake the reconciler, which republishes the snapshot.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -192,10 +192,14 @@ impl HealthConfig {
     }
 }
 
+/// Entries by endpoint name (names come from configuration and discovery, not from clients: a
+/// fast hasher is safe, and each request looks its endpoints up several times).
+type Entries = HashMap<String, Entry, foldhash::fast::RandomState>;
+
 /// Health of every known endpoint.
 #[derive(Debug)]
 pub struct Health {
-    entries: Mutex<HashMap<String, Entry>>,
+    entries: Mutex<Entries>,
     changed: Notify,
     /// Bumped whenever an endpoint goes down (ejected or failing its checks): legs waiting on
     /// it wake up ([`Health::went_down`]).
@@ -208,6 +212,9 @@ pub struct Health {
     /// Some entry may be half-open (set under the lock with the entry): [`Health::begin`] takes
     /// the lock only then.
     any_half_open: AtomicBool,
+    /// How many entries are down (kept under the lock with the entries): while none is,
+    /// [`Health::went_down`] has nothing to look up.
+    down_count: AtomicUsize,
     knobs: HealthConfig,
     metrics: Arc<Metrics>,
 }
@@ -220,12 +227,13 @@ impl Health {
         knobs.healthy_threshold = knobs.healthy_threshold.max(1);
         knobs.min_requests = knobs.min_requests.max(1);
         Health {
-            entries: Mutex::new(HashMap::new()),
+            entries: Mutex::new(Entries::default()),
             changed: Notify::new(),
             downs: tokio::sync::watch::Sender::new(0),
             half_open_probe: true,
             latency: None,
             any_half_open: AtomicBool::new(false),
+            down_count: AtomicUsize::new(0),
             knobs,
             metrics,
         }
@@ -243,13 +251,19 @@ impl Health {
         self
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
         self.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Resolves when health changed since the last call (no lost wake-ups).
     pub async fn changed(&self) {
         self.changed.notified().await;
+    }
+
+    /// Called under the lock after any entry may have gone down or come back up.
+    fn recount_down(&self, map: &Entries) {
+        let down = map.values().filter(|e| e.down()).count();
+        self.down_count.store(down, Ordering::Release);
     }
 
     fn set_gauge(&self, e: &Entry) {
@@ -278,6 +292,7 @@ impl Health {
                 }
             }
         }
+        self.recount_down(&map);
     }
 
     /// Names of endpoints that must not be routed to now.
@@ -336,7 +351,10 @@ impl Health {
     pub async fn went_down(&self, name: &str) {
         let mut downs = self.downs.subscribe();
         loop {
-            if self.lock().get(name).is_some_and(Entry::down) {
+            // Subscribed first: a change after this check still wakes the wait below.
+            if self.down_count.load(Ordering::Acquire) > 0
+                && self.lock().get(name).is_some_and(Entry::down)
+            {
                 return;
             }
             if downs.changed().await.is_err() {
@@ -393,11 +411,15 @@ impl Health {
                 e.check_down = true;
                 warn!(endpoint = %name, reason = %why, "endpoint failed its health checks");
                 self.metrics.count_ejection(e.target.role.as_str());
-                self.bump_downs();
             }
         }
         if before != e.healthy() {
             self.set_gauge(e);
+            // Counted before waiters wake: they read the count.
+            self.recount_down(&map);
+            if before {
+                self.bump_downs();
+            }
             self.changed.notify_one();
         }
     }
@@ -483,7 +505,7 @@ impl Health {
     }
 
     /// Takes `name` out of rotation for its back-off period; requests waiting on it are woken.
-    fn eject(&self, map: &mut HashMap<String, Entry>, name: &str, why: &str) {
+    fn eject(&self, map: &mut Entries, name: &str, why: &str) {
         let Some(e) = map.get_mut(name) else { return };
         let factor = 1u32 << e.ejections.min(16);
         let period = self
@@ -502,6 +524,7 @@ impl Health {
         warn!(endpoint = %name, ?period, reason = why, "endpoint ejected");
         self.metrics.count_ejection(e.target.role.as_str());
         self.set_gauge(e);
+        self.recount_down(map);
         self.changed.notify_one();
         self.bump_downs();
     }
@@ -528,6 +551,7 @@ impl Health {
             }
         }
         if any {
+            self.recount_down(&map);
             self.changed.notify_one();
         }
     }

@@ -100,6 +100,8 @@ pub struct Endpoint {
     pub name: String,
     /// `http://host:port`.
     pub base_url: String,
+    /// `base_url`, parsed.
+    pub addr: crate::engine::EngineAddr,
     /// The pod, as discovery (and bootstrap lookups) described it.
     pub pod: Pod,
     /// Prefill or decode.
@@ -122,7 +124,7 @@ impl Endpoint {
     pub(crate) fn target(&self) -> crate::engine::client::Target<'_> {
         crate::engine::client::Target {
             name: &self.name,
-            base_url: &self.base_url,
+            addr: &self.addr,
             authorization: self.authorization.as_ref(),
         }
     }
@@ -247,6 +249,13 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
             snap.excluded.push((pod.name.clone(), "no IP".into()));
             continue;
         };
+        let addr = match crate::engine::EngineAddr::parse(&base_url) {
+            Ok(addr) => addr,
+            Err(e) => {
+                snap.excluded.push((pod.name.clone(), e.to_string()));
+                continue;
+            }
+        };
         if !pod.ready {
             snap.excluded.push((pod.name.clone(), "not ready".into()));
             continue;
@@ -325,6 +334,7 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
         let endpoint = Arc::new(Endpoint {
             name: pod.name.clone(),
             base_url,
+            addr,
             authorization,
             pod: pod.clone(),
             role,

@@ -8,21 +8,21 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 
-use crate::engine::pool::{EngineBody, EnginePool, PoolError};
+use crate::engine::pool::{EngineAddr, EngineBody, EnginePool, PoolError};
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::headers::X_REQUEST_ID;
 
 /// Largest prefill response body the gateway reads into memory.
 pub const MAX_PREFILL_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 
-/// The engine a leg goes to: its name (for errors) and base URL. Borrowed from whatever the
+/// The engine a leg goes to: its name (for errors) and address. Borrowed from whatever the
 /// caller routes with, so engine I/O knows nothing of endpoints.
 #[derive(Clone, Copy, Debug)]
 pub struct Target<'a> {
     /// Name used in errors and logs.
     pub name: &'a str,
-    /// `http://host:port`.
-    pub base_url: &'a str,
+    /// Where it is reached (its base URL, parsed).
+    pub addr: &'a EngineAddr,
     /// The engine's own `Authorization`, replacing the one the leg's headers carry.
     pub authorization: Option<&'a HeaderValue>,
 }
@@ -49,7 +49,7 @@ pub struct LegRequest<'a> {
     pub leg: Leg,
     /// The engine.
     pub endpoint: Target<'a>,
-    /// Request path, e.g. `/v1/completions`.
+    /// Request path (and query), e.g. `/v1/completions`.
     pub path: &'a str,
     /// HTTP method.
     pub method: Method,
@@ -103,10 +103,8 @@ pub async fn send(
     client: &EnginePool,
     leg: LegRequest<'_>,
 ) -> Result<Response<EngineBody>, GatewayError> {
-    let mut uri = String::with_capacity(leg.endpoint.base_url.len() + leg.path.len());
-    uri.push_str(leg.endpoint.base_url);
-    uri.push_str(leg.path);
-    let mut builder = Request::builder().method(leg.method).uri(uri);
+    // Origin form: the pool knows the engine's address already.
+    let mut builder = Request::builder().method(leg.method).uri(leg.path);
     if let Some(h) = builder.headers_mut() {
         h.extend(leg.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
         crate::telemetry::inject_leg_context(h);
@@ -128,7 +126,7 @@ pub async fn send(
         .body(Full::new(leg.body))
         .map_err(|e| GatewayError::Internal(format!("building the {:?} request: {e}", leg.leg)))?;
     let response = client
-        .request(request)
+        .send(leg.endpoint.addr, request)
         .await
         .map_err(|e| from_pool(leg.leg, leg.endpoint, &e))?;
     if response.status().is_redirection() {

@@ -1,5 +1,6 @@
 //! A body that tells a guard how it ended: the one wrapper behind the admission slot (released at
-//! the end) and the SGLang abort (disarmed at a clean end).
+//! the end), the SGLang abort (disarmed at a clean end) and the engine connection (back to its
+//! pool after a clean end, and driven before each read).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -14,6 +15,9 @@ pub trait OnEnd: Send + 'static {
     /// The body ended: `clean` after its last frame, not after an error. May be called more than
     /// once (a sized body's last frame, then the end); dropping the guard is the other way out.
     fn ended(&mut self, clean: bool);
+
+    /// Runs before each poll of the body (nothing by default).
+    fn before_poll(&mut self, _cx: &mut Context<'_>) {}
 }
 
 pin_project! {
@@ -23,6 +27,13 @@ pin_project! {
         #[pin]
         inner: B,
         guard: G,
+    }
+}
+
+impl<B, G> GuardedBody<B, G> {
+    /// `inner` guarded by `guard`.
+    pub fn new(inner: B, guard: G) -> Self {
+        GuardedBody { inner, guard }
     }
 }
 
@@ -42,6 +53,7 @@ impl<B: http_body::Body<Data = Bytes>, G: OnEnd> http_body::Body for GuardedBody
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let mut this = self.project();
+        this.guard.before_poll(cx);
         let polled = this.inner.as_mut().poll_frame(cx);
         match &polled {
             Poll::Ready(None) => this.guard.ended(true),

@@ -7,4 +7,4 @@ pub(crate) mod guarded;
 pub(crate) mod pool;
 pub(crate) mod probe;
 
-pub(crate) use pool::{EngineBody, EnginePool};
+pub(crate) use pool::{EngineAddr, EngineBody, EnginePool};

@@ -21,15 +21,14 @@
 //! connections are kept apart from plain ones to the same `host:port`.
 
 use std::collections::HashMap;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
+use std::task::Context;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri, header};
-use http_body::{Body, Frame, SizeHint};
+use http_body::Body;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use rustls::pki_types::ServerName;
@@ -39,6 +38,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 
 use crate::engine::conn::Connection;
+use crate::engine::guarded::{GuardedBody, OnEnd};
 use crate::error::{ConfigError, field_error};
 
 /// Why an engine request failed.
@@ -105,6 +105,51 @@ impl PoolConfig {
     }
 }
 
+/// Where an engine is reached, parsed once from its base URL (`http[s]://host[:port]`), so that
+/// a leg builds no URL and parses none.
+#[derive(Clone, Debug)]
+pub struct EngineAddr {
+    authority: Authority,
+    tls: bool,
+    /// `Host` for its requests.
+    host: HeaderValue,
+}
+
+impl EngineAddr {
+    /// Parses `base_url` (a path after the authority, if any, is ignored).
+    ///
+    /// # Errors
+    /// [`PoolError::Target`] for a URL that names no HTTP engine.
+    pub fn parse(base_url: &str) -> Result<Self, PoolError> {
+        let uri: Uri = base_url
+            .parse()
+            .map_err(|e| PoolError::Target(format!("engine URL {base_url:?}: {e}")))?;
+        Self::of(uri.into_parts())
+    }
+
+    fn of(parts: http::uri::Parts) -> Result<Self, PoolError> {
+        let tls = match &parts.scheme {
+            Some(s) if *s == Scheme::HTTP => false,
+            Some(s) if *s == Scheme::HTTPS => true,
+            _ => {
+                return Err(PoolError::Target(
+                    "engines are reached over http:// or https:// only".into(),
+                ));
+            }
+        };
+        let authority = parts
+            .authority
+            .ok_or_else(|| PoolError::Target("the engine URI has no host".into()))?;
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|e| PoolError::Target(format!("engine host: {e}")))?;
+        Ok(EngineAddr {
+            authority,
+            tls,
+            host,
+        })
+    }
+}
+
 /// The engine client: cheap to clone, all clones share the connections.
 #[derive(Clone, Debug)]
 pub struct EnginePool {
@@ -112,7 +157,7 @@ pub struct EnginePool {
 }
 
 /// Idle connections by `host:port`: plain (`[0]`) and TLS (`[1]`).
-type IdleLists = [HashMap<Box<str>, Vec<Idle>>; 2];
+type IdleLists = [HashMap<Box<str>, Vec<Idle>, foldhash::fast::RandomState>; 2];
 
 struct Inner {
     idle: Mutex<IdleLists>,
@@ -148,7 +193,7 @@ impl EnginePool {
     pub fn with_tls(config: PoolConfig, tls: Option<TlsConnector>) -> Self {
         EnginePool {
             inner: Arc::new(Inner {
-                idle: Mutex::new([HashMap::new(), HashMap::new()]),
+                idle: Mutex::new([HashMap::default(), HashMap::default()]),
                 config,
                 tls,
             }),
@@ -165,7 +210,27 @@ impl EnginePool {
         &self,
         mut request: Request<Full<Bytes>>,
     ) -> Result<Response<EngineBody>, PoolError> {
-        let (authority, tls) = to_origin_form(&mut request)?;
+        let addr = to_origin_form(&mut request)?;
+        self.send(&addr, request).await
+    }
+
+    /// Sends `request` (origin form: `/path`) to the engine at `addr`, as [`Self::request`];
+    /// `Host` is set unless the request has one.
+    ///
+    /// # Errors
+    /// As [`Self::request`].
+    pub async fn send(
+        &self,
+        addr: &EngineAddr,
+        mut request: Request<Full<Bytes>>,
+    ) -> Result<Response<EngineBody>, PoolError> {
+        let EngineAddr { authority, tls, .. } = addr;
+        let tls = *tls;
+        if !request.headers().contains_key(header::HOST) {
+            request
+                .headers_mut()
+                .insert(header::HOST, addr.host.clone());
+        }
         if tls && self.inner.tls.is_none() {
             return Err(PoolError::Target(
                 "https:// engines need the pool's TLS client".into(),
@@ -174,7 +239,7 @@ impl EnginePool {
         loop {
             let (mut conn, pooled) = match self.inner.checkout(authority.as_str(), tls) {
                 Some(conn) => (conn, true),
-                None => (self.connect(&authority, tls).await?, false),
+                None => (self.connect(authority, tls).await?, false),
             };
             // A new connection takes its first request before the handshake settles; a pooled
             // one is polled first (one the engine closed while idle ends there), and is ready
@@ -322,31 +387,16 @@ fn socket_target(authority: &Authority, tls: bool) -> (&str, u16) {
 }
 
 /// Rewrites an absolute `http[s]://host[:port]/path` URI to the origin form an HTTP/1.1 server
-/// expects (`/path`), sets `Host`, and returns the authority and whether it is TLS.
-fn to_origin_form(request: &mut Request<Full<Bytes>>) -> Result<(Authority, bool), PoolError> {
-    let parts = std::mem::take(request.uri_mut()).into_parts();
-    let tls = match &parts.scheme {
-        Some(s) if *s == Scheme::HTTP => false,
-        Some(s) if *s == Scheme::HTTPS => true,
-        _ => {
-            return Err(PoolError::Target(
-                "engines are reached over http:// or https:// only".into(),
-            ));
-        }
-    };
-    let authority = parts
-        .authority
-        .ok_or_else(|| PoolError::Target("the engine URI has no host".into()))?;
+/// expects (`/path`) and returns where it goes.
+fn to_origin_form(request: &mut Request<Full<Bytes>>) -> Result<EngineAddr, PoolError> {
+    let mut parts = std::mem::take(request.uri_mut()).into_parts();
     let path = parts
         .path_and_query
+        .take()
         .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    let addr = EngineAddr::of(parts)?;
     *request.uri_mut() = Uri::from(path);
-    if !request.headers().contains_key(header::HOST) {
-        let host = HeaderValue::from_str(authority.as_str())
-            .map_err(|e| PoolError::Target(format!("engine host: {e}")))?;
-        request.headers_mut().insert(header::HOST, host);
-    }
-    Ok((authority, tls))
+    Ok(addr)
 }
 
 /// What puts a connection back when its response ends.
@@ -360,66 +410,37 @@ struct Checkin {
 
 /// An engine response body, which drives its connection while it is read. Read to its end, it
 /// returns its connection to the pool; dropped earlier, or broken, it closes the connection.
-#[derive(Debug)]
-pub struct EngineBody {
-    inner: Incoming,
-    checkin: Option<Checkin>,
-}
+pub type EngineBody = GuardedBody<Incoming, Return>;
 
-impl EngineBody {
+/// The connection under an engine response, until the response ends.
+#[derive(Debug)]
+pub struct Return(Option<Checkin>);
+
+impl OnEnd for Return {
     fn ended(&mut self, clean: bool) {
-        if let Some(c) = self.checkin.take()
+        if let Some(c) = self.0.take()
             && clean
         {
             c.pool.checkin(&c.authority, c.tls, c.conn);
         }
     }
-}
 
-impl Body for EngineBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        // Reads and decodes what the engine sent, so that the next frame is there to be taken;
-        // a frame already read is handed over without waiting for more.
-        if let Some(c) = this.checkin.as_mut() {
+    /// Reads and decodes what the engine sent, so that the next frame is there to be taken; a
+    /// frame already read is handed over without waiting for more.
+    fn before_poll(&mut self, cx: &mut Context<'_>) {
+        if let Some(c) = self.0.as_mut() {
             c.conn.driver.poll(cx);
         }
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => this.ended(true),
-            // A sized body can end with its last frame (hyper then polls no more).
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.ended(true),
-            Poll::Ready(Some(Err(_))) => this.ended(false),
-            _ => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 
 /// Wraps `inner`; a body without content ends at once.
 fn engine_body(inner: Incoming, checkin: Checkin) -> EngineBody {
-    let mut body = EngineBody {
-        inner,
-        checkin: Some(checkin),
-    };
-    if body.inner.is_end_stream() {
-        body.ended(true);
+    let mut guard = Return(Some(checkin));
+    if inner.is_end_stream() {
+        guard.ended(true);
     }
-    body
+    GuardedBody::new(inner, guard)
 }
 
 #[cfg(test)]

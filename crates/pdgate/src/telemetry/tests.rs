@@ -27,6 +27,9 @@ impl SpanExporter for Recording {
     }
 }
 
+/// The drop counters are process-wide: tests that count the same reason take turns.
+static COUNTED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn dropped(reason: &'static str) -> u64 {
     SPANS_DROPPED.get_or_create(&DropLabels { reason }).get()
 }
@@ -58,6 +61,7 @@ fn end_spans(provider: &SdkTracerProvider, name: &'static str, n: usize) {
 
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_drops_and_counts_without_waiting() {
+    let _turn = COUNTED.lock().await;
     let exporter = Recording::default();
     let (provider, task) = queue(exporter.clone(), 2);
     let before = dropped("queue_full");
@@ -70,6 +74,7 @@ async fn a_full_queue_drops_and_counts_without_waiting() {
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_flushes_what_is_queued() {
+    let _turn = COUNTED.lock().await;
     let exporter = Recording::default();
     let (provider, task) = queue(exporter.clone(), 64);
     end_spans(&provider, "early", 2);
@@ -89,6 +94,7 @@ async fn shutdown_flushes_what_is_queued() {
 
 #[tokio::test(start_paused = true)]
 async fn failed_exports_count_their_spans() {
+    let _turn = COUNTED.lock().await;
     let exporter = Recording {
         fail: true,
         ..Recording::default()

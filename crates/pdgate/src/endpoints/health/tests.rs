@@ -148,3 +148,54 @@ async fn a_prefill_far_slower_than_its_peers_is_ejected() {
     h.observe_latency("p1", Duration::from_millis(2100));
     assert!(h.is_healthy("p1"));
 }
+
+/// `went_down` wakes for a down that happens after the wait began (by ejection and by failed
+/// checks), resolves at once for an endpoint already down, and stays pending for one that is up
+/// while another is down.
+#[tokio::test]
+async fn went_down_follows_ejections_and_checks() {
+    let pending = |h: &Health, name: &'static str| {
+        use futures_util::FutureExt;
+        h.went_down(name).now_or_never().is_none()
+    };
+    let h = health(2);
+    assert!(pending(&h, "p1"), "nothing is down");
+    // Ejected while waiting.
+    {
+        let wait = h.went_down("p1");
+        tokio::pin!(wait);
+        assert!(futures_util::poll!(wait.as_mut()).is_pending());
+        h.observe("p1", false);
+        h.observe("p1", false);
+        tokio::time::timeout(Duration::from_secs(5), wait)
+            .await
+            .expect("woken by the ejection");
+    }
+    assert!(!pending(&h, "p1"), "already down: resolves at once");
+    assert!(
+        pending(&h, "p2"),
+        "a peer being down is not this one being down"
+    );
+    // Back on probation: up again, so a new wait is pending.
+    h.tick(Instant::now() + Duration::from_secs(11));
+    assert!(pending(&h, "p1"));
+    // Failing its checks while waiting.
+    let wait = h.went_down("d1");
+    tokio::pin!(wait);
+    assert!(futures_util::poll!(wait.as_mut()).is_pending());
+    h.check_result("d1", false, "refused");
+    assert!(
+        futures_util::poll!(wait.as_mut()).is_pending(),
+        "one failure is not enough"
+    );
+    h.check_result("d1", false, "refused");
+    tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("woken by the failed checks");
+    // Forgotten endpoints are not counted as down.
+    h.sync(vec![
+        target("p1", Role::Prefill),
+        target("p2", Role::Prefill),
+    ]);
+    assert_eq!(h.down_count.load(Ordering::Acquire), 0);
+}

@@ -181,6 +181,8 @@ mod tests {
                 Arc::new(Endpoint {
                     name: format!("e{i}"),
                     base_url: format!("http://127.0.0.1:{i}"),
+                    addr: crate::engine::EngineAddr::parse(&format!("http://127.0.0.1:{i}"))
+                        .expect("address"),
                     pod: Pod::default(),
                     role: Role::Decode,
                     models: vec![],

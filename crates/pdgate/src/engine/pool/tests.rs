@@ -1,6 +1,8 @@
 //! Tests of the engine pool against small engines on loopback.
 
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
 
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
