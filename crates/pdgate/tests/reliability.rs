@@ -169,6 +169,11 @@ async fn half_open_admits_one_probe_before_full_traffic() {
     assert!(m.contains(&format!(
         "pdgate_endpoint_healthy{{role=\"prefill\",endpoint=\"{sick}\"}} 0"
     )));
+    // Ejected by its 500s, so counted under that reason.
+    let reason = format!(
+        "pdgate_endpoint_ejections_total{{role=\"prefill\",endpoint=\"{sick}\",reason=\"5xx\"}} 1"
+    );
+    assert!(m.contains(&reason), "{m}");
     // Healed but slow; the ejection ends.
     fleet.prefill[0].set_faults(Faults {
         first_byte_delay_ms: 600,
@@ -384,6 +389,12 @@ async fn released_and_retried(
     );
     let m = fleet.metrics().await;
     assert!(retries(&m, leg) >= 1.0, "{what}: {m}");
+    // Its health checks took it out.
+    let ejected = format!(
+        "pdgate_endpoint_ejections_total{{role=\"{leg}\",endpoint=\"{}\",reason=\"health_check\"}}",
+        victim.addr()
+    );
+    assert!(m.contains(&ejected), "{what}: {m}");
     victim.set_faults(Faults::default());
     fleet.wait_idle().await;
 }

@@ -14,6 +14,7 @@ use crate::endpoints::{Endpoint, LoadGuard};
 use crate::engine::EngineBody;
 use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::metrics::Cause;
 use crate::pd::{Exchange, Pd, abort, select};
 use crate::state::Gateway;
 
@@ -129,7 +130,7 @@ async fn decode_head(
             // head: a decode that breaks its streams after a 200 must not look healthy.
             Ok(head) => return Ok(((head, endpoint, load), sent.elapsed())),
             Err(err) => {
-                gw.health.observe(&endpoint.name, false);
+                gw.health.observe(&endpoint.name, Err(Cause::of(&err)));
                 if err.is_connect_failure()
                     && let Some(next) = select::retry_target(
                         gw,

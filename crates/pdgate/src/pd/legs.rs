@@ -19,6 +19,7 @@ use crate::config::PrefillFailurePolicy;
 use crate::endpoints::{Endpoint, LoadGuard};
 use crate::engine::client::{self, Collected, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::metrics::Cause;
 use crate::pd::decode_head::{self, DecodeHead};
 use crate::pd::handover::{FirstByte, first_byte, next_frame};
 use crate::pd::relay::{self, PartnerResult};
@@ -109,9 +110,13 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
             ));
         }
     };
-    let healthy = matches!(&result, Ok(c) if !c.status.is_server_error());
-    gw.health.observe(&job.endpoint.name, healthy);
-    if healthy {
+    let outcome = match &result {
+        Ok(c) if c.status.is_server_error() => Err(Cause::ServerError),
+        Ok(_) => Ok(()),
+        Err(e) => Err(Cause::of(e)),
+    };
+    gw.health.observe(&job.endpoint.name, outcome);
+    if outcome.is_ok() {
         gw.health
             .observe_latency(&job.endpoint.name, started.elapsed());
     }
@@ -253,7 +258,7 @@ fn relay_head(ex: &mut Exchange, mut pd: Pd, head: DecodeHead) -> Result<Answer,
     let gw = ex.gw.clone();
     let (head, decode, decode_load) = head;
     if head.status().is_server_error() {
-        gw.health.observe(&decode.name, false);
+        gw.health.observe(&decode.name, Err(Cause::ServerError));
     }
     pd.switch_decode(decode);
     let record = ex.take_record()?;
@@ -382,7 +387,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     continue;
                 }
             }
-            gw.health.observe(&decode.name, false);
+            gw.health.observe(&decode.name, Err(Cause::ServerError));
         }
         pd.switch_decode(decode);
         let (parts, mut body) = head.into_parts();

@@ -11,6 +11,7 @@ use crate::config::PrefillFailurePolicy;
 use crate::endpoints::Endpoint;
 use crate::engine::client;
 use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::metrics::Cause;
 use crate::pd::legs::decode_last;
 use crate::pd::{Answer, Exchange, Pd, abort, select};
 use crate::state::Gateway;
@@ -72,7 +73,7 @@ pub(crate) fn kv_wait_failure(
         ?waited,
         "decode gave up waiting for KV while the prefill had not answered; blaming the prefill"
     );
-    gw.health.observe(&pd.prefill.name, false);
+    gw.health.observe(&pd.prefill.name, Err(Cause::KvWait));
     if pd.agent.needs_bootstrap_lookup() {
         gw.requery.ask(&pd.prefill.name);
     }
