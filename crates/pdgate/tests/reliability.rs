@@ -274,16 +274,7 @@ async fn a_restarted_mooncake_prefill_is_served_on_fresh_bootstrap_facts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_waiting_on_an_ejected_decode_are_retried_at_once() {
     for connector in [Connector::Shfs, Connector::Sglang] {
-        let fleet = start(
-            vec![sim(Role::Prefill, connector)],
-            vec![sim(Role::Decode, connector), sim(Role::Decode, connector)],
-            |c| {
-                c.legs.decode_timeout = Duration::from_secs(30);
-                quick_checks(c);
-                c.policy.decode_policy = "round_robin".into();
-            },
-        )
-        .await;
+        let fleet = two_decodes(connector, |_| {}).await;
         let what = format!("{connector:?}");
         let case = ("/v1/completions", completion(false));
         released_and_retried(&fleet, &fleet.decode[0], "decode", &what, &case).await;

@@ -136,6 +136,8 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         let sent = decode_head::send(ex, &mut pd, body.clone(), &mut moved, false);
         match Box::pin(sent).await? {
             Some((head, _)) => return relay_head(ex, pd, head),
+            // Moved: the KV went to the old decode, so the prefill runs again; a fallback
+            // sends the same plain request.
             None if !pd.served.fallback => body = prefill_and_merge(ex, &mut pd).await?,
             None => {}
         }
