@@ -146,6 +146,8 @@ async fn a_prefill_far_slower_than_its_peers_is_ejected() {
     assert!(h.is_healthy("d1"));
     h.observe_latency("p1", Duration::from_millis(2100));
     assert_eq!(h.unhealthy(), BTreeSet::from(["p1".to_string()]));
+    let reason = r#"pdgate_endpoint_ejections_total{role="prefill",endpoint="p1",reason="latency_outlier"} 1"#;
+    assert!(h.metrics.render().contains(reason));
     // The peer, now alone, is never judged against nobody.
     for _ in 0..10 {
         h.observe_latency("p2", Duration::from_secs(9));
