@@ -55,6 +55,13 @@ struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EjectionLabels {
+    role: &'static str,
+    endpoint: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClientLabels {
     client: String,
     result: &'static str,
@@ -87,6 +94,7 @@ pub struct Metrics {
     in_flight: Family<EndpointLabels, Gauge>,
     endpoints: Family<RoleLabels, Gauge>,
     ejections: Family<RoleLabels, Counter>,
+    endpoint_ejections: Family<EjectionLabels, Counter>,
     healthy: Family<EndpointLabels, Gauge>,
     discovery_changes: Counter,
     rejected: Family<ReasonLabels, Counter>,
@@ -207,6 +215,12 @@ impl Metrics {
             "Endpoints ejected by passive outlier detection or failed active checks",
             ejections.clone(),
         );
+        let endpoint_ejections = Family::<EjectionLabels, Counter>::default();
+        registry.register(
+            "endpoint_ejections",
+            "Endpoints taken out of rotation, per endpoint and reason (see Cause)",
+            endpoint_ejections.clone(),
+        );
         registry.register(
             "endpoint_healthy",
             "1 when the endpoint passes health checking, 0 while it is unhealthy or ejected",
@@ -241,6 +255,7 @@ impl Metrics {
             access_log: AtomicBool::new(false),
             registry,
             ejections,
+            endpoint_ejections,
             healthy,
             discovery_changes,
             rejected,
@@ -302,9 +317,16 @@ impl Metrics {
         self.retry_budget_capacity.set(capacity);
     }
 
-    /// Counts an ejection of a `role` endpoint.
-    pub fn count_ejection(&self, role: &'static str) {
+    /// Counts an ejection of `role` endpoint `endpoint`, for `cause`.
+    pub fn count_ejection(&self, role: &'static str, endpoint: &str, cause: Cause) {
         self.ejections.get_or_create(&RoleLabels { role }).inc();
+        self.endpoint_ejections
+            .get_or_create(&EjectionLabels {
+                role,
+                endpoint: endpoint.to_string(),
+                reason: cause.as_str(),
+            })
+            .inc();
     }
 
     /// Sets an endpoint's health gauge.
@@ -323,6 +345,13 @@ impl Metrics {
             role,
             endpoint: endpoint.to_string(),
         });
+        for cause in Cause::ALL {
+            self.endpoint_ejections.remove(&EjectionLabels {
+                role,
+                endpoint: endpoint.to_string(),
+                reason: cause.as_str(),
+            });
+        }
     }
 
     /// Counts a republished endpoint set.
@@ -418,8 +447,10 @@ impl Metrics {
     }
 }
 
+mod ejections;
 mod handles;
 mod record;
+pub use ejections::Cause;
 
 pub use record::RequestRecord;
 

@@ -169,6 +169,11 @@ async fn half_open_admits_one_probe_before_full_traffic() {
     assert!(m.contains(&format!(
         "pdgate_endpoint_healthy{{role=\"prefill\",endpoint=\"{sick}\"}} 0"
     )));
+    // Ejected by its 500s, so counted under that reason.
+    let reason = format!(
+        "pdgate_endpoint_ejections_total{{role=\"prefill\",endpoint=\"{sick}\",reason=\"5xx\"}} 1"
+    );
+    assert!(m.contains(&reason), "{m}");
     // Healed but slow; the ejection ends.
     fleet.prefill[0].set_faults(Faults {
         first_byte_delay_ms: 600,
@@ -226,7 +231,8 @@ async fn requests_waiting_on_an_ejected_prefill_are_retried_at_once() {
         c.policy.prefill_policy = "round_robin".into();
     })
     .await;
-    released_and_retried(&fleet, &fleet.prefill[0], "prefill", "shfs").await;
+    let case = ("/v1/completions", completion(false));
+    released_and_retried(&fleet, &fleet.prefill[0], "prefill", "shfs", &case).await;
 }
 
 /// A Mooncake prefill restarted on the same ports has a new engine id; the decode refuses the
@@ -268,37 +274,100 @@ async fn a_restarted_mooncake_prefill_is_served_on_fresh_bootstrap_facts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_waiting_on_an_ejected_decode_are_retried_at_once() {
     for connector in [Connector::Shfs, Connector::Sglang] {
-        let fleet = start(
-            vec![sim(Role::Prefill, connector)],
-            vec![sim(Role::Decode, connector), sim(Role::Decode, connector)],
-            |c| {
-                c.legs.decode_timeout = Duration::from_secs(30);
-                quick_checks(c);
-                c.policy.decode_policy = "round_robin".into();
-            },
-        )
-        .await;
+        let fleet = two_decodes(connector, |_| {}).await;
         let what = format!("{connector:?}");
-        released_and_retried(&fleet, &fleet.decode[0], "decode", &what).await;
+        let case = ("/v1/completions", completion(false));
+        released_and_retried(&fleet, &fleet.decode[0], "decode", &what, &case).await;
     }
 }
 
-/// Freezes `victim` (hung, and failing its health checks), sends six requests at once and checks
+/// One prefill (failing its requests, or unused) and two decodes taken in turn, with quick
+/// health checks and a 30 s decode timeout.
+async fn two_decodes(
+    connector: Connector,
+    tweak: impl FnOnce(&mut pdgate::config::Config),
+) -> Fleet {
+    start(
+        vec![sim(Role::Prefill, connector)],
+        vec![sim(Role::Decode, connector), sim(Role::Decode, connector)],
+        |c| {
+            c.legs.decode_timeout = Duration::from_secs(30);
+            quick_checks(c);
+            c.policy.decode_policy = "round_robin".into();
+            tweak(c);
+        },
+    )
+    .await
+}
+
+/// A request the decode serves alone (here a Responses request bound to stored state, or a
+/// Messages request an SGLang pair cannot hand over) whose decode is taken out of rotation
+/// before its head moves to the other decode at once, like a PD request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_only_requests_waiting_on_an_ejected_decode_are_retried_at_once() {
+    let mut bound = json!({"model": MODEL, "input": "Tell me a story", "max_output_tokens": 4});
+    bound["previous_response_id"] = json!("resp_0123");
+    let messages = json!({"model": MODEL, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Tell me a story"}]});
+    for (connector, case) in [
+        (Connector::Shfs, ("/v1/responses", bound)),
+        (Connector::Sglang, ("/v1/messages", messages)),
+    ] {
+        let fleet = two_decodes(connector, |_| {}).await;
+        let what = format!("{connector:?} decode-only {}", case.0);
+        released_and_retried(&fleet, &fleet.decode[0], "decode", &what, &case).await;
+        assert_eq!(fleet.prefill[0].stats().requests.completions, 0, "{what}");
+    }
+}
+
+/// A failed prefill falls back to the decode alone; when that decode is taken out of rotation
+/// before its head, the fallback moves to the other decode at once (sequential and concurrent
+/// connectors).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallbacks_waiting_on_an_ejected_decode_are_retried_at_once() {
+    for connector in [Connector::Mooncake, Connector::Shfs] {
+        let fleet = two_decodes(connector, |c| {
+            c.legs.on_prefill_failure = pdgate::config::PrefillFailurePolicy::Fallback;
+            // The failing prefill stays in rotation: every request falls back.
+            c.health.consecutive_failures = 0;
+            c.health.error_rate = 0.0;
+        })
+        .await;
+        fleet.prefill[0].set_faults(failing());
+        let what = format!("{connector:?} fallback");
+        let case = ("/v1/completions", completion(false));
+        released_and_retried(&fleet, &fleet.decode[0], "decode", &what, &case).await;
+        // Each request asked the prefill once and fell back once (a move keeps the fallback).
+        let m = fleet.metrics().await;
+        assert_eq!(outcome(&m, "fallback"), 6.0, "{what}: {m}");
+        let fallbacks = format!(
+            "pdgate_fallbacks_total{{connector=\"{}\"}} 6",
+            connector.as_str()
+        );
+        assert!(m.contains(&fallbacks), "{what}: {m}");
+        assert_eq!(fleet.prefill[0].stats().requests.completions, 6, "{what}");
+    }
+}
+
+/// Freezes `victim` (hung, and failing its health checks), sends six `body`s to `path` at once and checks
 /// that every one is answered far below the 30 s leg timeout: released when the health checks
 /// take the victim out of rotation (~200 ms) and retried elsewhere, counted under `leg`'s
 /// retries. Restores the victim and waits for the fleet to go idle.
-async fn released_and_retried(fleet: &Fleet, victim: &SimHandle, leg: &str, what: &str) {
+async fn released_and_retried(
+    fleet: &Fleet,
+    victim: &SimHandle,
+    leg: &str,
+    what: &str,
+    (path, body): &(&str, serde_json::Value),
+) {
     victim.set_faults(Faults {
         hang: true,
         dead: true,
         ..Faults::default()
     });
     let started = Instant::now();
-    let body = completion(false);
-    let answers = futures_util::future::join_all(
-        (0..6).map(|_| fleet.post_bounded("/v1/completions", &body)),
-    )
-    .await;
+    let answers =
+        futures_util::future::join_all((0..6).map(|_| fleet.post_bounded(path, body))).await;
     assert!(
         answers.iter().all(|r| r.status() == 200),
         "{what}: {:?}",
@@ -311,6 +380,12 @@ async fn released_and_retried(fleet: &Fleet, victim: &SimHandle, leg: &str, what
     );
     let m = fleet.metrics().await;
     assert!(retries(&m, leg) >= 1.0, "{what}: {m}");
+    // Its health checks took it out.
+    let ejected = format!(
+        "pdgate_endpoint_ejections_total{{role=\"{leg}\",endpoint=\"{}\",reason=\"health_check\"}}",
+        victim.addr()
+    );
+    assert!(m.contains(&ejected), "{what}: {m}");
     victim.set_faults(Faults::default());
     fleet.wait_idle().await;
 }

@@ -24,7 +24,7 @@ use tracing::{info, warn};
 
 use crate::endpoints::Role;
 use crate::error::{ConfigError, field_error};
-use crate::metrics::Metrics;
+use crate::metrics::{Cause, Metrics};
 
 /// What an active check requests for one endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -410,7 +410,8 @@ impl Health {
             if !e.check_down && e.check_failures >= self.knobs.unhealthy_threshold {
                 e.check_down = true;
                 warn!(endpoint = %name, reason = %why, "endpoint failed its health checks");
-                self.metrics.count_ejection(e.target.role.as_str());
+                let role = e.target.role.as_str();
+                self.metrics.count_ejection(role, name, Cause::HealthCheck);
             }
         }
         if before != e.healthy() {
@@ -424,8 +425,9 @@ impl Health {
         }
     }
 
-    /// Records the outcome of real traffic on `name` (`ok`: the engine answered sanely).
-    pub fn observe(&self, name: &str, ok: bool) {
+    /// Records the outcome of real traffic on `name` (`Ok`: the engine answered sanely; the
+    /// cause of a failure is the ejection's reason when it trips the outlier rules).
+    pub fn observe(&self, name: &str, outcome: Result<(), Cause>) {
         let by_count = self.knobs.consecutive_failures > 0;
         let by_rate = self.knobs.error_rate > 0.0;
         if !by_count && !by_rate {
@@ -440,7 +442,7 @@ impl Health {
             e.window_failures = 0;
         }
         e.window_total = e.window_total.saturating_add(1);
-        if ok {
+        let Err(cause) = outcome else {
             e.traffic_failures = 0;
             if e.half_open {
                 e.half_open = false;
@@ -451,7 +453,7 @@ impl Health {
                 }
             }
             return;
-        }
+        };
         e.window_failures = e.window_failures.saturating_add(1);
         if e.ejected_until.is_some() {
             return;
@@ -475,7 +477,7 @@ impl Health {
             }
             return;
         }
-        self.eject(&mut map, name, "failing on real traffic");
+        self.eject(&mut map, name, cause);
     }
 
     /// Records how long prefill `name` took to answer a request it served: one whose median is
@@ -501,11 +503,11 @@ impl Health {
             return;
         };
         warn!(endpoint = %name, median = ?own, peers_median = ?theirs, "prefill far slower than its peers");
-        self.eject(&mut map, name, "latency outlier");
+        self.eject(&mut map, name, Cause::LatencyOutlier);
     }
 
     /// Takes `name` out of rotation for its back-off period; requests waiting on it are woken.
-    fn eject(&self, map: &mut Entries, name: &str, why: &str) {
+    fn eject(&self, map: &mut Entries, name: &str, cause: Cause) {
         let Some(e) = map.get_mut(name) else { return };
         let factor = 1u32 << e.ejections.min(16);
         let period = self
@@ -521,8 +523,9 @@ impl Health {
         e.window_total = 0;
         e.window_failures = 0;
         e.latency.clear();
-        warn!(endpoint = %name, ?period, reason = why, "endpoint ejected");
-        self.metrics.count_ejection(e.target.role.as_str());
+        warn!(endpoint = %name, ?period, reason = cause.as_str(), "endpoint ejected");
+        self.metrics
+            .count_ejection(e.target.role.as_str(), name, cause);
         self.set_gauge(e);
         self.recount_down(map);
         self.changed.notify_one();

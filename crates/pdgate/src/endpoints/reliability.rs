@@ -25,7 +25,8 @@ pub struct ReliabilityConfig {
     pub half_open_probe: bool,
     /// Requests still waiting for an endpoint's answer when it is ejected give up on it at once
     /// instead of waiting out their leg's timeout: a prefill leg is retried on another prefill
-    /// (or falls back), a decode leg waiting for its head on another pair (both legs again).
+    /// (or falls back), a decode leg waiting for its head on another decode (both legs again,
+    /// or the same plain request for a decode-only request or a fallback).
     pub retry_on_ejection: bool,
     /// A prefill whose median time-to-answer is above this many times its peers' is ejected
     /// like a failing one (0 disables).

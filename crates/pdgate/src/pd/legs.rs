@@ -17,14 +17,13 @@ use tracing::{Instrument, info_span, warn};
 
 use crate::config::PrefillFailurePolicy;
 use crate::endpoints::{Endpoint, LoadGuard};
-use crate::engine::EngineBody;
 use crate::engine::client::{self, Collected, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::metrics::Cause;
+use crate::pd::decode_head::{self, DecodeHead};
 use crate::pd::handover::{FirstByte, first_byte, next_frame};
 use crate::pd::relay::{self, PartnerResult};
-use crate::pd::retry::{
-    self, RELEASED, another_decode, fall_back, kv_wait_failure, released, retry_both_legs,
-};
+use crate::pd::retry::{self, fall_back, kv_wait_failure, retry_both_legs};
 use crate::pd::{Answer, Exchange, Pd, abort, select, usage};
 use crate::state::Gateway;
 
@@ -64,21 +63,6 @@ impl PrefillJob {
 fn prefill_span(request_id: &str, endpoint: &str) -> tracing::Span {
     info_span!("prefill", request_id, endpoint, otel.kind = "client")
 }
-
-/// The span of the decode leg up to its response head (`retries`: connect failures retried).
-pub(crate) fn decode_span(request_id: &str, endpoint: &str, decode_only: bool) -> tracing::Span {
-    info_span!(
-        "decode",
-        request_id,
-        endpoint,
-        otel.kind = "client",
-        decode_only,
-        retries = tracing::field::Empty,
-    )
-}
-
-/// A decode's response head with the endpoint that sent it and the load it holds.
-type DecodeHead = (Response<EngineBody>, Arc<Endpoint>, LoadGuard);
 
 /// Sends the prefill leg and reads its whole (bounded) answer within the job's limit, giving up
 /// at once if the endpoint is ejected meanwhile (`reliability.retry_on_ejection`: the caller
@@ -126,9 +110,13 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
             ));
         }
     };
-    let healthy = matches!(&result, Ok(c) if !c.status.is_server_error());
-    gw.health.observe(&job.endpoint.name, healthy);
-    if healthy {
+    let outcome = match &result {
+        Ok(c) if c.status.is_server_error() => Err(Cause::ServerError),
+        Ok(_) => Ok(()),
+        Err(e) => Err(Cause::of(e)),
+    };
+    gw.health.observe(&job.endpoint.name, outcome);
+    if outcome.is_ok() {
         gw.health
             .observe_latency(&job.endpoint.name, started.elapsed());
     }
@@ -137,30 +125,21 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
 
 /// Prefill, merge, decode. A failed prefill is retried on another prefill, then (by policy)
 /// either fails the request or lets the decode serve it alone. A decode taken out of rotation
-/// while the request waits for its head is given up at once: both legs run again on another
-/// decode (once; its KV may already be gone).
+/// while the request waits for its head is given up at once: the request moves to another decode
+/// (once), where both legs run again (its KV may already be gone), or the fallback alone.
 pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
     let mut body = prefill_and_merge(ex, &mut pd).await?;
     let mut moved = false;
     loop {
-        let span = decode_span(&ex.request_id, &pd.decode.name, false);
         // Boxed, like the prefill leg: this flow's own future then stays small, and the flows'
         // box (`pd::serve`) copies no more than the request's state.
-        let head = Box::pin(decode_head(&gw, &pd, &ex.request_id, body))
-            .instrument(span)
-            .await;
-        match head {
-            Err(err) if !moved && released(&err) => {
-                let Some(next) = another_decode(ex, &mut pd)? else {
-                    return Err(err);
-                };
-                moved = true;
-                abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
-                pd.switch_decode(next);
-                body = prefill_and_merge(ex, &mut pd).await?;
-            }
-            head => return relay_head(ex, pd, head?.0),
+        let sent = decode_head::send(ex, &mut pd, body.clone(), &mut moved, false);
+        match Box::pin(sent).await? {
+            Some((head, _)) => return relay_head(ex, pd, head),
+            // Moved: the KV went to the old decode, so the prefill runs again; a fallback
+            // sends the same plain request.
+            None if !pd.served.fallback => body = prefill_and_merge(ex, &mut pd).await?,
+            None => {}
         }
     }
 }
@@ -256,22 +235,24 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
 /// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
 pub(crate) async fn decode_only(ex: &mut Exchange, pd: Pd) -> Result<Answer, GatewayError> {
     let body = pd.clean.to_bytes();
-    let span = decode_span(&ex.request_id, &pd.decode.name, true);
-    decode_last(ex, pd, body, span).await
+    decode_last(ex, pd, body, true).await
 }
 
-/// Sends `body` as the decode leg (no prefill leg left running) and relays its response.
+/// Sends `body` as the decode leg (no prefill leg left running) and relays its response; a
+/// decode taken out of rotation before its head hands the same body to another decode (once).
 pub(crate) async fn decode_last(
     ex: &mut Exchange,
-    pd: Pd,
+    mut pd: Pd,
     body: Bytes,
-    span: tracing::Span,
+    decode_only: bool,
 ) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
-    let (head, _) = decode_head(&gw, &pd, &ex.request_id, body)
-        .instrument(span)
-        .await?;
-    relay_head(ex, pd, head)
+    let mut moved = false;
+    loop {
+        let sent = decode_head::send(ex, &mut pd, body.clone(), &mut moved, decode_only);
+        if let Some((head, _)) = sent.await? {
+            return relay_head(ex, pd, head);
+        }
+    }
 }
 
 /// Relays the decode's response (no prefill leg left running).
@@ -279,7 +260,7 @@ fn relay_head(ex: &mut Exchange, mut pd: Pd, head: DecodeHead) -> Result<Answer,
     let gw = ex.gw.clone();
     let (head, decode, decode_load) = head;
     if head.status().is_server_error() {
-        gw.health.observe(&decode.name, false);
+        gw.health.observe(&decode.name, Err(Cause::ServerError));
     }
     pd.switch_decode(decode);
     let record = ex.take_record()?;
@@ -295,73 +276,6 @@ fn relay_head(ex: &mut Exchange, mut pd: Pd, head: DecodeHead) -> Result<Answer,
     ))
 }
 
-/// Sends the decode leg and waits for its response head within the decode timeout; also gives
-/// how long the head took. A connection failure (nothing was sent) is retried on another decode
-/// endpoint. A 5xx head is the caller's to blame (the decode's own failure, or for a concurrent
-/// connector possibly the prefill's).
-async fn decode_head(
-    gw: &Gateway,
-    pd: &Pd,
-    request_id: &str,
-    body: Bytes,
-) -> Result<(DecodeHead, Duration), GatewayError> {
-    let mut endpoint = pd.decode.clone();
-    let mut tried = vec![endpoint.name.clone()];
-    loop {
-        let load = LoadGuard::acquire(&endpoint.load);
-        gw.health.begin(&endpoint.name);
-        let leg = LegRequest {
-            leg: Leg::Decode,
-            endpoint: endpoint.target(),
-            path: pd.route.path(),
-            method: Method::POST,
-            body: body.clone(),
-            request_id,
-            headers: &pd.forwarded,
-            extra: &[],
-        };
-        let sent = tokio::time::Instant::now();
-        let went_down = async {
-            if gw.config.reliability.retry_on_ejection {
-                gw.health.went_down(&endpoint.name).await;
-            } else {
-                std::future::pending::<()>().await;
-            }
-        };
-        let head = tokio::select! {
-            head = client::send_within(&gw.client, leg, gw.config.legs.decode_timeout) => head,
-            // Already counted (that is why it is down): not observed again.
-            () = went_down => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Broken, RELEASED.into())),
-        };
-        match head {
-            // A decode's success is counted when its body ends cleanly (the relay), not at the
-            // head: a decode that breaks its streams after a 200 must not look healthy.
-            Ok(head) => return Ok(((head, endpoint, load), sent.elapsed())),
-            Err(err) => {
-                gw.health.observe(&endpoint.name, false);
-                if err.is_connect_failure()
-                    && let Some(next) = select::retry_target(
-                        gw,
-                        Leg::Decode,
-                        pd.model.as_deref(),
-                        &pd.prefill,
-                        &endpoint,
-                        &tried,
-                    )
-                {
-                    warn!(id = %request_id, from = %endpoint.name, to = %next.name, "decode unreachable; retrying on another decode");
-                    tracing::Span::current()
-                        .record("retries", i64::try_from(tried.len()).unwrap_or(i64::MAX));
-                    tried.push(next.name.clone());
-                    endpoint = next;
-                    continue;
-                }
-                return Err(err);
-            }
-        }
-    }
-}
-
 /// Both legs at once. The response head is held until the decode's first byte or the
 /// prefill's end, so a prefill failing meanwhile can still be retried (the client has nothing).
 ///
@@ -371,7 +285,7 @@ async fn decode_head(
 pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
     enum Step {
         Prefill(Result<PartnerResult, tokio::task::JoinError>),
-        Decode(Result<(DecodeHead, Duration), GatewayError>),
+        Decode(Result<Option<(DecodeHead, Duration)>, GatewayError>),
     }
     let gw = ex.gw.clone();
     let limit = gw
@@ -413,8 +327,8 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         // The prefill's cached tokens, when it answers before the decode's head.
         let mut early_cached = None;
         let step = {
-            let decode = decode_head(&gw, &pd, &ex.request_id, pd.ctx.req_body.clone())
-                .instrument(decode_span(&ex.request_id, &pd.decode.name, false));
+            let body = pd.ctx.req_body.clone();
+            let decode = decode_head::send(ex, &mut pd, body, &mut moved, false);
             tokio::pin!(decode);
             loop {
                 let step = tokio::select! {
@@ -448,18 +362,9 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
             }
         };
         let ((head, decode, decode_load), took) = match head {
-            Ok(head) => head,
-            Err(err) if released(&err) && !moved => {
-                drop(partner.take());
-                let Some(next) = another_decode(ex, &mut pd)? else {
-                    abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
-                    return Err(err);
-                };
-                moved = true;
-                abort::abort_now(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id).await;
-                pd.switch_decode(next);
-                continue;
-            }
+            Ok(Some(head)) => head,
+            // Moved to another decode: both legs again there.
+            Ok(None) => continue,
             Err(err) => {
                 abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
                 return Err(err);
@@ -484,7 +389,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
                     continue;
                 }
             }
-            gw.health.observe(&decode.name, false);
+            gw.health.observe(&decode.name, Err(Cause::ServerError));
         }
         pd.switch_decode(decode);
         let (parts, mut body) = head.into_parts();

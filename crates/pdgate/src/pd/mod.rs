@@ -14,6 +14,7 @@
 pub(crate) mod abort;
 #[doc(hidden)]
 pub mod bench;
+pub(crate) mod decode_head;
 pub(crate) mod handover;
 pub(crate) mod legs;
 pub(crate) mod relay;
@@ -115,11 +116,16 @@ impl Pd {
             .agent
             .clone()
             .ok_or_else(|| GatewayError::Internal("prefill endpoint without an agent".into()))?;
-        self.ctx = context(request_id, self.clean.clone());
+        self.restart(request_id);
         self.agent = agent;
         self.served.prefill = next.name.clone();
         self.prefill = next;
         Ok(())
+    }
+
+    /// A fresh routing context (new transfer key) for another attempt of the request.
+    pub(crate) fn restart(&mut self, request_id: &str) {
+        self.ctx = context(request_id, self.clean.clone());
     }
 
     /// Records the decode endpoint that answered.

@@ -29,7 +29,7 @@ use crate::engine::EngineBody;
 use crate::engine::guarded::GuardedBody;
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::headers;
-use crate::metrics::RequestRecord;
+use crate::metrics::{Cause, RequestRecord};
 use crate::pd::abort::AbortOnLeave;
 use crate::pd::{Answer, Pd, usage};
 use crate::state::Gateway;
@@ -140,12 +140,13 @@ fn engine_failed(
     health: Option<&Health>,
     id: &str,
     endpoint: &str,
-    what: &str,
+    what: Cause,
     cause: &dyn std::fmt::Display,
 ) {
-    tracing::warn!(id, endpoint, cause = %cause, "decode {what} after its response head");
+    let reason = what.as_str();
+    tracing::warn!(id, endpoint, reason, cause = %cause, "decode failed after its response head");
     if let Some(h) = health {
-        h.observe(endpoint, false);
+        h.observe(endpoint, Err(what));
     }
 }
 
@@ -198,7 +199,7 @@ fn finish_clean(
             health,
             record.request_id(),
             endpoint,
-            "sent an error event",
+            Cause::ErrorEvent,
             &"SSE error event",
         );
         record.finish_error(&GatewayError::Upstream {
@@ -210,7 +211,7 @@ fn finish_clean(
         return;
     }
     if let Some(h) = health {
-        h.observe(endpoint, true);
+        h.observe(endpoint, Ok(()));
     }
     record.finish_ok();
 }
@@ -310,7 +311,7 @@ impl Body for RelayBody {
                     this.health.as_deref(),
                     this.record.request_id(),
                     this.endpoint,
-                    "broke the stream",
+                    Cause::Broken,
                     &e,
                 );
                 let err = GatewayError::Upstream {
@@ -344,7 +345,7 @@ impl Body for RelayBody {
                     this.health.as_deref(),
                     this.record.request_id(),
                     this.endpoint,
-                    "went silent",
+                    Cause::Silent,
                     &format!("nothing for {:?}", this.idle_timeout),
                 );
                 let err = GatewayError::Upstream {

@@ -11,7 +11,8 @@ use crate::config::PrefillFailurePolicy;
 use crate::endpoints::Endpoint;
 use crate::engine::client;
 use crate::error::{GatewayError, Leg, UpstreamKind};
-use crate::pd::legs::{decode_last, decode_span};
+use crate::metrics::Cause;
+use crate::pd::legs::decode_last;
 use crate::pd::{Answer, Exchange, Pd, abort, select};
 use crate::state::Gateway;
 
@@ -72,7 +73,7 @@ pub(crate) fn kv_wait_failure(
         ?waited,
         "decode gave up waiting for KV while the prefill had not answered; blaming the prefill"
     );
-    gw.health.observe(&pd.prefill.name, false);
+    gw.health.observe(&pd.prefill.name, Err(Cause::KvWait));
     if pd.agent.needs_bootstrap_lookup() {
         gw.requery.ask(&pd.prefill.name);
     }
@@ -145,38 +146,5 @@ pub(crate) async fn fall_back(
     pd.served.fallback = true;
     pd.prefill_cached = None;
     let body = pd.clean.to_bytes();
-    let span = decode_span(&ex.request_id, &pd.decode.name, false);
-    decode_last(ex, pd, body, span).await
-}
-
-/// Why a decode leg was given up at once ([`released`]).
-pub(crate) const RELEASED: &str =
-    "was taken out of rotation while the request waited for its answer";
-
-/// Whether `err` is a decode leg given up because its endpoint went down meanwhile.
-pub(crate) fn released(err: &GatewayError) -> bool {
-    matches!(err, GatewayError::Upstream { leg: Leg::Decode, detail, .. } if detail == RELEASED)
-}
-
-/// Another decode for a request whose decode went down before its head (nothing reached the
-/// client), with a fresh routing context on the same prefill; `None` when there is none (or the
-/// retry budget is spent).
-pub(crate) fn another_decode(
-    ex: &mut Exchange,
-    pd: &mut Pd,
-) -> Result<Option<Arc<Endpoint>>, GatewayError> {
-    let gw = ex.gw.clone();
-    let tried = [pd.decode.name.clone()];
-    let model = pd.model.as_deref();
-    let Some(next) = select::retry_target(&gw, Leg::Decode, model, &pd.prefill, &pd.decode, &tried)
-    else {
-        return Ok(None);
-    };
-    warn!(id = %ex.request_id, from = %pd.decode.name, to = %next.name, "decode taken out of rotation before its answer; both legs again on another decode");
-    let prefill = pd.prefill.clone();
-    pd.switch_prefill(&ex.request_id, prefill)?;
-    if let Some(r) = ex.record() {
-        r.trace().retried();
-    }
-    Ok(Some(next))
+    decode_last(ex, pd, body, false).await
 }

@@ -13,6 +13,15 @@ fn target(name: &str, role: Role) -> ProbeTarget {
     }
 }
 
+/// A 5xx when `fail`, else a sane answer.
+fn ok_unless(fail: bool) -> Result<(), Cause> {
+    if fail {
+        Err(Cause::ServerError)
+    } else {
+        Ok(())
+    }
+}
+
 fn health(consecutive: u32) -> Health {
     let config = HealthConfig {
         consecutive_failures: consecutive,
@@ -35,31 +44,31 @@ fn health(consecutive: u32) -> Health {
 #[test]
 fn consecutive_traffic_failures_eject_and_half_open_decides() {
     let h = health(3);
-    h.observe("p1", false);
-    h.observe("p1", false);
-    h.observe("p1", true);
-    h.observe("p1", false);
-    h.observe("p1", false);
+    h.observe("p1", Err(Cause::ServerError));
+    h.observe("p1", Err(Cause::ServerError));
+    h.observe("p1", Ok(()));
+    h.observe("p1", Err(Cause::ServerError));
+    h.observe("p1", Err(Cause::ServerError));
     assert!(h.unhealthy().is_empty(), "a success resets the count");
-    h.observe("p1", false);
+    h.observe("p1", Err(Cause::ServerError));
     assert_eq!(h.unhealthy(), BTreeSet::from(["p1".to_string()]));
     // The last healthy prefill is never ejected.
     for _ in 0..10 {
-        h.observe("p2", false);
+        h.observe("p2", Err(Cause::ServerError));
     }
     assert!(h.is_healthy("p2"));
     // Back-off over: half-open; one failure ejects again for twice as long.
     let later = Instant::now() + Duration::from_secs(11);
     h.tick(later);
     assert!(h.unhealthy().is_empty());
-    h.observe("p1", false);
+    h.observe("p1", Err(Cause::ServerError));
     assert!(!h.is_healthy("p1"));
     h.tick(Instant::now() + Duration::from_secs(15));
     assert!(!h.is_healthy("p1"), "second period is 20 s");
     h.tick(Instant::now() + Duration::from_secs(21));
     assert!(h.is_healthy("p1"));
-    h.observe("p1", true);
-    h.observe("p1", false);
+    h.observe("p1", Ok(()));
+    h.observe("p1", Err(Cause::ServerError));
     assert!(
         h.is_healthy("p1"),
         "a success on probation clears the record"
@@ -81,13 +90,13 @@ fn an_error_rate_ejects_without_consecutive_failures() {
     ]);
     // Every third request fails: never two in a row, but a third of the traffic.
     for i in 0..9 {
-        h.observe("p1", i % 3 != 0);
+        h.observe("p1", ok_unless(i % 3 == 0));
     }
     assert!(h.is_healthy("p1"), "not enough requests yet");
-    h.observe("p1", false);
+    h.observe("p1", Err(Cause::ServerError));
     assert!(!h.is_healthy("p1"), "4 of 10 failed");
     for i in 0..30 {
-        h.observe("p2", i % 5 != 0);
+        h.observe("p2", ok_unless(i % 5 == 0));
     }
     assert!(h.is_healthy("p2"), "20% stays under the 30% threshold");
 }
@@ -96,7 +105,7 @@ fn an_error_rate_ejects_without_consecutive_failures() {
 fn active_checks_use_thresholds_and_passive_can_be_disabled() {
     let h = health(0);
     for _ in 0..10 {
-        h.observe("d1", false);
+        h.observe("d1", Err(Cause::ServerError));
     }
     assert!(h.is_healthy("d1"));
     h.check_result("d1", false, "503");
@@ -137,6 +146,8 @@ async fn a_prefill_far_slower_than_its_peers_is_ejected() {
     assert!(h.is_healthy("d1"));
     h.observe_latency("p1", Duration::from_millis(2100));
     assert_eq!(h.unhealthy(), BTreeSet::from(["p1".to_string()]));
+    let reason = r#"pdgate_endpoint_ejections_total{role="prefill",endpoint="p1",reason="latency_outlier"} 1"#;
+    assert!(h.metrics.render().contains(reason));
     // The peer, now alone, is never judged against nobody.
     for _ in 0..10 {
         h.observe_latency("p2", Duration::from_secs(9));
@@ -165,8 +176,8 @@ async fn went_down_follows_ejections_and_checks() {
         let wait = h.went_down("p1");
         tokio::pin!(wait);
         assert!(futures_util::poll!(wait.as_mut()).is_pending());
-        h.observe("p1", false);
-        h.observe("p1", false);
+        h.observe("p1", Err(Cause::Broken));
+        h.observe("p1", Err(Cause::Broken));
         tokio::time::timeout(Duration::from_secs(5), wait)
             .await
             .expect("woken by the ejection");
@@ -198,4 +209,65 @@ async fn went_down_follows_ejections_and_checks() {
         target("p2", Role::Prefill),
     ]);
     assert_eq!(h.down_count.load(Ordering::Acquire), 0);
+}
+
+#[test]
+fn ejections_are_counted_per_endpoint_with_their_reason() {
+    let metrics = Arc::new(Metrics::new());
+    let config = HealthConfig {
+        consecutive_failures: 2,
+        error_rate: 0.0,
+        unhealthy_threshold: 1,
+        ..HealthConfig::default()
+    };
+    let h = Health::new(&config, metrics.clone());
+    h.sync(vec![
+        target("p1", Role::Prefill),
+        target("p2", Role::Prefill),
+        target("d1", Role::Decode),
+        target("d2", Role::Decode),
+    ]);
+    // A decode that breaks its streams twice, a prefill that fails its check.
+    h.observe("d1", Err(Cause::Broken));
+    h.observe("d1", Err(Cause::Broken));
+    h.check_result("p1", false, "connection refused");
+    // The last healthy prefill is never ejected: no series for it.
+    h.observe("p2", Err(Cause::Timeout));
+    h.observe("p2", Err(Cause::Timeout));
+    let text = metrics.render();
+    for line in [
+        r#"pdgate_endpoint_ejections_total{role="decode",endpoint="d1",reason="broken"} 1"#,
+        r#"pdgate_endpoint_ejections_total{role="prefill",endpoint="p1",reason="health_check"} 1"#,
+        r#"pdgate_ejections_total{role="decode"} 1"#,
+        r#"pdgate_ejections_total{role="prefill"} 1"#,
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
+    assert!(!text.contains(r#"endpoint="p2",reason"#), "{text}");
+    // An endpoint that leaves the fleet takes its series along.
+    h.sync(vec![
+        target("p2", Role::Prefill),
+        target("d2", Role::Decode),
+    ]);
+    assert!(!metrics.render().contains(r#"endpoint="d1",reason"#));
+}
+
+#[test]
+fn a_failed_exchange_names_its_cause() {
+    let status = crate::error::GatewayError::UpstreamStatus {
+        leg: crate::error::Leg::Prefill,
+        status: http::StatusCode::BAD_GATEWAY,
+        body: bytes::Bytes::new(),
+        content_type: None,
+    };
+    assert_eq!(Cause::of(&status), Cause::ServerError);
+    let timeout = crate::error::GatewayError::Upstream {
+        leg: crate::error::Leg::Decode,
+        endpoint: "d1".into(),
+        kind: crate::error::UpstreamKind::Timeout,
+        detail: String::new(),
+    };
+    assert_eq!(Cause::of(&timeout), Cause::Timeout);
+    let labels: std::collections::BTreeSet<_> = Cause::ALL.iter().map(|c| c.as_str()).collect();
+    assert_eq!(labels.len(), Cause::ALL.len(), "labels are distinct");
 }
