@@ -169,17 +169,17 @@ impl Admission {
 }
 
 /// Drops candidates at `max_in_flight_per_endpoint`; all of them there is an overload (429).
-pub(crate) fn under_cap(
+pub(crate) fn under_cap<E: AsRef<Endpoint>>(
     cap: usize,
     metrics: &Metrics,
-    candidates: Vec<Arc<Endpoint>>,
-) -> Result<Vec<Arc<Endpoint>>, GatewayError> {
+    candidates: Vec<E>,
+) -> Result<Vec<E>, GatewayError> {
     if cap == 0 || candidates.is_empty() {
         return Ok(candidates);
     }
-    let open: Vec<Arc<Endpoint>> = candidates
+    let open: Vec<E> = candidates
         .into_iter()
-        .filter(|e| e.load.in_flight() < cap)
+        .filter(|e| e.as_ref().load.in_flight() < cap)
         .collect();
     if open.is_empty() {
         metrics.count_rejected("endpoint_cap");

@@ -74,6 +74,17 @@ impl CacheIndex {
                         // Words past the shorter bitmap hold no endpoint of this key.
                         let common = bits.len().min(w.bits.len());
                         let (head, tail) = bits.split_at_mut(common);
+                        // Usually every candidate holds the next key too (a shared prompt held
+                        // by all): one branch-free pass finds that nothing drops.
+                        let lost = head
+                            .iter()
+                            .zip(&w.bits)
+                            .fold(0u64, |a, (&word, &other)| a | (word & !other))
+                            | tail.iter().fold(0u64, |a, &word| a | word);
+                        if lost == 0 {
+                            depth += 1;
+                            continue;
+                        }
                         let mut any = 0u64;
                         for (wi, (word, &other)) in head.iter_mut().zip(&w.bits).enumerate() {
                             let keep = *word & other;

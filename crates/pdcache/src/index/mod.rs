@@ -42,8 +42,6 @@ use crate::keys::{BlockKey, chain_token_block};
 pub const WIDE_AT: usize = 8;
 
 const NIL: u32 = u32::MAX;
-/// Decision targets whose keys are written in one walk.
-const GROUP: usize = 4;
 const WIDE_BIT: u32 = 1 << 31;
 const CHUNK_SHIFT: u32 = 12;
 const CHUNK: usize = 1 << CHUNK_SHIFT;
@@ -186,6 +184,8 @@ struct Entry {
     next: u32,
     /// The next entry with the same key while the key is narrow.
     key_next: u32,
+    /// Approximate and speculative entries: the tick they expire at. Precise entries: the tick
+    /// they were last marked used (they never expire; see [`REFRESH_DIVISOR`]).
     expires: u32,
     endpoint: u16,
     kind: u8,
@@ -226,6 +226,9 @@ const EMPTY_LIST: List = List {
 struct Endpoint {
     live: bool,
     lists: [List; 3],
+    /// Entries removed so far (wrapping): a decision's memo of what it wrote holds while this
+    /// is unchanged.
+    removals: u32,
 }
 
 /// Where a key's endpoints are.
@@ -250,6 +253,8 @@ pub struct CacheIndex {
     /// (engine hash, endpoint) -> precise entry.
     engine: HashTable<u32>,
     endpoints: Vec<Endpoint>,
+    /// By endpoint id: what its last decision wrote (see `decisions.rs`).
+    written: Vec<Written>,
     free_endpoints: Vec<u16>,
     counts: [usize; 3],
     last_sweep: u32,
@@ -293,6 +298,7 @@ impl CacheIndex {
             wide_entries: HashTable::new(),
             engine: HashTable::new(),
             endpoints: Vec::new(),
+            written: Vec::new(),
             free_endpoints: Vec::new(),
             counts: [0; 3],
             last_sweep: 0,
@@ -333,13 +339,16 @@ impl CacheIndex {
         let fresh = Endpoint {
             live: true,
             lists: [EMPTY_LIST; 3],
+            removals: 0,
         };
         if let Some(id) = self.free_endpoints.pop() {
             self.endpoints[usize::from(id)] = fresh;
+            self.written[usize::from(id)] = Written::NONE;
             return Ok(EndpointId(id));
         }
         let id = u16::try_from(self.endpoints.len()).map_err(|_| TooManyEndpoints)?;
         self.endpoints.push(fresh);
+        self.written.push(Written::NONE);
         Ok(EndpointId(id))
     }
 
@@ -388,6 +397,8 @@ impl CacheIndex {
 
     fn remove_entry(&mut self, i: u32) {
         let e = *self.slab.get(i);
+        let owner = &mut self.endpoints[usize::from(e.endpoint)];
+        owner.removals = owner.removals.wrapping_add(1);
         self.posting_remove(i);
         self.unlink(i);
         if e.kind == EntryKind::Precise.slot() as u8 {
@@ -408,20 +419,25 @@ impl CacheIndex {
     /// Inserts or refreshes (key, endpoint). A kind never downgrades: a decision's insert on a
     /// precise entry only marks it recently used.
     fn upsert(&mut self, ep: u16, key: u64, kind: EntryKind, engine: u64, now: u32) {
-        if kind == EntryKind::Precise {
+        if kind == EntryKind::Precise
+            && let Some(old) = self.engine_find(engine, ep)
+        {
+            if self.slab.get(old).key == key {
+                // The same block again: the entry the engine hash names is (key, endpoint).
+                self.touch(old, kind, engine, now);
+                return;
+            }
             // The engine re-used a hash for other tokens (or we missed its removal): the old
             // entry is stale.
-            if let Some(old) = self.engine_find(engine, ep)
-                && self.slab.get(old).key != key
-            {
-                self.remove_entry(old);
-            }
+            self.remove_entry(old);
         }
-        if let Some(i) = self.find(key, ep) {
-            self.touch(i, kind, engine, now);
-            return;
+        let Some(p) = self.posting(key) else {
+            return self.insert_new(ep, key, kind, engine, now, false);
+        };
+        match self.find_in(p, key, ep) {
+            Some(i) => self.touch(i, kind, engine, now),
+            None => self.insert_new(ep, key, kind, engine, now, true),
         }
-        self.insert_new(ep, key, kind, engine, now);
     }
 
     /// Refreshes entry `i` for a new sighting of `kind` (see [`CacheIndex::upsert`]).
@@ -448,7 +464,7 @@ impl CacheIndex {
         let e = self.slab.get_mut(i);
         e.kind = new_kind.slot() as u8;
         if new_kind == EntryKind::Precise {
-            e.expires = 0;
+            e.expires = now;
             if kind == EntryKind::Precise {
                 e.engine = engine;
             }
@@ -466,7 +482,17 @@ impl CacheIndex {
     }
 
     /// A new entry (key, endpoint), evicting the endpoint's least recently used beyond capacity.
-    fn insert_new(&mut self, ep: u16, key: u64, kind: EntryKind, engine: u64, now: u32) {
+    /// `posted`: whether the key has a posting (other endpoints hold it); a new key's posting is
+    /// inserted without looking it up again.
+    fn insert_new(
+        &mut self,
+        ep: u16,
+        key: u64,
+        kind: EntryKind,
+        engine: u64,
+        now: u32,
+        posted: bool,
+    ) {
         let ttl = self.ttl_of(kind);
         let i = self.slab.alloc(Entry {
             key,
@@ -479,7 +505,7 @@ impl CacheIndex {
             next: NIL,
             key_next: NIL,
             expires: if kind == EntryKind::Precise {
-                0
+                now
             } else {
                 now.wrapping_add(ttl)
             },
@@ -487,7 +513,11 @@ impl CacheIndex {
             kind: kind.slot() as u8,
         });
         self.counts[kind.slot()] += 1;
-        self.posting_add(i);
+        if posted {
+            self.posting_add(i);
+        } else {
+            self.posting_insert_new(i);
+        }
         self.link_front(i);
         if kind == EntryKind::Precise {
             self.engine_insert(i);
@@ -522,59 +552,6 @@ impl CacheIndex {
         now: Instant,
     ) {
         self.insert_decisions(&[(ep, kind)], keys, now);
-    }
-
-    /// Records that a routing decision sent `keys` to each of `targets` (an endpoint and the kind
-    /// its entries get: [`EntryKind::Approximate`] or [`EntryKind::Speculative`]; precise entries
-    /// are the events' to make, so a precise target is skipped), in one walk of the keys: each
-    /// key's posting is looked up once for all targets (a PD decision writes its prefill and its
-    /// decode).
-    pub fn insert_decisions(
-        &mut self,
-        targets: &[(EndpointId, EntryKind)],
-        keys: &[BlockKey],
-        now: Instant,
-    ) {
-        let mut group = [(0u16, EntryKind::Approximate); GROUP];
-        let mut n = 0;
-        let mut swept = false;
-        for (i, &(ep, kind)) in targets.iter().enumerate() {
-            // The first of duplicate targets counts.
-            if kind != EntryKind::Precise
-                && self.live(ep)
-                && !targets[..i].iter().any(|&(e, _)| e == ep)
-            {
-                group[n] = (ep.0, kind);
-                n += 1;
-            }
-            if n == GROUP || (i + 1 == targets.len() && n > 0) {
-                if !swept {
-                    self.expire(now);
-                    swept = true;
-                }
-                self.insert_group(&group[..n], keys, self.ticks(now));
-                n = 0;
-            }
-        }
-    }
-
-    /// Writes `keys` for up to [`GROUP`] distinct live endpoints.
-    fn insert_group(&mut self, group: &[(u16, EntryKind)], keys: &[BlockKey], t: u32) {
-        for k in keys {
-            let mut found = [NIL; GROUP];
-            if let Some(p) = self.posting(k.0) {
-                for (f, &(ep, _)) in found.iter_mut().zip(group) {
-                    *f = self.find_in(p, k.0, ep).unwrap_or(NIL);
-                }
-            }
-            for (&i, &(ep, kind)) in found.iter().zip(group) {
-                if i == NIL {
-                    self.insert_new(ep, k.0, kind, 0, t);
-                } else {
-                    self.touch(i, kind, 0, t);
-                }
-            }
-        }
     }
 
     /// Drops expired approximate and speculative entries. Cheap when nothing expired, and rate
@@ -706,6 +683,7 @@ impl CacheIndex {
                 .map(|w| w.bits.capacity() * 8)
                 .sum::<usize>()
             + self.endpoints.capacity() * size_of::<Endpoint>()
+            + self.written.capacity() * size_of::<Written>()
             + self.free_endpoints.capacity() * 2
             + self.free_wides.capacity() * 4;
         IndexStats {
@@ -728,9 +706,12 @@ pub fn predicted_cached_tokens(matched_blocks: u32, block_size: u32, prompt_toke
     matched_blocks.saturating_mul(block_size).min(cap)
 }
 
+mod decisions;
 mod matching;
 mod store;
 
+pub use decisions::REFRESH_DIVISOR;
+use decisions::Written;
 use store::Slab;
 #[cfg(test)]
 mod tests;

@@ -163,10 +163,6 @@ impl CacheIndex {
         }
     }
 
-    pub(super) fn find(&self, key: u64, ep: u16) -> Option<u32> {
-        self.find_in(self.posting(key)?, key, ep)
-    }
-
     /// The entry (key, ep) among `key`'s posting.
     pub(super) fn find_in(&self, posting: Posting<'_>, key: u64, ep: u16) -> Option<u32> {
         match posting {
@@ -193,6 +189,24 @@ impl CacheIndex {
                     .copied()
             }
         }
+    }
+
+    /// Posts entry `i` under its key, which has no posting yet (the caller just looked).
+    pub(super) fn posting_insert_new(&mut self, i: u32) {
+        let key = {
+            let e = self.slab.get_mut(i);
+            e.key_next = NIL;
+            e.key
+        };
+        let h = self.h1(key);
+        let seed = self.seed;
+        let (slab, wides) = (&self.slab, &self.wides);
+        self.posting.insert_unique(h, i, |&v| {
+            folded(
+                Self::posting_key(slab, wides, v) ^ seed,
+                0x9e37_79b9_7f4a_7c15,
+            )
+        });
     }
 
     pub(super) fn posting_add(&mut self, i: u32) {

@@ -352,3 +352,86 @@ fn one_walk_writes_every_target_of_a_decision() {
     idx.match_blocks(&long[4..], &mut blocks);
     assert_eq!(blocks[usize::from(eps[2].0)], 6);
 }
+
+#[test]
+fn a_refresh_within_a_fraction_of_the_ttl_changes_nothing() {
+    let (mut idx, t0) = index(100);
+    let a = ep(&mut idx);
+    let ttl = IndexConfig::default().approximate_ttl;
+    let window = ttl / REFRESH_DIVISOR;
+    let at = |d: Duration| t0 + d;
+    idx.insert_approximate(a, &keys(&[1, 2]), t0);
+    // Within the window: skipped, so the entries still expire one TTL after the insert.
+    idx.insert_approximate(a, &keys(&[1, 2]), at(window / 2));
+    idx.expire(at(ttl + Duration::from_millis(200)));
+    assert_eq!(matches(&idx, &keys(&[1, 2])), [], "expired on time");
+    // Past the window a refresh extends the life.
+    let t1 = ttl * 2;
+    idx.insert_approximate(a, &keys(&[1, 2]), at(t1));
+    let t2 = t1 + window * 2;
+    idx.insert_approximate(a, &keys(&[1, 2]), at(t2));
+    idx.expire(at(t1 + ttl + window / 2));
+    assert_eq!(matches(&idx, &keys(&[1, 2])), [(a.0, 2)]);
+    // Within the window, a longer prompt: the shared keys are skipped, the new one written.
+    idx.insert_approximate(a, &keys(&[1, 2, 3]), at(t2 + window / 2));
+    assert_eq!(matches(&idx, &keys(&[1, 2, 3])), [(a.0, 3)]);
+    idx.expire(at(t2 + ttl + Duration::from_millis(200)));
+    assert_eq!(
+        matches(&idx, &keys(&[1, 2, 3])),
+        [],
+        "1 and 2 expired on time"
+    );
+    assert_eq!(matches(&idx, &keys(&[3])), [(a.0, 1)]);
+    idx.expire(at(t2 + window / 2 + ttl + Duration::from_millis(200)));
+    assert_eq!(idx.stats().entries, 0);
+}
+
+#[test]
+fn skipped_keys_are_written_again_once_the_endpoint_lost_any() {
+    let (mut idx, t0) = index(100);
+    let a = ep(&mut idx);
+    let tokens: Vec<u32> = (0..12).collect();
+    let ks = token_keys(&tokens, 4);
+    // Precise entries for the first two blocks, then decisions shortly after each other.
+    let stored = BlockStored::new(vec![1.into(), 2.into()], None, tokens[..8].to_vec(), 4);
+    idx.apply_event(a, &KvEvent::BlockStored(stored), t0);
+    idx.insert_speculative(a, &ks, t0);
+    assert_eq!(matches(&idx, &ks), [(a.0, 3)]);
+    let removed = BlockRemoved::new(vec![1.into()]);
+    idx.apply_event(a, &KvEvent::BlockRemoved(removed), t0);
+    assert_eq!(matches(&idx, &ks), []);
+    // The same prompt again within the window: the removed block is speculated again.
+    idx.insert_speculative(a, &ks, t0 + Duration::from_millis(20));
+    assert_eq!(matches(&idx, &ks), [(a.0, 3)]);
+    let s = idx.stats();
+    assert_eq!((s.precise, s.speculative), (1, 2));
+    // Expiry is a loss too: after the speculative TTL the guesses are gone and written anew.
+    idx.expire(t0 + Duration::from_secs(3));
+    assert_eq!(matches(&idx, &ks), []);
+    idx.insert_speculative(a, &ks, t0 + Duration::from_secs(3));
+    assert_eq!(matches(&idx, &ks), [(a.0, 3)]);
+    // A cleared endpoint, and a reused id, start without a memo.
+    idx.clear_endpoint(a);
+    idx.insert_speculative(a, &ks, t0 + Duration::from_secs(3));
+    assert_eq!(matches(&idx, &ks), [(a.0, 3)]);
+    idx.remove_endpoint(a);
+    let b = ep(&mut idx);
+    idx.insert_speculative(b, &ks, t0 + Duration::from_secs(3));
+    assert_eq!(matches(&idx, &ks), [(b.0, 3)]);
+}
+
+#[test]
+fn near_capacity_every_refresh_moves_the_entry() {
+    // At more than half the capacity a refresh within the window still counts as a use.
+    let (mut idx, t0) = index(6);
+    let a = ep(&mut idx);
+    idx.insert_approximate(a, &keys(&[1, 2, 3, 4]), t0);
+    idx.insert_approximate(a, &keys(&[1]), t0 + Duration::from_millis(10));
+    idx.insert_approximate(a, &keys(&[5, 6, 7]), t0 + Duration::from_millis(20));
+    assert_eq!(matches(&idx, &keys(&[1])), [(a.0, 1)]);
+    assert_eq!(
+        matches(&idx, &keys(&[2])),
+        [],
+        "2 was the least recently used"
+    );
+}

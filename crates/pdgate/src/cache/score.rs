@@ -114,26 +114,29 @@ pub(crate) fn choose(facts: &[Facts], view: &PrefixView, cfg: &CacheConfig) -> O
     };
     let mut best = (f64::INFINITY, usize::MAX, usize::MAX);
     let mut ties = 0usize;
-    for f in facts {
+    let mut first = 0;
+    for (i, f) in facts.iter().enumerate() {
         let key = (cost(f), f.in_flight, f.entries);
         if key.0 < best.0 || (key.0 == best.0 && (key.1, key.2) < (best.1, best.2)) {
             best = key;
             ties = 1;
+            first = i;
         } else if key == best {
             ties += 1;
         }
     }
-    let nth = if ties > 1 {
-        rand::rng().random_range(0..ties)
+    let index = if ties > 1 {
+        let nth = rand::rng().random_range(0..ties);
+        facts
+            .iter()
+            .enumerate()
+            .skip(first)
+            .filter(|(_, f)| (cost(f), f.in_flight, f.entries) == best)
+            .nth(nth)
+            .map_or(first, |(i, _)| i)
     } else {
-        0
+        first
     };
-    let index = facts
-        .iter()
-        .enumerate()
-        .filter(|(_, f)| (cost(f), f.in_flight, f.entries) == best)
-        .nth(nth)
-        .map_or(0, |(i, _)| i);
     Some(choice(index, DecisionKind::Miss))
 }
 

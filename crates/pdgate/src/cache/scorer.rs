@@ -131,15 +131,16 @@ impl Scorer<'_> {
     }
 
     /// Chooses among `candidates` (non-empty) by cache and load for the prepared `view`.
-    pub(crate) fn choose(
+    pub(crate) fn choose<E: AsRef<Endpoint>>(
         &mut self,
-        candidates: &[Arc<Endpoint>],
+        candidates: &[E],
         view: &PrefixView,
         cfg: &CacheConfig,
     ) -> Option<score::Choice> {
         let mut facts = std::mem::take(&mut self.state.facts);
         facts.clear();
         facts.extend(candidates.iter().map(|e| {
+            let e = e.as_ref();
             let (blocks, entries) = self.facts(e);
             score::Facts {
                 blocks,

@@ -116,11 +116,12 @@ fn pick_by(
     scorer: &mut Scorer<'_>,
     cache: &Cache,
     role: Role,
-    candidates: &[Arc<Endpoint>],
+    candidates: &[&Arc<Endpoint>],
     view: &PrefixView,
 ) -> Option<(usize, Option<Choice>)> {
     if !policy.cache_aware() {
-        return policy.pick(candidates).map(|i| (i, None));
+        let owned: Vec<Arc<Endpoint>> = candidates.iter().map(|&e| e.clone()).collect();
+        return policy.pick(&owned).map(|i| (i, None));
     }
     let choice = scorer.choose(candidates, view, &cache.config)?;
     cache.metrics.decision(
@@ -149,7 +150,9 @@ fn cache_pair(
     let mut scorer = mc.lock();
     scorer.prepare(view);
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
-    let pick_prefill = |prefills: Vec<Arc<Endpoint>>, scorer: &mut Scorer<'_>| {
+    // Candidates are borrowed from the snapshot: a decision over a large fleet would otherwise
+    // spend more on reference counts than on scoring.
+    let pick_prefill = |prefills: Vec<&Arc<Endpoint>>, scorer: &mut Scorer<'_>| {
         let prefills = under_cap(cap, &gw.metrics, prefills)?;
         let (i, choice) = pick_by(
             gw.prefill_policy.as_ref(),
@@ -160,14 +163,13 @@ fn cache_pair(
             view,
         )
         .ok_or_else(|| no_pair(snap, model))?;
-        Ok::<_, GatewayError>((prefills[i].clone(), choice))
+        Ok::<_, GatewayError>((Arc::clone(prefills[i]), choice))
     };
     let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
-        let decodes: Vec<Arc<Endpoint>> = snap
+        let decodes: Vec<&Arc<Endpoint>> = snap
             .decode
             .iter()
             .filter(|d| d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d)))
-            .cloned()
             .collect();
         let decodes = under_cap(cap, &gw.metrics, decodes)?;
         let (j, d_choice) = pick_by(
@@ -179,10 +181,9 @@ fn cache_pair(
             view,
         )
         .ok_or_else(|| no_pair(snap, model))?;
-        let decode = decodes[j].clone();
-        let prefills: Vec<Arc<Endpoint>> = serving_prefills()
+        let decode = Arc::clone(decodes[j]);
+        let prefills: Vec<&Arc<Endpoint>> = serving_prefills()
             .filter(|p| snap.pairs(p, &decode))
-            .cloned()
             .collect();
         let alone = d_choice.is_some_and(|c| decode_only_fits(&cache.config, c, view))
             && prefills
@@ -191,7 +192,7 @@ fn cache_pair(
         if alone && let Some(first) = prefills.first() {
             // The prefill only names the connector; no leg goes to it.
             (
-                first.clone(),
+                Arc::clone(first),
                 decode,
                 true,
                 d_choice.map(|c| c.cached_tokens),
@@ -201,13 +202,12 @@ fn cache_pair(
             (prefill, decode, false, p_choice.map(|c| c.cached_tokens))
         }
     } else {
-        let prefills: Vec<Arc<Endpoint>> = serving_prefills()
+        let prefills: Vec<&Arc<Endpoint>> = serving_prefills()
             .filter(|p| {
                 snap.decode
                     .iter()
                     .any(|d| d.serves(model) && snap.pairs(p, d))
             })
-            .cloned()
             .collect();
         let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
         let decodes: Vec<Arc<Endpoint>> = snap
