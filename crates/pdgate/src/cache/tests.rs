@@ -8,7 +8,6 @@ use bytes::Bytes;
 fn ep(name: &str) -> Arc<Endpoint> {
     Arc::new(Endpoint {
         name: name.into(),
-        base_url: format!("http://{name}"),
         addr: crate::engine::EngineAddr::parse(&format!("http://{name}")).expect("address"),
         pod: kvtransfer::Pod::default(),
         role: Role::Prefill,

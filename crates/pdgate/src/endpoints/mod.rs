@@ -98,9 +98,7 @@ impl Drop for LoadGuard {
 pub struct Endpoint {
     /// `host:port`, used in headers, logs and metrics.
     pub name: String,
-    /// `http://host:port`.
-    pub base_url: String,
-    /// `base_url`, parsed.
+    /// Where it is reached (`http://host:port`, parsed).
     pub addr: crate::engine::EngineAddr,
     /// The pod, as discovery (and bootstrap lookups) described it.
     pub pod: Pod,
@@ -333,7 +331,6 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
         models.extend(endpoint_models.iter().cloned());
         let endpoint = Arc::new(Endpoint {
             name: pod.name.clone(),
-            base_url,
             addr,
             authorization,
             pod: pod.clone(),

@@ -180,7 +180,6 @@ mod tests {
             .map(|i| {
                 Arc::new(Endpoint {
                     name: format!("e{i}"),
-                    base_url: format!("http://127.0.0.1:{i}"),
                     addr: crate::engine::EngineAddr::parse(&format!("http://127.0.0.1:{i}"))
                         .expect("address"),
                     pod: Pod::default(),
