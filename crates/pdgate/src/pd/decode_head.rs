@@ -73,6 +73,16 @@ pub(crate) async fn send(
     }
 }
 
+/// Resolves once `endpoint` is taken out of rotation, when legs waiting on it are to be given up
+/// then (`reliability.retry_on_ejection`); pending otherwise. Both legs select on it.
+pub(crate) async fn went_down(gw: &Gateway, endpoint: &str) {
+    if gw.config.reliability.retry_on_ejection {
+        gw.health.went_down(endpoint).await;
+    } else {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Another decode for a request whose decode went down before its head; `None` when there is
 /// none (or the retry budget is spent).
 fn another_decode(gw: &Gateway, ex: &mut Exchange, pd: &Pd) -> Option<Arc<Endpoint>> {
@@ -113,17 +123,10 @@ async fn decode_head(
             extra: &[],
         };
         let sent = tokio::time::Instant::now();
-        let went_down = async {
-            if gw.config.reliability.retry_on_ejection {
-                gw.health.went_down(&endpoint.name).await;
-            } else {
-                std::future::pending::<()>().await;
-            }
-        };
         let head = tokio::select! {
             head = client::send_within(&gw.client, leg, gw.config.legs.decode_timeout) => head,
             // Already counted (that is why it is down): not observed again.
-            () = went_down => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Broken, RELEASED.into())),
+            () = went_down(gw, &endpoint.name) => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Broken, RELEASED.into())),
         };
         match head {
             // A decode's success is counted when its body ends cleanly (the relay), not at the

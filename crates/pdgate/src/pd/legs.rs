@@ -87,13 +87,7 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
     };
     let limit = job.limit;
     let started = tokio::time::Instant::now();
-    let went_down = async {
-        if gw.config.reliability.retry_on_ejection {
-            gw.health.went_down(&job.endpoint.name).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
+    let went_down = decode_head::went_down(gw, &job.endpoint.name);
     // Biased: the leg's own outcome first (and no random draw per poll).
     let result = tokio::select! {
         biased;
