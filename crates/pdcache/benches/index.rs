@@ -9,41 +9,15 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use pdcache::bench_prompts::{
+    BLOCK, CONTINUATIONS, PROMPT_BLOCKS, SHARED_BLOCKS, continuation, prompt, system_prompt, tokens,
+};
 use pdcache::events::{BlockHash, BlockStored, EventBatch, KvEvent, decode_batch, encode_batch};
 use pdcache::index::{CacheIndex, EndpointId, IndexConfig, Match};
 use pdcache::keys::{BlockKey, token_keys};
 
 const ENDPOINTS: usize = 1000;
-const BLOCK: usize = 16;
-const SHARED_BLOCKS: usize = 64;
-const CONTINUATIONS: usize = 5;
 const CONT_BLOCKS: usize = 187;
-const PROMPT_BLOCKS: usize = 256;
-
-/// Deterministic pseudo-random tokens (splitmix64), so runs are comparable.
-fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % 50_000) as u32
-        })
-        .collect()
-}
-
-fn system_prompt() -> Vec<u32> {
-    tokens(1, SHARED_BLOCKS * BLOCK)
-}
-
-fn continuation(ep: usize, c: usize) -> Vec<u32> {
-    tokens(
-        1000 + (ep * CONTINUATIONS + c) as u64,
-        PROMPT_BLOCKS * BLOCK - SHARED_BLOCKS * BLOCK,
-    )
-}
 
 /// A BlockStored per prompt, chained onto the shared system prompt's last block, as an engine
 /// would publish them; engine hashes are arbitrary (the index never interprets them).
@@ -106,9 +80,7 @@ fn build(now: Instant) -> (CacheIndex, Vec<EndpointId>) {
 }
 
 fn prompt_keys(ep: usize, c: usize) -> Vec<BlockKey> {
-    let mut t = system_prompt();
-    t.extend(continuation(ep, c));
-    token_keys(&t, BLOCK)
+    token_keys(&prompt(ep, c), BLOCK)
 }
 
 fn bench_match(c: &mut Criterion) {

@@ -44,6 +44,8 @@
 //! # Ok::<(), pdcache::index::TooManyEndpoints>(())
 //! ```
 
+#[doc(hidden)]
+pub mod bench_prompts;
 pub mod events;
 pub mod index;
 pub mod keys;

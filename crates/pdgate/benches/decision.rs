@@ -11,37 +11,10 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use pdcache::bench_prompts::{BLOCK, CONTINUATIONS, prompt};
 use pdgate::cache_bench::DecisionBench;
 
 const PER_ROLE: usize = 500;
-const BLOCK: usize = 16;
-const SHARED_BLOCKS: usize = 64;
-const CONTINUATIONS: usize = 5;
-const PROMPT_BLOCKS: usize = 256;
-
-/// Deterministic pseudo-random tokens (splitmix64), so runs are comparable.
-fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % 50_000) as u32
-        })
-        .collect()
-}
-
-/// The `c`-th prompt of pair `p`: the shared system prompt, then its own continuation.
-fn prompt(p: usize, c: usize) -> Vec<u32> {
-    let mut t = tokens(1, SHARED_BLOCKS * BLOCK);
-    t.extend(tokens(
-        1000 + (p * CONTINUATIONS + c) as u64,
-        (PROMPT_BLOCKS - SHARED_BLOCKS) * BLOCK,
-    ));
-    t
-}
 
 /// The fastest per-decision time over `rounds` rounds of `per_round` calls of `f`.
 fn fastest(rounds: usize, per_round: usize, mut f: impl FnMut(usize) -> bool) -> Duration {
