@@ -6,17 +6,7 @@ use crate::endpoints::Load;
 use bytes::Bytes;
 
 fn ep(name: &str) -> Arc<Endpoint> {
-    Arc::new(Endpoint {
-        name: name.into(),
-        addr: crate::engine::EngineAddr::parse(&format!("http://{name}")).expect("address"),
-        pod: kvtransfer::Pod::default(),
-        role: Role::Prefill,
-        models: vec![],
-        connector: None,
-        agent: None,
-        load: Arc::new(Load::default()),
-        authorization: None,
-    })
+    crate::endpoints::test_endpoint(name, Role::Prefill)
 }
 
 fn cache() -> Cache {

@@ -382,6 +382,28 @@ impl Health {
         }
     }
 
+    /// `candidates` without the half-open endpoints whose probe is under way, unless that
+    /// leaves none (then the probed one is all there is). Routing asks this at selection, so a
+    /// burst right after [`Health::begin`] does not follow the probe before the reconciler
+    /// republishes the snapshot without it. One atomic load while nothing is half-open.
+    pub(crate) fn hold_back_probed<E: AsRef<crate::endpoints::Endpoint>>(
+        &self,
+        mut candidates: Vec<E>,
+    ) -> Vec<E> {
+        if !self.half_open_probe || !self.any_half_open.load(Ordering::Acquire) {
+            return candidates;
+        }
+        let map = self.lock();
+        let probed = |e: &E| {
+            map.get(&e.as_ref().name)
+                .is_some_and(|entry| entry.probing.is_some())
+        };
+        if candidates.iter().any(probed) && !candidates.iter().all(probed) {
+            candidates.retain(|e| !probed(e));
+        }
+        candidates
+    }
+
     fn bump_downs(&self) {
         self.downs.send_modify(|n| *n = n.wrapping_add(1));
     }

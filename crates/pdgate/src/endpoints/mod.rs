@@ -117,6 +117,22 @@ pub struct Endpoint {
     pub authorization: Option<http::HeaderValue>,
 }
 
+/// An idle endpoint named `name` (`http://name`) for unit tests.
+#[cfg(test)]
+pub(crate) fn test_endpoint(name: &str, role: Role) -> Arc<Endpoint> {
+    Arc::new(Endpoint {
+        name: name.into(),
+        addr: crate::engine::EngineAddr::parse(&format!("http://{name}")).expect("address"),
+        pod: kvtransfer::Pod::default(),
+        role,
+        models: vec![],
+        connector: None,
+        agent: None,
+        load: Arc::new(Load::default()),
+        authorization: None,
+    })
+}
+
 impl Endpoint {
     /// Where engine I/O sends a leg for this endpoint.
     pub(crate) fn target(&self) -> crate::engine::client::Target<'_> {

@@ -77,7 +77,7 @@ pub(crate) fn pair(
     let prefills = under_cap(
         gw.config.limits.max_in_flight_per_endpoint,
         &gw.metrics,
-        prefills,
+        gw.health.hold_back_probed(prefills),
     )?;
     let Some(i) = gw.prefill_policy.pick(&prefills) else {
         return Err(no_pair(snap, model));
@@ -92,7 +92,7 @@ pub(crate) fn pair(
     let decodes = under_cap(
         gw.config.limits.max_in_flight_per_endpoint,
         &gw.metrics,
-        decodes,
+        gw.health.hold_back_probed(decodes),
     )?;
     let j = gw
         .decode_policy
@@ -153,7 +153,7 @@ fn cache_pair(
     // Candidates are borrowed from the snapshot: a decision over a large fleet would otherwise
     // spend more on reference counts than on scoring.
     let pick_prefill = |prefills: Vec<&Arc<Endpoint>>, scorer: &mut Scorer<'_>| {
-        let prefills = under_cap(cap, &gw.metrics, prefills)?;
+        let prefills = under_cap(cap, &gw.metrics, gw.health.hold_back_probed(prefills))?;
         let (i, choice) = pick_by(
             gw.prefill_policy.as_ref(),
             scorer,
@@ -171,7 +171,7 @@ fn cache_pair(
             .iter()
             .filter(|d| d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d)))
             .collect();
-        let decodes = under_cap(cap, &gw.metrics, decodes)?;
+        let decodes = under_cap(cap, &gw.metrics, gw.health.hold_back_probed(decodes))?;
         let (j, d_choice) = pick_by(
             gw.decode_policy.as_ref(),
             &mut scorer,
@@ -216,7 +216,7 @@ fn cache_pair(
             .filter(|d| d.serves(model) && snap.pairs(&prefill, d))
             .cloned()
             .collect();
-        let decodes = under_cap(cap, &gw.metrics, decodes)?;
+        let decodes = under_cap(cap, &gw.metrics, gw.health.hold_back_probed(decodes))?;
         let j = gw
             .decode_policy
             .pick(&decodes)
@@ -305,6 +305,7 @@ pub(crate) fn retry_target(
             &gw.decode_policy,
         ),
     };
+    let candidates = gw.health.hold_back_probed(candidates);
     // A lone candidate needs no policy (and takes no round-robin turn from new requests).
     let i = match candidates.len() {
         0 => return None,

@@ -75,6 +75,42 @@ fn consecutive_traffic_failures_eject_and_half_open_decides() {
     );
 }
 
+/// Routing leaves a half-open endpoint out while its probe is under way (at once, not when the
+/// snapshot is republished), unless nothing else is left.
+#[test]
+fn a_probe_under_way_holds_its_endpoint_back_from_selection() {
+    use crate::endpoints::test_endpoint;
+    let h = health(1);
+    let p1 = test_endpoint("p1", Role::Prefill);
+    let p2 = test_endpoint("p2", Role::Prefill);
+    let both = || vec![&p1, &p2];
+    let names = |v: Vec<&Arc<crate::endpoints::Endpoint>>| {
+        v.iter().map(|e| e.name.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(names(h.hold_back_probed(both())), ["p1", "p2"]);
+    h.observe("p1", Err(Cause::ServerError));
+    h.tick(Instant::now() + Duration::from_secs(11));
+    // Half-open, no probe yet: it may take the probe.
+    assert_eq!(names(h.hold_back_probed(both())), ["p1", "p2"]);
+    h.begin("p1");
+    assert_eq!(
+        names(h.hold_back_probed(both())),
+        ["p2"],
+        "the probe is under way"
+    );
+    assert_eq!(
+        names(h.hold_back_probed(vec![&p1])),
+        ["p1"],
+        "the only one left"
+    );
+    h.observe("p1", Ok(()));
+    assert_eq!(
+        names(h.hold_back_probed(both())),
+        ["p1", "p2"],
+        "probe succeeded"
+    );
+}
+
 #[test]
 fn an_error_rate_ejects_without_consecutive_failures() {
     let config = HealthConfig {
