@@ -780,9 +780,13 @@ async fn a_decode_that_breaks_streams_after_its_head_is_ejected() {
 
 const WARM_UP: usize = 40;
 const MEASURED: usize = 500;
+/// Requests after the measured ones, sent only while a rule that needs samples (the latency
+/// outlier rule) has not yet decided: a loaded machine answers the warm-up too slowly for it.
+const MORE_WARM_UP: usize = 120;
 const CAMPAIGN_CONCURRENCY: usize = 16;
 
-/// What one engine alone answers to requests `0..WARM_UP + MEASURED`, computed once.
+/// What one engine alone answers to requests `0..WARM_UP + MEASURED + MORE_WARM_UP`, computed
+/// once.
 async fn oracle() -> Arc<Vec<String>> {
     static ORACLE: tokio::sync::OnceCell<Arc<Vec<String>>> = tokio::sync::OnceCell::const_new();
     ORACLE
@@ -792,7 +796,7 @@ async fn oracle() -> Arc<Vec<String>> {
                 .expect("baseline engine");
             let http = reqwest::Client::new();
             let base = engine.base_url();
-            let out: Vec<String> = futures_util::stream::iter(0..WARM_UP + MEASURED)
+            let out: Vec<String> = futures_util::stream::iter(0..WARM_UP + MEASURED + MORE_WARM_UP)
                 .map(|i| {
                     let (http, base) = (http.clone(), base.clone());
                     async move {
@@ -1196,15 +1200,24 @@ async fn campaign_prefill_2s_slower() {
         .await;
         set(&fleet.prefill[0], |x| x.first_byte_delay_ms = 2000);
         let warm = send_all(&fleet, 0..WARM_UP, &want).await;
-        // The detection window ends with the ejection: on a loaded machine the warm-up's
-        // answers can come in too slowly to reach the rule's sample count in time.
+        // The detection window ends with the ejection. The rule needs answers from the slow
+        // prefill: on a loaded machine the warm-up's may be too few (some fail), so more
+        // warm-up traffic follows until it decides, and then a bounded wait for the last ones.
+        let ejected = || async {
+            metric(
+                &fleet.metrics().await,
+                "pdgate_ejections_total{role=\"prefill\"}",
+            ) >= 1.0
+        };
+        let more = WARM_UP + MEASURED;
+        for batch in (more..more + MORE_WARM_UP).step_by(WARM_UP) {
+            if ejected().await {
+                break;
+            }
+            send_all(&fleet, batch..batch + WARM_UP, &want).await;
+        }
         let detected = tokio::time::Instant::now() + Duration::from_secs(10);
-        while metric(
-            &fleet.metrics().await,
-            "pdgate_ejections_total{role=\"prefill\"}",
-        ) < 1.0
-            && tokio::time::Instant::now() < detected
-        {
+        while !ejected().await && tokio::time::Instant::now() < detected {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let before = served(&fleet, Victim::Prefill);

@@ -125,7 +125,7 @@ impl ModelCache {
             .filter(|(name, _)| !keep.contains(name.as_str()))
             .map(|(n, id)| (n.clone(), *id))
             .collect();
-        state.by_load.clear();
+        state.by_slot.clear();
         for (name, id) in gone {
             index.remove_endpoint(id);
             state.set_precise(id, false);

@@ -2,7 +2,6 @@
 
 use super::events::{EventWatch, EventsNow};
 use super::*;
-use crate::endpoints::Load;
 use bytes::Bytes;
 
 fn ep(name: &str) -> Arc<Endpoint> {

@@ -60,9 +60,17 @@ impl Role {
 pub struct Load {
     in_flight: AtomicUsize,
     total: AtomicU64,
+    /// A small number no other live endpoint of the [`LoadTable`] has (0 outside one): per
+    /// endpoint state elsewhere is a vector indexed by it, found without hashing a name.
+    slot: u32,
 }
 
 impl Load {
+    /// This endpoint's slot in its [`LoadTable`] (dense; reused once the endpoint is gone).
+    pub(crate) fn slot(&self) -> usize {
+        self.slot as usize
+    }
+
     /// Requests currently held by this endpoint.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
@@ -170,17 +178,43 @@ pub struct Snapshot {
     pub excluded: Vec<(String, String)>,
     /// Pair a prefill only with a decode of the same `roleset-name`.
     pub roleset_pairing: bool,
+    /// Every prefill pairs with every decode (one connector, no roleset pairing: the usual
+    /// fleet), set by [`build_snapshot`]: [`Snapshot::pairs`] then compares nothing, where a
+    /// decision over a large fleet would compare connector names once per candidate.
+    pub(crate) every_pair: bool,
 }
 
 impl Snapshot {
     /// Whether decode `d` may take KV from prefill `p`: the connectors agree and, with roleset
     /// pairing, both belong to the same roleset.
     pub fn pairs(&self, p: &Endpoint, d: &Endpoint) -> bool {
+        if self.every_pair {
+            return true;
+        }
+        self.pairs_by_labels(p, d)
+    }
+
+    fn pairs_by_labels(&self, p: &Endpoint, d: &Endpoint) -> bool {
         d.accepts_connector(p.connector.as_deref().unwrap_or_default())
             && (!self.roleset_pairing
                 || (p.pod.label(kvtransfer::labels::ROLESET_NAME).is_some()
                     && p.pod.label(kvtransfer::labels::ROLESET_NAME)
                         == d.pod.label(kvtransfer::labels::ROLESET_NAME)))
+    }
+
+    /// Whether all prefills share one connector that every decode accepts, without roleset
+    /// pairing (then every pair agrees).
+    fn every_prefill_pairs_with_every_decode(&self) -> bool {
+        let Some(first) = self.prefill.first() else {
+            return true;
+        };
+        let connector = first.connector.as_deref().unwrap_or_default();
+        !self.roleset_pairing
+            && self
+                .prefill
+                .iter()
+                .all(|p| p.connector.as_deref().unwrap_or_default() == connector)
+            && self.decode.iter().all(|d| d.accepts_connector(connector))
     }
 
     /// Whether at least one prefill/decode pair can serve some request.
@@ -198,18 +232,44 @@ impl Snapshot {
 
 /// Load counters keyed by endpoint name, kept across snapshots.
 #[derive(Debug, Default)]
-pub struct LoadTable(Mutex<HashMap<String, Arc<Load>>>);
+pub struct LoadTable(Mutex<Loads>);
+
+#[derive(Debug, Default)]
+struct Loads {
+    by_name: HashMap<String, Arc<Load>>,
+    /// Slots of counters dropped from `by_name` (nobody holds them any more).
+    free: Vec<u32>,
+}
 
 impl LoadTable {
     fn get(&self, name: &str) -> Arc<Load> {
-        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        map.entry(name.to_string()).or_default().clone()
+        let mut loads = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let Loads { by_name, free } = &mut *loads;
+        if let Some(load) = by_name.get(name) {
+            return load.clone();
+        }
+        let slot = free
+            .pop()
+            .unwrap_or_else(|| u32::try_from(by_name.len()).unwrap_or(u32::MAX));
+        let load = Arc::new(Load {
+            slot,
+            ..Load::default()
+        });
+        by_name.insert(name.to_string(), load.clone());
+        load
     }
 
     fn retain(&self, keep: &BTreeSet<String>) {
-        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut loads = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let Loads { by_name, free } = &mut *loads;
         // Keep counters still referenced by in-flight requests: they drain to zero on their own.
-        map.retain(|k, v| keep.contains(k) || Arc::strong_count(v) > 1);
+        by_name.retain(|k, v| {
+            let keep = keep.contains(k) || Arc::strong_count(v) > 1;
+            if !keep {
+                free.push(v.slot);
+            }
+            keep
+        });
     }
 }
 
@@ -363,6 +423,7 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
     }
     loads.retain(&names);
     snap.models = models.into_iter().collect();
+    snap.every_pair = snap.every_prefill_pairs_with_every_decode();
     snap
 }
 
@@ -501,6 +562,70 @@ mod tests {
         assert!(gone.decode.is_empty());
         drop(guard);
         assert_eq!(again.decode[0].load.in_flight(), 0);
+    }
+
+    /// The one-connector shortcut answers as the labels do, in fleets where it applies and
+    /// where it must not.
+    #[test]
+    fn the_every_pair_shortcut_agrees_with_the_labels() {
+        let label = |p: Pod, c: &str| p.with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, c);
+        let fleets = [
+            vec![
+                pod("p1", "prefill"),
+                pod("p2", "prefill"),
+                pod("d1", "decode"),
+            ],
+            vec![
+                label(pod("p1", "prefill"), "nixl"),
+                label(pod("d1", "decode"), "nixl"),
+            ],
+            // The unlabelled decode has the default connector (shfs).
+            vec![
+                label(pod("p1", "prefill"), "nixl"),
+                label(pod("p2", "prefill"), "nixl"),
+                label(pod("d1", "decode"), "nixl"),
+                pod("d2", "decode"),
+            ],
+            vec![
+                pod("p1", "prefill"),
+                label(pod("p2", "prefill"), "nixl"),
+                label(pod("d1", "decode"), "nixl"),
+                pod("d2", "decode"),
+            ],
+        ];
+        for (i, pods) in fleets.iter().enumerate() {
+            let snap = build(pods, &LoadTable::default());
+            assert_eq!(snap.every_pair, i < 2, "fleet {i}");
+            for p in &snap.prefill {
+                for d in &snap.decode {
+                    assert_eq!(snap.pairs(p, d), snap.pairs_by_labels(p, d), "fleet {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn live_endpoints_have_distinct_slots_reused_once_gone() {
+        let loads = LoadTable::default();
+        let pods =
+            |names: &[&str]| -> Vec<Pod> { names.iter().map(|n| pod(n, "prefill")).collect() };
+        let slots = |snap: &Snapshot| -> Vec<usize> {
+            snap.prefill.iter().map(|e| e.load.slot()).collect()
+        };
+        let snap = build(&pods(&["a", "b", "c"]), &loads);
+        assert_eq!(slots(&snap), [0, 1, 2]);
+        drop(snap);
+        // b leaves; d takes its slot, a and c keep theirs.
+        let snap = build(&pods(&["a", "c"]), &loads);
+        drop(snap);
+        let snap = build(&pods(&["a", "c", "d"]), &loads);
+        assert_eq!(slots(&snap), [0, 2, 1]);
+        // A counter held by a request keeps its slot while the endpoint is away.
+        let held = snap.prefill[0].load.clone();
+        drop(snap);
+        let snap = build(&pods(&["c", "d", "e"]), &loads);
+        assert_eq!(slots(&snap), [2, 1, 3]);
+        assert_eq!(held.slot(), 0);
     }
 
     #[test]
