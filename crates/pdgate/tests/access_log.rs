@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use pdsim::Connector;
+use pdsim::{Connector, Role};
 use serde_json::{Value, json};
 
 /// Log output kept in memory.
@@ -49,7 +49,16 @@ async fn every_finished_request_writes_one_access_line() {
         .with_writer(move || writer.clone())
         .with_max_level(tracing::Level::INFO)
         .init();
-    let fleet = pair(Connector::Shfs, |_| {}).await;
+    // Tokens 5 ms apart: the long stream below lasts 2.5 s, so the client always leaves in
+    // the middle of it (with zero delays a loaded machine could relay all of it first).
+    let mut decode = sim(Role::Decode, Connector::Shfs);
+    decode.latency.itl = Duration::from_millis(5);
+    let fleet = start(
+        vec![sim(Role::Prefill, Connector::Shfs)],
+        vec![decode],
+        |_| {},
+    )
+    .await;
     let ok = fleet
         .http
         .post(fleet.url("/v1/completions"))
@@ -82,7 +91,7 @@ async fn every_finished_request_writes_one_access_line() {
     assert_eq!(left.status(), 200);
     drop(left);
     let mut lines = Vec::new();
-    for _ in 0..100 {
+    for _ in 0..200 {
         lines = captured.access_lines();
         if lines.len() >= 3 {
             break;
