@@ -21,7 +21,7 @@ pub(super) struct IndexState {
     pub(super) ids: HashMap<String, EndpointId>,
     /// The same ids by the slot of the endpoint's [`Load`] (one per name, shared across
     /// snapshots): a decision resolves each candidate with one vector read and one pointer
-    /// compare instead of hashing its name (49 of a 1,000-candidate decision's 366 k
+    /// compare instead of hashing its name (about 49 k of a 1,000-candidate decision's 366 k
     /// instructions went to a pointer hash). Holding the `Load` keeps its slot and address
     /// from being reused; [`ModelCache::retain`] clears this.
     pub(super) by_slot: Vec<Option<(Arc<Load>, EndpointId)>>,
