@@ -172,22 +172,20 @@ impl Admission {
 pub(crate) fn under_cap<E: AsRef<Endpoint>>(
     cap: usize,
     metrics: &Metrics,
-    candidates: Vec<E>,
+    mut candidates: Vec<E>,
 ) -> Result<Vec<E>, GatewayError> {
     if cap == 0 || candidates.is_empty() {
         return Ok(candidates);
     }
-    let open: Vec<E> = candidates
-        .into_iter()
-        .filter(|e| e.as_ref().load.in_flight() < cap)
-        .collect();
-    if open.is_empty() {
+    // In place: a decision over a large fleet allocates no second list.
+    candidates.retain(|e| e.as_ref().load.in_flight() < cap);
+    if candidates.is_empty() {
         metrics.count_rejected("endpoint_cap");
         return Err(GatewayError::Overloaded {
             retry_after_secs: RETRY_AFTER_SECS,
         });
     }
-    Ok(open)
+    Ok(candidates)
 }
 
 /// A token bucket bounding retries: each request adds `retry_budget_ratio` of a token, each

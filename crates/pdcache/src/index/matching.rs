@@ -1,6 +1,6 @@
 //! Longest-consecutive-prefix matching: walk the request's keys while the candidate set shrinks.
 
-use super::{CacheIndex, EndpointId, Match, NIL, Posting, bit};
+use super::{CacheIndex, EndpointId, Match, NIL, Posting, WIDE_AT, bit};
 use crate::keys::BlockKey;
 
 impl CacheIndex {
@@ -136,8 +136,22 @@ impl CacheIndex {
                         }
                     }
                     (Posting::Narrow(head), false) => {
-                        list.retain(|&ep| {
-                            let mut i = head;
+                        // The key's holders, read once (a narrow posting holds at most WIDE_AT;
+                        // a longer chain falls back to walking it per candidate).
+                        let mut held = [0u16; WIDE_AT];
+                        let mut n = 0;
+                        let mut i = head;
+                        while i != NIL && n < WIDE_AT {
+                            let e = self.slab.get(i);
+                            held[n] = e.endpoint;
+                            n += 1;
+                            i = e.key_next;
+                        }
+                        let holds = |ep: u16| {
+                            if held[..n].contains(&ep) {
+                                return true;
+                            }
+                            let mut i = i;
                             while i != NIL {
                                 let e = self.slab.get(i);
                                 if e.endpoint == ep {
@@ -145,8 +159,19 @@ impl CacheIndex {
                                 }
                                 i = e.key_next;
                             }
-                            emit(ep, depth);
                             false
+                        };
+                        // Usually every candidate holds the next key too.
+                        if list.iter().all(|&ep| holds(ep)) {
+                            depth += 1;
+                            continue;
+                        }
+                        list.retain(|&ep| {
+                            let keep = holds(ep);
+                            if !keep {
+                                emit(ep, depth);
+                            }
+                            keep
                         });
                         if list.is_empty() {
                             return;

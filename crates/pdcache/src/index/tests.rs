@@ -435,3 +435,28 @@ fn near_capacity_every_refresh_moves_the_entry() {
         "2 was the least recently used"
     );
 }
+
+#[test]
+fn a_prompt_that_diverges_from_the_last_one_writes_its_own_keys() {
+    // The memo of the last decision compares chained keys at checkpoints: a prompt that shares
+    // only a prefix with the last one skips that prefix and writes the rest.
+    let (mut idx, t0) = index(1000);
+    let a = ep(&mut idx);
+    let first: Vec<u32> = (0..256).collect();
+    let mut second = first.clone();
+    for t in &mut second[100..] {
+        *t += 1000;
+    }
+    let (k1, k2) = (token_keys(&first, 4), token_keys(&second, 4));
+    assert_eq!(k1.len(), 64);
+    assert_eq!(k1[..25], k2[..25]);
+    assert_ne!(k1[25], k2[25]);
+    idx.insert_approximate(a, &k1, t0);
+    idx.insert_approximate(a, &k2, t0 + Duration::from_millis(5));
+    assert_eq!(matches(&idx, &k1), [(a.0, 64)]);
+    assert_eq!(matches(&idx, &k2), [(a.0, 64)]);
+    assert_eq!(idx.stats().entries, 64 + 39);
+    // The same prompt again writes nothing new.
+    idx.insert_approximate(a, &k2, t0 + Duration::from_millis(10));
+    assert_eq!(idx.stats().entries, 64 + 39);
+}

@@ -99,3 +99,50 @@ fn a_recorded_decision_is_matched_and_purged_with_its_endpoint() {
     assert_eq!(s.facts(&snap.prefill[0]).0, 0);
     assert_eq!(s.facts(&snap.prefill[1]).0, 10);
 }
+
+#[test]
+fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
+    // Endpoints outside a load table all have slot 0: the slot table holds one of them at a
+    // time, and the others must still be scored by their own entries.
+    let c = cache();
+    let (a, b, fresh) = (ep("a:1"), ep("b:1"), ep("c:1"));
+    let snap = Snapshot {
+        prefill: vec![a.clone(), b.clone()],
+        models: vec!["m".into()],
+        ..Snapshot::default()
+    };
+    let mc = c.model(Some("m"), &snap);
+    let body = JsonBody::parse(Bytes::from(format!(
+        r#"{{"prompt":"{}"}}"#,
+        "q".repeat(640)
+    )))
+    .unwrap();
+    let view = mc.view(&body, Route::Completions);
+    let cfg = CacheConfig::default();
+    let mut s = mc.lock();
+    s.prepare(&view);
+    s.record(&[&b], &view, Instant::now(), |_| {});
+    s.record(&[&a], &view, Instant::now(), |_| {});
+    let other = JsonBody::parse(Bytes::from(format!(
+        r#"{{"prompt":"{}"}}"#,
+        "w".repeat(640)
+    )))
+    .unwrap();
+    let other = mc.view(&other, Route::Completions);
+    s.prepare(&other);
+    s.record(&[&b], &other, Instant::now(), |_| {});
+    // Both hold `view`; only `b` holds `other`.
+    s.prepare(&other);
+    for order in [[&a, &b, &fresh], [&fresh, &a, &b], [&b, &fresh, &a]] {
+        let choice = s.choose(&order, &other, &cfg).expect("a choice");
+        assert!(Arc::ptr_eq(order[choice.index], &b), "{order:?}");
+        assert_eq!(choice.cached_tokens, 144);
+    }
+    // The same name with another counter (a new snapshot outside a load table) is the same
+    // endpoint to the index.
+    let b_again = ep("b:1");
+    for order in [[&a, &b_again], [&b_again, &a]] {
+        let choice = s.choose(&order, &other, &cfg).expect("a choice");
+        assert!(Arc::ptr_eq(order[choice.index], &b_again));
+    }
+}

@@ -187,6 +187,7 @@ pub struct Snapshot {
 impl Snapshot {
     /// Whether decode `d` may take KV from prefill `p`: the connectors agree and, with roleset
     /// pairing, both belong to the same roleset.
+    #[inline]
     pub fn pairs(&self, p: &Endpoint, d: &Endpoint) -> bool {
         if self.every_pair {
             return true;

@@ -166,11 +166,12 @@ fn cache_pair(
         Ok::<_, GatewayError>((Arc::clone(prefills[i]), choice))
     };
     let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
-        let decodes: Vec<&Arc<Endpoint>> = snap
-            .decode
-            .iter()
-            .filter(|d| d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d)))
-            .collect();
+        let mut decodes: Vec<&Arc<Endpoint>> = Vec::with_capacity(snap.decode.len());
+        decodes.extend(
+            snap.decode
+                .iter()
+                .filter(|d| d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))),
+        );
         let decodes = under_cap(cap, &gw.metrics, gw.health.hold_back_probed(decodes))?;
         let (j, d_choice) = pick_by(
             gw.decode_policy.as_ref(),
@@ -182,9 +183,8 @@ fn cache_pair(
         )
         .ok_or_else(|| no_pair(snap, model))?;
         let decode = Arc::clone(decodes[j]);
-        let prefills: Vec<&Arc<Endpoint>> = serving_prefills()
-            .filter(|p| snap.pairs(p, &decode))
-            .collect();
+        let mut prefills: Vec<&Arc<Endpoint>> = Vec::with_capacity(snap.prefill.len());
+        prefills.extend(serving_prefills().filter(|p| snap.pairs(p, &decode)));
         let alone = d_choice.is_some_and(|c| decode_only_fits(&cache.config, c, view))
             && prefills
                 .iter()
@@ -202,13 +202,12 @@ fn cache_pair(
             (prefill, decode, false, p_choice.map(|c| c.cached_tokens))
         }
     } else {
-        let prefills: Vec<&Arc<Endpoint>> = serving_prefills()
-            .filter(|p| {
-                snap.decode
-                    .iter()
-                    .any(|d| d.serves(model) && snap.pairs(p, d))
-            })
-            .collect();
+        let mut prefills: Vec<&Arc<Endpoint>> = Vec::with_capacity(snap.prefill.len());
+        prefills.extend(serving_prefills().filter(|p| {
+            snap.decode
+                .iter()
+                .any(|d| d.serves(model) && snap.pairs(p, d))
+        }));
         let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
         let decodes: Vec<Arc<Endpoint>> = snap
             .decode
