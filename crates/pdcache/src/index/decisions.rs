@@ -50,7 +50,7 @@ pub(super) struct Written {
 /// The keys of `keys` that end each checkpoint of `step` keys, into `out` (as many as fit).
 /// (A digest chained over every key cost a multiply per key, one after the other: 256 keys
 /// took about 0.5 us per endpoint, which a key chained by construction makes unnecessary.)
-fn digests(keys: &[BlockKey], step: usize, out: &mut [u64]) -> usize {
+fn checkpoints(keys: &[BlockKey], step: usize, out: &mut [u64]) -> usize {
     let mut n = 0;
     for (chunk, o) in keys.chunks(step.max(1)).zip(out.iter_mut()) {
         if let Some(last) = chunk.last() {
@@ -75,7 +75,7 @@ impl Written {
         let len = u32::try_from(keys.len()).unwrap_or(u32::MAX);
         let step = len.div_ceil(MARKS as u32).max(1);
         let mut marks = [0; MARKS];
-        digests(keys, step as usize, &mut marks);
+        checkpoints(keys, step as usize, &mut marks);
         Written {
             marks,
             step,
@@ -86,7 +86,7 @@ impl Written {
         }
     }
 
-    /// How many leading `keys` this memo covers: up to the last checkpoint whose digest agrees.
+    /// How many leading `keys` this memo covers: up to the last checkpoint whose key agrees.
     fn shared(&self, keys: &[BlockKey]) -> usize {
         let step = self.step as usize;
         let len = (self.len as usize).min(keys.len());
@@ -97,7 +97,7 @@ impl Written {
         } else {
             len / step
         };
-        let n = digests(&keys[..len], step, &mut mine).min(whole);
+        let n = checkpoints(&keys[..len], step, &mut mine).min(whole);
         let agree = mine[..n]
             .iter()
             .zip(&self.marks)

@@ -76,7 +76,9 @@ fn fewest_entries(
         return first;
     }
     let nth = rand::rng().random_range(0..ties);
-    tied.filter(|&i| entries(i) == best)
+    // From the first of them on: the entry counts before it are not read again.
+    tied.skip_while(|&i| i != first)
+        .filter(|&i| entries(i) == best)
         .nth(nth)
         .unwrap_or(first)
 }

@@ -138,9 +138,25 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
         assert!(Arc::ptr_eq(order[choice.index], &b), "{order:?}");
         assert_eq!(choice.cached_tokens, 144);
     }
+    // Neither holds a third prompt: the tie goes to the one caching less, however the slots
+    // were taken while scoring (`a` holds 10 entries, `fresh` none).
+    let third = JsonBody::parse(Bytes::from(format!(
+        r#"{{"prompt":"{}"}}"#,
+        "e".repeat(640)
+    )))
+    .unwrap();
+    let third = mc.view(&third, Route::Completions);
+    s.prepare(&third);
+    for _ in 0..20 {
+        for order in [[&a, &fresh], [&fresh, &a]] {
+            let choice = s.choose(&order, &third, &cfg).expect("a choice");
+            assert!(Arc::ptr_eq(order[choice.index], &fresh), "{order:?}");
+        }
+    }
     // The same name with another counter (a new snapshot outside a load table) is the same
     // endpoint to the index.
     let b_again = ep("b:1");
+    s.prepare(&other);
     for order in [[&a, &b_again], [&b_again, &a]] {
         let choice = s.choose(&order, &other, &cfg).expect("a choice");
         assert!(Arc::ptr_eq(order[choice.index], &b_again));
