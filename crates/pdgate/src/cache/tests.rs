@@ -8,6 +8,13 @@ fn ep(name: &str) -> Arc<Endpoint> {
     crate::endpoints::test_endpoint(name, Role::Prefill)
 }
 
+/// The completions view of a prompt of 640 bytes of `c` (ten text blocks).
+fn prompt_of(mc: &ModelCache, c: &str) -> PrefixView {
+    let body = JsonBody::parse(Bytes::from(format!(r#"{{"prompt":"{}"}}"#, c.repeat(640))))
+        .expect("a JSON body");
+    mc.view(&body, Route::Completions)
+}
+
 fn cache() -> Cache {
     let mut registry = prometheus_client::registry::Registry::default();
     Cache::new(
@@ -63,12 +70,7 @@ fn a_recorded_decision_is_matched_and_purged_with_its_endpoint() {
     };
     let mc = c.model(Some("m"), &snap);
     assert_eq!(mc.label, "m");
-    let body = JsonBody::parse(Bytes::from(format!(
-        r#"{{"prompt":"{}"}}"#,
-        "z".repeat(640)
-    )))
-    .unwrap();
-    let view = mc.view(&body, Route::Completions);
+    let view = prompt_of(&mc, "z");
     assert_eq!(view.keys.len(), 10);
     let now = Instant::now();
     {
@@ -112,23 +114,13 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
         ..Snapshot::default()
     };
     let mc = c.model(Some("m"), &snap);
-    let body = JsonBody::parse(Bytes::from(format!(
-        r#"{{"prompt":"{}"}}"#,
-        "q".repeat(640)
-    )))
-    .unwrap();
-    let view = mc.view(&body, Route::Completions);
+    let view = prompt_of(&mc, "q");
     let cfg = CacheConfig::default();
     let mut s = mc.lock();
     s.prepare(&view);
     s.record(&[&b], &view, Instant::now(), |_| {});
     s.record(&[&a], &view, Instant::now(), |_| {});
-    let other = JsonBody::parse(Bytes::from(format!(
-        r#"{{"prompt":"{}"}}"#,
-        "w".repeat(640)
-    )))
-    .unwrap();
-    let other = mc.view(&other, Route::Completions);
+    let other = prompt_of(&mc, "w");
     s.prepare(&other);
     s.record(&[&b], &other, Instant::now(), |_| {});
     // Both hold `view`; only `b` holds `other`.
@@ -140,12 +132,7 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
     }
     // Neither holds a third prompt: the tie goes to the one caching less, however the slots
     // were taken while scoring (`a` holds 10 entries, `fresh` none).
-    let third = JsonBody::parse(Bytes::from(format!(
-        r#"{{"prompt":"{}"}}"#,
-        "e".repeat(640)
-    )))
-    .unwrap();
-    let third = mc.view(&third, Route::Completions);
+    let third = prompt_of(&mc, "e");
     s.prepare(&third);
     for _ in 0..20 {
         for order in [[&a, &fresh], [&fresh, &a]] {
