@@ -46,6 +46,10 @@
 #                       has one, else $PDGATE_CACHE/vllm-router-$VLLM_ROUTER_VERSION, installed]
 #   PDGATE_BIN          the pdgate binary                          [$CARGO_TARGET_DIR/release/pdgate]
 #   PDGATE_BASE_BIN     a second pdgate binary, target pdgate-base [none]
+#   PDGATE_ARGS         more flags for target pdgate (split on spaces)      [none]
+#   PDGATE_BASE_ARGS    more flags for target pdgate-base: with PDGATE_BASE_BIN the same binary,
+#                       two configurations in one run, e.g. "--prefill-policy cache_aware
+#                       --decode-policy cache_aware" against round robin [none]
 #   FLOOR_BIN           the reference relay                        [built: example stream_floor]
 #   BENCH_NICE          niceness of everything the script starts   [0]
 set -euo pipefail
@@ -239,6 +243,8 @@ start_gateway() {
       local exe="$PDGATE"
       [ "$name" = pdgate-base ] && exe="$PDGATE_BASE_BIN"
       [ -n "$soak" ] && extra=(--max-in-flight 0)
+      # shellcheck disable=SC2206 # word splitting is the point
+      if [ "$name" = pdgate ]; then extra+=(${PDGATE_ARGS:-}); else extra+=(${PDGATE_BASE_ARGS:-}); fi
       RUST_LOG=warn taskset -c "$GATEWAY_CPU" "$exe" --prefill "$p" --decode "$d" \
         --kv-connector shfs --listen "127.0.0.1:$port" "${extra[@]}" >"$LOGS/$name-$port.log" 2>&1 &
       ;;

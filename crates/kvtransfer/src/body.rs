@@ -15,6 +15,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use serde::de::{self, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
+use crate::scan;
+
 /// Errors from parsing or editing a [`JsonBody`].
 #[derive(Debug, thiserror::Error)]
 pub enum BodyError {
@@ -219,17 +221,24 @@ fn object_start(input: &[u8]) -> Result<usize, BodyError> {
     }
 }
 
-/// The raw value of the top-level member `key` of the JSON object `input`, borrowed from it,
-/// or `None` without such a member. Cheaper than [`JsonBody::parse`] when one member is all
-/// that is wanted (a prefill response's `kv_transfer_params`): the rest of the object is
-/// validated but no key or member is stored.
+/// The raw text of the top-level member `key` of the JSON object `input`, borrowed from it, or
+/// `None` without such a member. Cheaper than [`JsonBody::parse`] when one member is all that
+/// is wanted (a prefill response's `kv_transfer_params`): the rest of the object is validated
+/// but no key or member is stored.
 ///
 /// # Errors
 /// [`BodyError::NotObject`] for any other JSON value, [`BodyError::Invalid`] for malformed
 /// JSON or a repeated `key`.
-pub fn top_level_member<'a>(input: &'a [u8], key: &str) -> Result<Option<&'a RawValue>, BodyError> {
-    object_start(input)?;
-    let found = match std::str::from_utf8(input) {
+pub fn top_level_member<'a>(input: &'a [u8], key: &str) -> Result<Option<&'a str>, BodyError> {
+    let open = object_start(input)?;
+    let text = std::str::from_utf8(input);
+    if let Ok(text) = text
+        && let Some(found) = scan_member(text, open, key)
+    {
+        return Ok(found);
+    }
+    // What the scanner did not accept: serde_json decides, and names the error.
+    let found = match text {
         Ok(text) => visit_object(serde_json::Deserializer::from_str(text), FindMember(key)),
         // Skipped values are not decoded, so the byte reader would let invalid UTF-8 in them
         // pass; reading the whole input as one raw value reports where it is.
@@ -237,7 +246,30 @@ pub fn top_level_member<'a>(input: &'a [u8], key: &str) -> Result<Option<&'a Raw
             .err()
             .unwrap_or_else(|| de::Error::custom("invalid UTF-8"))),
     };
-    found.map_err(BodyError::Invalid)
+    found
+        .map(|v| v.map(RawValue::get))
+        .map_err(BodyError::Invalid)
+}
+
+/// [`top_level_member`] by the scanner: `None` for anything it leaves to serde_json (invalid
+/// text, a repeated `key`, a key with escapes, which could spell `key`).
+fn scan_member<'a>(text: &'a str, open: usize, key: &str) -> Option<Option<&'a str>> {
+    let s = text.as_bytes();
+    let mut found = None;
+    scan::object_members(s, open, |k| {
+        if k.escaped {
+            return None;
+        }
+        let end = scan::value_end(s, k.value)?;
+        if s.get(k.key) == Some(key.as_bytes()) && found.replace(k.value..end).is_some() {
+            return None;
+        }
+        Some(end)
+    })?;
+    match found {
+        None => Some(None),
+        Some(r) => text.get(r).map(Some),
+    }
 }
 
 /// `object` with its top-level `key` set to `raw_value`, which must be valid JSON: the same bytes
@@ -248,16 +280,26 @@ pub fn top_level_member<'a>(input: &'a [u8], key: &str) -> Result<Option<&'a Raw
 /// # Errors
 /// As [`top_level_member`].
 pub fn with_member(object: &[u8], key: &str, raw_value: &[u8]) -> Result<Bytes, BodyError> {
-    let found = top_level_member(object, key)?;
+    let at = match top_level_member(object, key)? {
+        Some(text) => {
+            let start = offset_in(object, text)
+                .ok_or_else(|| BodyError::Invalid(de::Error::custom("raw value outside input")))?;
+            Some(start..start + text.len())
+        }
+        None => None,
+    };
+    Ok(splice_member(object, at, key, raw_value))
+}
+
+/// The valid JSON object `object` with the value at `at` (its member `key`'s) replaced by
+/// `raw_value`, or without `at`, the member `key` added last.
+fn splice_member(object: &[u8], at: Option<Range<usize>>, key: &str, raw_value: &[u8]) -> Bytes {
     let mut out = BytesMut::with_capacity(object.len() + key.len() + raw_value.len() + 4);
-    if let Some(value) = found {
-        let text = value.get();
-        let start = offset_in(object, text)
-            .ok_or_else(|| BodyError::Invalid(de::Error::custom("raw value outside input")))?;
-        out.put_slice(&object[..start]);
+    if let Some(at) = at {
+        out.put_slice(&object[..at.start]);
         out.put_slice(raw_value);
-        out.put_slice(&object[start + text.len()..]);
-        return Ok(out.freeze());
+        out.put_slice(&object[at.end..]);
+        return out.freeze();
     }
     // A valid object: its `}` is the last byte that is not whitespace.
     let open = skip_ws(object, 0);
@@ -271,7 +313,110 @@ pub fn with_member(object: &[u8], key: &str, raw_value: &[u8]) -> Result<Bytes, 
     out.put_slice(&member_head(key));
     out.put_slice(raw_value);
     out.put_slice(&object[close..]);
-    Ok(out.freeze())
+    out.freeze()
+}
+
+/// What [`member_with_member`] found under its key.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Nested<'a> {
+    /// No such member.
+    Absent,
+    /// The member's value, which is not an object, as raw JSON text.
+    Other(&'a str),
+    /// The member's value, an object, with its own member set (see [`member_with_member`]).
+    Object(Bytes),
+}
+
+/// The top-level member `key` of the JSON object `input` and, when its value is an object, that
+/// object with its top-level `inner` set to `raw_value` (valid JSON) as [`with_member`] sets it:
+/// [`top_level_member`] and then [`with_member`], from one scan of `input` (a prefill answer's
+/// `kv_transfer_params` with its `remote_host` set: the value would be scanned twice otherwise).
+///
+/// # Errors
+/// As [`top_level_member`]; a fault inside the object (a repeated `inner`) is a
+/// [`BodyError::Value`] naming `key`.
+pub fn member_with_member<'a>(
+    input: &'a [u8],
+    key: &str,
+    inner: &str,
+    raw_value: &[u8],
+) -> Result<Nested<'a>, BodyError> {
+    let open = object_start(input)?;
+    if let Ok(text) = std::str::from_utf8(input)
+        && let Some(found) = scan_nested(text, open, key, inner)
+    {
+        return Ok(match found {
+            None => Nested::Absent,
+            Some((value, None)) if !value.starts_with('{') => Nested::Other(value),
+            Some((value, at)) => {
+                Nested::Object(splice_member(value.as_bytes(), at, inner, raw_value))
+            }
+        });
+    }
+    // What the scanner did not accept: the two steps, whose errors name the fault.
+    match top_level_member(input, key)? {
+        None => Ok(Nested::Absent),
+        Some(value) if value.starts_with('{') => with_member(value.as_bytes(), inner, raw_value)
+            .map(Nested::Object)
+            .map_err(|e| match e {
+                BodyError::Invalid(source) => BodyError::Value {
+                    key: key.to_owned(),
+                    source,
+                },
+                other => other,
+            }),
+        Some(value) => Ok(Nested::Other(value)),
+    }
+}
+
+/// [`member_with_member`]'s scan: the value of `key` and, when it is an object, where its member
+/// `inner` lies within it. `None` for what it leaves to serde_json, as [`scan_member`].
+#[allow(clippy::type_complexity)]
+fn scan_nested<'a>(
+    text: &'a str,
+    open: usize,
+    key: &str,
+    inner: &str,
+) -> Option<Option<(&'a str, Option<Range<usize>>)>> {
+    let s = text.as_bytes();
+    let mut found: Option<(Range<usize>, Option<Range<usize>>)> = None;
+    scan::object_members(s, open, |k| {
+        if k.escaped {
+            return None;
+        }
+        let wanted = s.get(k.key) == Some(key.as_bytes());
+        if wanted && found.is_some() {
+            return None;
+        }
+        if !wanted || s.get(k.value) != Some(&b'{') {
+            let end = scan::value_end(s, k.value)?;
+            if wanted {
+                found = Some((k.value..end, None));
+            }
+            return Some(end);
+        }
+        // The object itself is read here, member by member, so it is scanned once.
+        let base = k.value;
+        let mut at = None;
+        let end = scan::members(s, base, |m| {
+            if m.escaped {
+                return None;
+            }
+            let end = scan::value_end(s, m.value)?;
+            if s.get(m.key) == Some(inner.as_bytes())
+                && at.replace(m.value - base..end - base).is_some()
+            {
+                return None;
+            }
+            Some(end)
+        })?;
+        found = Some((base..end, at));
+        Some(end)
+    })?;
+    match found {
+        None => Some(None),
+        Some((value, at)) => Some(Some((text.get(value)?, at))),
+    }
 }
 
 /// Where `text`, a slice serde_json borrowed from `input`, starts in it. Checked rather than
@@ -284,14 +429,47 @@ fn offset_in(input: &[u8], text: &str) -> Option<usize> {
 
 /// The text of an added member before its value: the key as a JSON string, then `:`.
 fn member_head(key: &str) -> Vec<u8> {
+    // A key that needs no escape (every key the gateway adds) is written as it is.
+    if key.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        let mut head = Vec::with_capacity(key.len() + 3);
+        head.push(b'"');
+        head.extend_from_slice(key.as_bytes());
+        head.extend_from_slice(b"\":");
+        return head;
+    }
     // Serialising a str cannot fail; fall back to a plain quote if it ever did.
     let mut head = serde_json::to_vec(key).unwrap_or_else(|_| format!("\"{key}\"").into_bytes());
     head.push(b':');
     head
 }
 
-fn parse_members(input: &[u8]) -> Result<Vec<(String, &RawValue)>, serde_json::Error> {
-    read_object(input, TopLevel)
+/// The top-level members of the object `input` (its `{` at `open`), unescaped keys and where
+/// their values lie, in order, when the scanner reads them alone: valid JSON, no key with an
+/// escape, at most `scan::MAX_NESTING` levels below the object.
+fn scanned_members(input: &[u8], open: usize) -> Option<Vec<(String, Range<usize>)>> {
+    let text = std::str::from_utf8(input).ok()?;
+    let mut members = Vec::with_capacity(8);
+    scan::object_members(input, open, |k| {
+        let key = text.get(k.key).filter(|_| !k.escaped)?;
+        let end = scan::value_end(input, k.value)?;
+        members.push((key.to_owned(), k.value..end));
+        Some(end)
+    })?;
+    Some(members)
+}
+
+/// The top-level members as serde_json reads them (see [`scanned_members`]).
+fn serde_members(input: &[u8]) -> Result<Vec<(String, Range<usize>)>, BodyError> {
+    let parsed = read_object(input, TopLevel).map_err(BodyError::Invalid)?;
+    parsed
+        .into_iter()
+        .map(|(key, value)| {
+            let text = value.get();
+            let start = offset_in(input, text)
+                .ok_or_else(|| BodyError::Invalid(de::Error::custom("raw value outside input")))?;
+            Ok((key, start..start + text.len()))
+        })
+        .collect()
 }
 
 /// Runs `visitor` over the object `input`, which must hold nothing after it but whitespace.
@@ -325,19 +503,49 @@ impl JsonBody {
     /// [`BodyError::NotObject`] for any other JSON value, [`BodyError::DuplicateKey`]
     /// for repeated keys, [`BodyError::Invalid`] for malformed JSON.
     pub fn parse(raw: Bytes) -> Result<JsonBody, BodyError> {
+        match Self::scanned(raw) {
+            Ok(parsed) => parsed,
+            // What the scanner did not accept: serde_json decides, and names the error.
+            Err(raw) => {
+                let open = object_start(&raw)?;
+                let members = serde_members(&raw)?;
+                Self::laid_out(raw, open, members)
+            }
+        }
+    }
+
+    /// [`JsonBody::parse`] when the scanner reads `raw` alone (an object of valid JSON nesting at
+    /// most `scan::MAX_NESTING` levels below it, no key with an escape): the parse's result
+    /// (which may still be a repeated key). Otherwise `raw` back, untouched.
+    pub(crate) fn scanned(raw: Bytes) -> Result<Result<JsonBody, BodyError>, Bytes> {
+        let open = skip_ws(&raw, 0);
+        if raw.get(open) != Some(&b'{') {
+            return Err(raw);
+        }
+        match scanned_members(&raw, open) {
+            Some(members) => Ok(Self::laid_out(raw, open, members)),
+            None => Err(raw),
+        }
+    }
+
+    /// The body of the valid object `raw` (its `{` at `open`) with these members.
+    fn laid_out(
+        raw: Bytes,
+        open: usize,
+        parsed: Vec<(String, Range<usize>)>,
+    ) -> Result<JsonBody, BodyError> {
         let input: &[u8] = &raw;
-        let open = object_start(input)?;
-        let parsed = parse_members(input).map_err(BodyError::Invalid)?;
         let mut members: Vec<Member> = Vec::with_capacity(parsed.len());
-        // serde_json has validated the text, so between members there is
-        // only whitespace and one comma, and after the last one `}`.
+        // The text is valid, so between members there is only whitespace and one comma, and
+        // after the last one `}`.
         let mut pos = open + 1;
         for (key, value) in parsed {
-            let text = value.get();
-            let start = offset_in(input, text)
-                .filter(|s| *s >= pos)
-                .ok_or_else(|| BodyError::Invalid(de::Error::custom("raw value outside input")))?;
-            let end = start + text.len();
+            let (start, end) = (value.start, value.end);
+            if start < pos {
+                return Err(BodyError::Invalid(de::Error::custom(
+                    "raw value outside input",
+                )));
+            }
             if let Some(prev) = members.last_mut() {
                 let comma = skip_ws(input, pos);
                 prev.post = pos..comma;
@@ -587,13 +795,69 @@ mod tests {
     }
 
     #[test]
+    fn member_with_member_sets_the_inner_member_in_one_scan() {
+        let raw = br#"{"id":"x","kv_transfer_params":{"remote_host":"localhost","port":1},"n":2}"#;
+        assert_eq!(
+            member_with_member(raw, "kv_transfer_params", "remote_host", br#""10.0.0.7""#).unwrap(),
+            Nested::Object(Bytes::from_static(
+                br#"{"remote_host":"10.0.0.7","port":1}"#
+            ))
+        );
+        assert_eq!(
+            member_with_member(raw, "kv_transfer_params", "other", b"3").unwrap(),
+            Nested::Object(Bytes::from_static(
+                br#"{"remote_host":"localhost","port":1,"other":3}"#
+            ))
+        );
+        assert_eq!(
+            member_with_member(raw, "n", "x", b"1").unwrap(),
+            Nested::Other("2")
+        );
+        assert_eq!(
+            member_with_member(raw, "absent", "x", b"1").unwrap(),
+            Nested::Absent
+        );
+        // Escaped keys and faults inside the object take serde_json's path, with its errors.
+        let escaped = br#"{"kv_transfer_params":{"remote\u005fhost":"a"}}"#;
+        assert_eq!(
+            member_with_member(escaped, "kv_transfer_params", "remote_host", b"1").unwrap(),
+            Nested::Object(Bytes::from_static(br#"{"remote\u005fhost":1}"#))
+        );
+        let twice = br#"{"kv_transfer_params":{"remote_host":"a","remote_host":"b"}}"#;
+        assert!(matches!(
+            member_with_member(twice, "kv_transfer_params", "remote_host", b"1"),
+            Err(BodyError::Value { key, .. }) if key == "kv_transfer_params"
+        ));
+        assert!(matches!(
+            member_with_member(
+                br#"{"kv_transfer_params":{"a":tru}}"#,
+                "kv_transfer_params",
+                "a",
+                b"1"
+            ),
+            Err(BodyError::Invalid(_))
+        ));
+    }
+
+    #[test]
     fn top_level_member_reads_one_member() {
         let raw = br#" {"id":"x","kv\u005ftransfer_params" : {"a":[1,{"kv_transfer_params":2}]} ,"n":null} "#;
         let found = top_level_member(raw, "kv_transfer_params")
             .unwrap()
             .unwrap();
-        assert_eq!(found.get(), r#"{"a":[1,{"kv_transfer_params":2}]}"#);
-        assert_eq!(top_level_member(raw, "n").unwrap().unwrap().get(), "null");
+        assert_eq!(found, r#"{"a":[1,{"kv_transfer_params":2}]}"#);
+        assert_eq!(top_level_member(raw, "n").unwrap().unwrap(), "null");
+        // The same without escapes, which the scanner reads alone.
+        let plain =
+            br#" {"id":"x","kv_transfer_params" : {"a":[1,{"kv_transfer_params":2}]} ,"n":null} "#;
+        assert_eq!(
+            top_level_member(plain, "kv_transfer_params").unwrap(),
+            Some(r#"{"a":[1,{"kv_transfer_params":2}]}"#)
+        );
+        assert!(matches!(
+            top_level_member(br#"{"a":1,"a":2}"#, "a"),
+            Err(BodyError::Invalid(e)) if e.to_string().contains("duplicate key \"a\"")
+        ));
         assert!(top_level_member(raw, "a").unwrap().is_none());
         assert!(
             top_level_member(br#"{"a":1,"a":2}"#, "b")

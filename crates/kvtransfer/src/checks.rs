@@ -203,6 +203,34 @@ pub fn check_depth(raw: &[u8], max_depth: usize) -> Result<(), EngineReject> {
     Ok(())
 }
 
+/// Why [`parse_bounded`] refused a body.
+#[derive(Debug)]
+pub enum Refused {
+    /// It nests deeper than allowed: [`check_depth`]'s 400.
+    TooDeep(EngineReject),
+    /// [`JsonBody::parse`] refused it.
+    Body(BodyError),
+}
+
+/// [`check_depth`] and then [`JsonBody::parse`], with their results, from one scan of the body
+/// when it is a valid object that nests at most 64 levels (`max_depth` at least that): the
+/// scanner that parses it does not go deeper. Anything else takes the two steps.
+///
+/// # Errors
+/// [`Refused::TooDeep`] first, then [`Refused::Body`], as the two steps would.
+pub fn parse_bounded(raw: bytes::Bytes, max_depth: usize) -> Result<JsonBody, Refused> {
+    let raw = if max_depth > crate::scan::MAX_NESTING as usize {
+        match JsonBody::scanned(raw) {
+            Ok(parsed) => return parsed.map_err(Refused::Body),
+            Err(raw) => raw,
+        }
+    } else {
+        raw
+    };
+    check_depth(&raw, max_depth).map_err(Refused::TooDeep)?;
+    JsonBody::parse(raw).map_err(Refused::Body)
+}
+
 /// The index of the `"` that closes the string whose text starts at `i`
 /// (or `raw.len()`). Skips eight bytes at a time while they hold neither a
 /// quote nor a backslash: prompts are most of a body, and a byte-by-byte

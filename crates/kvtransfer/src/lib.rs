@@ -70,6 +70,7 @@ pub mod context;
 pub mod pod;
 pub mod registry;
 pub mod rules;
+mod scan;
 
 pub use agent::{
     AgentError, DATA_PARALLEL_RANK_HEADER, Dispatch, EngineCall, KvTransferAgent, MergeOutcome,
@@ -79,7 +80,10 @@ pub use agents::{
     MooncakeAgent, NixlAgent, SHFS_PREFILL_KV_TRANSFER_PARAMS, SglangAgent, ShfsAgent,
 };
 pub use body::{BodyError, JsonBody};
-pub use checks::{EngineReject, check_depth, check_model, check_request, reject_body_error};
+pub use checks::{
+    EngineReject, Refused, check_depth, check_model, check_request, parse_bounded,
+    reject_body_error,
+};
 pub use context::{RoutingContext, TransferState};
 pub use pod::{
     BootstrapError, DEFAULT_HTTP_PORT, DEFAULT_MOONCAKE_BOOTSTRAP_PORT,

@@ -317,6 +317,41 @@ mod properties {
             prop_assert_eq!(check_depth(text.as_bytes(), limit).is_ok(), depth(&v) <= limit, "{}", text);
         }
 
+        /// The one-scan path refuses and accepts exactly as `check_depth` then `JsonBody::parse`,
+        /// at every nesting depth around the scanner's own bound and at limits on both sides of it.
+        #[test]
+        fn parse_bounded_is_check_depth_then_parse(
+            v in json(),
+            wrap in 0usize..70,
+            limit in prop_oneof![0usize..8, 60usize..70, Just(kvtransfer::checks::MAX_JSON_DEPTH)],
+            cut in any::<prop::sample::Index>(),
+            truncate in any::<bool>(),
+        ) {
+            let inner = serde_json::to_string(&v).unwrap();
+            let mut text = format!("{}{inner}{}", r#"{"a":["#.repeat(wrap), "]}".repeat(wrap));
+            // (The wrapped value is an array inside an object per level: two levels each.)
+            if wrap == 0 {
+                text = format!(r#"{{"v":{inner}}}"#);
+            }
+            let mut bytes = text.clone().into_bytes();
+            if truncate {
+                bytes.truncate(cut.index(bytes.len()));
+            }
+            let raw = Bytes::from(bytes);
+            let two_steps = check_depth(&raw, limit)
+                .map_err(|e| e.message)
+                .and_then(|()| JsonBody::parse(raw.clone()).map_err(|e| e.to_string()));
+            let one = kvtransfer::parse_bounded(raw, limit).map_err(|r| match r {
+                kvtransfer::Refused::TooDeep(e) => e.message,
+                kvtransfer::Refused::Body(e) => e.to_string(),
+            });
+            match (one, two_steps) {
+                (Ok(a), Ok(b)) => prop_assert_eq!(a.to_bytes(), b.to_bytes()),
+                (Err(a), Err(b)) => prop_assert_eq!(a, b),
+                (a, b) => prop_assert!(false, "one scan {:?}, two steps {:?}: {}", a.map(|_| ()), b.map(|_| ()), text),
+            }
+        }
+
         #[test]
         fn checks_never_panic_and_answer_400(
             fields in prop::collection::btree_map(prop::sample::select(FIELDS), json(), 0..8),

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use bytes::Bytes;
-use kvtransfer::body::{top_level_member, with_member};
+use kvtransfer::body::{Nested, member_with_member, top_level_member, with_member};
 use kvtransfer::{BodyError, JsonBody};
 use proptest::prelude::*;
 use serde::de::IgnoredAny;
@@ -344,12 +344,49 @@ proptest! {
             let found = top_level_member(&raw, key);
             match &parsed {
                 Ok(body) => match found {
-                    Ok(v) => prop_assert_eq!(v.map(|v| v.get()), body.get_raw(key)),
+                    Ok(v) => prop_assert_eq!(v, body.get_raw(key)),
                     Err(e) => prop_assert!(false, "parse accepted, member lookup failed: {}", e),
                 },
                 Err(BodyError::Invalid(_) | BodyError::NotObject) => prop_assert!(found.is_err()),
                 // Another key repeated: the member is still found, or its own repeat is an error.
                 Err(_) => {}
+            }
+        }
+    }
+
+    /// The scanner behind `JsonBody::parse` and `top_level_member` must never accept what
+    /// serde_json refuses: documents with a few bytes changed, inserted or removed (mostly JSON's
+    /// own punctuation, digits and letters) are refused by both whenever serde_json refuses them.
+    #[test]
+    fn mutated_documents_are_refused_whenever_serde_json_refuses_them(
+        d in doc(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4),
+    ) {
+        const BYTES: &[u8] = b"{}[],:\"\\ 0123456789.eE+-tfnulrsu\x01\x1f\n";
+        let mut raw = d.text().into_bytes();
+        for (at, pick, any_byte, op) in edits {
+            let i = at.index(raw.len() + 1);
+            let byte = if any_byte % 4 == 0 { any_byte } else { BYTES[pick.index(BYTES.len())] };
+            match op {
+                0 if i < raw.len() => raw[i] = byte,
+                1 => raw.insert(i, byte),
+                _ if i < raw.len() => {
+                    raw.remove(i);
+                }
+                _ => {}
+            }
+        }
+        if serde_json::from_slice::<IgnoredAny>(&raw).is_err() {
+            prop_assert!(top_level_member(&raw, "absent").is_err(), "accepted {:?}", String::from_utf8_lossy(&raw));
+            prop_assert!(JsonBody::parse(Bytes::from(raw.clone())).is_err(), "parsed {:?}", String::from_utf8_lossy(&raw));
+        } else if let Ok(body) = JsonBody::parse(Bytes::from(raw.clone())) {
+            // Accepted by both (so no key repeats): every member is where serde_json finds it.
+            let members: std::collections::HashMap<String, &serde_json::value::RawValue> =
+                serde_json::from_slice(&raw).expect("serde_json accepted it");
+            prop_assert_eq!(members.len(), body.len());
+            for (key, value) in &members {
+                prop_assert_eq!(body.get_raw(key), Some(value.get()));
+                prop_assert_eq!(top_level_member(&raw, key).ok().flatten(), Some(value.get()));
             }
         }
     }
@@ -368,6 +405,42 @@ proptest! {
             Ok(out) => prop_assert_eq!(&out[..], &body.to_bytes()[..]),
             // The doc generator may already hold "remote_host" under an escaped spelling.
             Err(e) => prop_assert!(false, "with_member failed: {}", e),
+        }
+    }
+
+    /// One scan gives what the two steps give, on valid documents and mutated ones alike.
+    #[test]
+    fn member_with_member_is_top_level_member_then_with_member(
+        d in doc(),
+        pick in any::<prop::sample::Index>(),
+        inner_key in prop_oneof![Just("remote_host".to_owned()), "[a-z_]{0,2}"],
+        value in value(),
+        flip in any::<prop::sample::Index>(),
+        byte in any::<u8>(),
+        mutate in any::<bool>(),
+    ) {
+        let mut raw = d.text().into_bytes();
+        if mutate {
+            let i = flip.index(raw.len());
+            raw[i] = byte;
+        }
+        let key = if d.members.is_empty() {
+            "kv_transfer_params".to_owned()
+        } else {
+            d.members[pick.index(d.members.len())].key.clone()
+        };
+        let got = member_with_member(&raw, &key, &inner_key, value.as_bytes());
+        let want = top_level_member(&raw, &key).and_then(|found| match found {
+            None => Ok(Nested::Absent),
+            Some(v) if v.starts_with('{') => {
+                with_member(v.as_bytes(), &inner_key, value.as_bytes()).map(Nested::Object)
+            }
+            Some(v) => Ok(Nested::Other(v)),
+        });
+        match (got, want) {
+            (Ok(g), Ok(w)) => prop_assert_eq!(g, w),
+            (Err(_), Err(_)) => {}
+            (g, w) => prop_assert!(false, "one scan: {:?}, two steps: {:?}", g, w),
         }
     }
 

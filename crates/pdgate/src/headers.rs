@@ -143,22 +143,19 @@ impl Served {
             }
         }
         if self.fallback {
-            headers.insert(
-                HeaderName::from_static(FALLBACK_HEADER),
-                HeaderValue::from_static("prefill-failed"),
-            );
+            // A const: `from_static` called at run time validates the name each time.
+            const NAME: HeaderName = HeaderName::from_static(FALLBACK_HEADER);
+            headers.insert(NAME, HeaderValue::from_static("prefill-failed"));
         }
         if let Some(why) = self.decode_only {
-            headers.insert(
-                HeaderName::from_static(DECODE_ONLY_HEADER),
-                HeaderValue::from_static(why),
-            );
+            // A const: `from_static` called at run time validates the name each time.
+            const NAME: HeaderName = HeaderName::from_static(DECODE_ONLY_HEADER);
+            headers.insert(NAME, HeaderValue::from_static(why));
         }
         if let Some(n) = self.predicted_cached {
-            headers.insert(
-                HeaderName::from_static(PREDICTED_CACHED_HEADER),
-                HeaderValue::from(n),
-            );
+            // A const: `from_static` called at run time validates the name each time.
+            const NAME: HeaderName = HeaderName::from_static(PREDICTED_CACHED_HEADER);
+            headers.insert(NAME, HeaderValue::from(n));
         }
     }
 }

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use crate::agent::{
     AgentError, KvTransferAgent, MergeOutcome, PrefillRequest, decode_base, require_ip,
 };
-use crate::body::{BodyError, JsonBody, json_type_name, top_level_member, with_member};
+use crate::body::{BodyError, JsonBody, Nested, json_type_name, member_with_member};
 use crate::context::RoutingContext;
 use crate::pod::Pod;
 use crate::rules::{KV_TRANSFER_PARAMS, apply_prefill_leg_rules, strip_client_transfer_fields};
@@ -52,19 +52,28 @@ impl KvTransferAgent for ShfsAgent {
             pod: prefill_pod.name.clone(),
             reason,
         };
-        // Only `kv_transfer_params` is used; the rest of the response is validated and skipped.
-        let params = match top_level_member(prefill_response, KV_TRANSFER_PARAMS)
-            .map_err(|e| bad_response(e.to_string()))?
-            .map(|raw| raw.get().as_bytes())
+        let host = serde_json::to_vec(ip).map_err(|source| BodyError::Serialize {
+            key: "remote_host".into(),
+            source,
+        })?;
+        // Only `kv_transfer_params` is used (with `remote_host` set to the prefill's address);
+        // the rest of the response is validated and skipped.
+        let params = match member_with_member(
+            prefill_response,
+            KV_TRANSFER_PARAMS,
+            "remote_host",
+            &host,
+        )
+        .map_err(|e| bad_response(e.to_string()))?
         {
-            Some(raw) if raw.first() == Some(&b'{') => raw,
-            Some(raw) if raw != b"null" => {
+            Nested::Object(params) => params,
+            Nested::Other(raw) if raw != "null" => {
                 return Err(AgentError::UnexpectedType {
                     pod: prefill_pod.name.clone(),
-                    found: json_type_name(raw),
+                    found: json_type_name(raw.as_bytes()),
                 });
             }
-            _ => {
+            Nested::Other(_) | Nested::Absent => {
                 tracing::warn!(
                     request_id = %ctx.request_id,
                     pod = %prefill_pod.name,
@@ -74,12 +83,6 @@ impl KvTransferAgent for ShfsAgent {
                 return Ok(MergeOutcome::Recompute);
             }
         };
-        let host = serde_json::to_vec(ip).map_err(|source| BodyError::Serialize {
-            key: "remote_host".into(),
-            source,
-        })?;
-        let params = with_member(params, "remote_host", &host)
-            .map_err(|e| bad_response(format!("kv_transfer_params: {e}")))?;
         decode.set_raw(KV_TRANSFER_PARAMS, params);
         ctx.req_body = decode.to_bytes();
         Ok(MergeOutcome::KvAttached)

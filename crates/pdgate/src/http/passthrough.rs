@@ -9,7 +9,6 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use bytes::Bytes;
 use http::header;
-use kvtransfer::JsonBody;
 use tracing::debug;
 
 use crate::endpoints::LoadGuard;
@@ -52,10 +51,15 @@ fn clean_body(body: Bytes) -> Result<(Bytes, Option<String>), GatewayError> {
     if body.is_empty() {
         return Ok((body, None));
     }
-    kvtransfer::check_depth(&body, kvtransfer::checks::MAX_JSON_DEPTH)
-        .map_err(GatewayError::Rejected)?;
-    let mut json = JsonBody::parse(body)
-        .map_err(|e| GatewayError::Rejected(kvtransfer::reject_body_error(&e)))?;
+    let mut json =
+        kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH).map_err(|refused| {
+            match refused {
+                kvtransfer::Refused::TooDeep(reject) => GatewayError::Rejected(reject),
+                kvtransfer::Refused::Body(e) => {
+                    GatewayError::Rejected(kvtransfer::reject_body_error(&e))
+                }
+            }
+        })?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut json);
     if !stripped.is_empty() {
         debug!(?stripped, "removed client-supplied transfer fields");

@@ -157,9 +157,13 @@ pub(crate) async fn serve(
     body: Bytes,
 ) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
-    kvtransfer::check_depth(&body, kvtransfer::checks::MAX_JSON_DEPTH)
-        .map_err(GatewayError::Rejected)?;
-    let mut clean = JsonBody::parse(body).map_err(body_error)?;
+    let mut clean =
+        kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH).map_err(|refused| {
+            match refused {
+                kvtransfer::Refused::TooDeep(reject) => GatewayError::Rejected(reject),
+                kvtransfer::Refused::Body(e) => body_error(e),
+            }
+        })?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut clean);
     if !stripped.is_empty() {
         debug!(id = %ex.request_id, ?stripped, "removed client-supplied transfer fields");
