@@ -9,7 +9,9 @@
 //!
 //! # Modules
 //! - [`body`]: [`JsonBody`], one parse of the client body, top-level edits,
-//!   byte-preserving output (key order, number spelling, big integers).
+//!   byte-preserving output (key order, number spelling, big integers). Bodies and
+//!   prefill answers are read by a validating scanner first (`scan`, private); what it
+//!   does not accept goes to serde_json, whose answer and error count.
 //! - [`rules`]: the prefill-leg rules and the stripping of client-supplied
 //!   transfer fields shared by all connectors.
 //! - [`checks`]: what a vLLM engine would reject before doing any work
