@@ -110,6 +110,16 @@ fn value() -> impl Strategy<Value = String> {
     })
 }
 
+/// The document's text, with one byte replaced when `flip` says where and by what.
+fn maybe_flipped(d: &Doc, flip: Option<(prop::sample::Index, u8)>) -> Vec<u8> {
+    let mut raw = d.text().into_bytes();
+    if let Some((at, byte)) = flip {
+        let i = at.index(raw.len());
+        raw[i] = byte;
+    }
+    raw
+}
+
 /// One top-level member as generated: unescaped key and the raw pieces.
 #[derive(Clone, Debug)]
 struct Gen {
@@ -333,11 +343,7 @@ proptest! {
         byte in any::<u8>(),
         mutate in any::<bool>(),
     ) {
-        let mut raw = d.text().into_bytes();
-        if mutate {
-            let i = flip.index(raw.len());
-            raw[i] = byte;
-        }
+        let raw = maybe_flipped(&d, mutate.then_some((flip, byte)));
         let parsed = JsonBody::parse(Bytes::from(raw.clone()));
         let keys = d.members.iter().map(|m| m.key.as_str()).chain(["absent"]);
         for key in keys {
@@ -419,11 +425,7 @@ proptest! {
         byte in any::<u8>(),
         mutate in any::<bool>(),
     ) {
-        let mut raw = d.text().into_bytes();
-        if mutate {
-            let i = flip.index(raw.len());
-            raw[i] = byte;
-        }
+        let raw = maybe_flipped(&d, mutate.then_some((flip, byte)));
         let key = if d.members.is_empty() {
             "kv_transfer_params".to_owned()
         } else {
