@@ -232,31 +232,26 @@ pub fn parse_bounded(raw: bytes::Bytes, max_depth: usize) -> Result<JsonBody, Re
 }
 
 /// The index of the `"` that closes the string whose text starts at `i`
-/// (or `raw.len()`). Skips eight bytes at a time while they hold neither a
-/// quote nor a backslash: prompts are most of a body, and a byte-by-byte
-/// scan costs more than the parse itself.
+/// (or `raw.len()`). Skips eight bytes at a time up to the first that can end
+/// the run (the scanner's word test): prompts are most of a body, and a
+/// byte-by-byte scan costs more than the parse itself.
 fn string_end(raw: &[u8], mut i: usize) -> usize {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGHS: u64 = 0x8080_8080_8080_8080;
-    let holds = |w: u64, b: u8| {
-        let x = w ^ (ONES * u64::from(b));
-        x.wrapping_sub(ONES) & !x & HIGHS != 0
-    };
     loop {
         while let Some(chunk) = raw.get(i..i + 8) {
             let mut word = [0u8; 8];
             word.copy_from_slice(chunk);
-            let w = u64::from_le_bytes(word);
-            if holds(w, b'"') || holds(w, b'\\') {
+            let stop = crate::scan::string_stop(u64::from_le_bytes(word));
+            i += stop;
+            if stop < 8 {
                 break;
             }
-            i += 8;
         }
         match raw.get(i) {
             None => return raw.len(),
             Some(b'"') => return i,
             // An escape: whatever follows cannot end the string.
             Some(b'\\') => i += 2,
+            // A control character stops the word test too; it does not end the string.
             Some(_) => i += 1,
         }
     }

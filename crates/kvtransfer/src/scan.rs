@@ -36,7 +36,7 @@ fn equal(w: u64, b: u8) -> u64 {
 /// 0x20, `"` or `\\`), as a byte offset; 8 when none does. Every test is exact for its lowest
 /// byte, so the lowest of them all is the first such byte.
 #[inline(always)]
-fn string_stop(w: u64) -> usize {
+pub(crate) fn string_stop(w: u64) -> usize {
     let stops = (w.wrapping_sub(ONES * 0x20) & !w & HIGHS) | equal(w, b'"') | equal(w, b'\\');
     (stops.trailing_zeros() / 8) as usize
 }

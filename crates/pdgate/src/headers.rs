@@ -5,21 +5,22 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 /// The request id header, on both legs and on every answer.
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// Response header naming the prefill endpoint (AIBrix spelling).
-pub const PREFILL_TARGET_HEADER: &str = "prefill-target-pod";
+pub const PREFILL_TARGET_HEADER: HeaderName = HeaderName::from_static("prefill-target-pod");
 /// Response header naming the decode endpoint (AIBrix spelling).
-pub const DECODE_TARGET_HEADER: &str = "target-pod";
+pub const DECODE_TARGET_HEADER: HeaderName = HeaderName::from_static("target-pod");
 /// Response header naming the connector used.
-pub const CONNECTOR_HEADER: &str = "x-pdgate-connector";
+pub const CONNECTOR_HEADER: HeaderName = HeaderName::from_static("x-pdgate-connector");
 /// Response header present when the decode served the request alone after a prefill failure.
-pub const FALLBACK_HEADER: &str = "x-pdgate-fallback";
+pub const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-pdgate-fallback");
 
 /// Response header present when the decode served the request alone because it already held
 /// (almost) all of the prompt in its cache (cache-aware routing).
-pub const DECODE_ONLY_HEADER: &str = "x-pdgate-decode-only";
+pub const DECODE_ONLY_HEADER: HeaderName = HeaderName::from_static("x-pdgate-decode-only");
 
 /// Response header with the prompt tokens cache-aware routing predicted cached where the prompt
 /// is computed (the prefill, or the decode alone).
-pub const PREDICTED_CACHED_HEADER: &str = "x-pdgate-predicted-cached-tokens";
+pub const PREDICTED_CACHED_HEADER: HeaderName =
+    HeaderName::from_static("x-pdgate-predicted-cached-tokens");
 
 /// Client headers forwarded to engine legs. Everything else (hop-by-hop headers, `host`,
 /// `content-length`, `x-data-parallel-rank`, ...) is dropped.
@@ -128,9 +129,9 @@ impl Served {
     pub fn apply(&self, request_id: &str, headers: &mut HeaderMap) {
         const NAMES: [HeaderName; 4] = [
             X_REQUEST_ID,
-            HeaderName::from_static(PREFILL_TARGET_HEADER),
-            HeaderName::from_static(DECODE_TARGET_HEADER),
-            HeaderName::from_static(CONNECTOR_HEADER),
+            PREFILL_TARGET_HEADER,
+            DECODE_TARGET_HEADER,
+            CONNECTOR_HEADER,
         ];
         let values = [request_id, &self.prefill, &self.decode, self.connector];
         for (i, (name, v)) in NAMES.into_iter().zip(values).enumerate() {
@@ -143,19 +144,13 @@ impl Served {
             }
         }
         if self.fallback {
-            // A const: `from_static` called at run time validates the name each time.
-            const NAME: HeaderName = HeaderName::from_static(FALLBACK_HEADER);
-            headers.insert(NAME, HeaderValue::from_static("prefill-failed"));
+            headers.insert(FALLBACK_HEADER, HeaderValue::from_static("prefill-failed"));
         }
         if let Some(why) = self.decode_only {
-            // A const: `from_static` called at run time validates the name each time.
-            const NAME: HeaderName = HeaderName::from_static(DECODE_ONLY_HEADER);
-            headers.insert(NAME, HeaderValue::from_static(why));
+            headers.insert(DECODE_ONLY_HEADER, HeaderValue::from_static(why));
         }
         if let Some(n) = self.predicted_cached {
-            // A const: `from_static` called at run time validates the name each time.
-            const NAME: HeaderName = HeaderName::from_static(PREDICTED_CACHED_HEADER);
-            headers.insert(NAME, HeaderValue::from(n));
+            headers.insert(PREDICTED_CACHED_HEADER, HeaderValue::from(n));
         }
     }
 }
@@ -191,7 +186,7 @@ mod tests {
         assert_eq!(h["prefill-target-pod"], "p:1");
         assert_eq!(h["target-pod"], "d:2");
         assert_eq!(h["x-pdgate-fallback"], "prefill-failed");
-        assert!(h.get(DECODE_ONLY_HEADER).is_none());
+        assert!(h.get(&DECODE_ONLY_HEADER).is_none());
         let mut h = HeaderMap::new();
         Served {
             prefill: String::new(),
@@ -203,9 +198,9 @@ mod tests {
             targets: true,
         }
         .apply("id-2", &mut h);
-        assert!(h.get(PREFILL_TARGET_HEADER).is_none());
-        assert_eq!(h[DECODE_ONLY_HEADER], "cache-hit");
-        assert_eq!(h[PREDICTED_CACHED_HEADER], "48");
+        assert!(h.get(&PREFILL_TARGET_HEADER).is_none());
+        assert_eq!(h[&DECODE_ONLY_HEADER], "cache-hit");
+        assert_eq!(h[&PREDICTED_CACHED_HEADER], "48");
         assert!(is_hop_header(&header::CONTENT_LENGTH) && !is_hop_header(&header::CONTENT_TYPE));
         let mut hidden = HeaderMap::new();
         Served {
