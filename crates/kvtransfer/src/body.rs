@@ -602,6 +602,13 @@ impl JsonBody {
         std::str::from_utf8(self.piece(&self.members[i].value)).ok()
     }
 
+    /// The current raw JSON bytes of top-level `key` (after edits), if present, borrowed:
+    /// [`JsonBody::get_raw`] without its UTF-8 pass, for readers that take bytes.
+    pub fn get_raw_slice(&self, key: &str) -> Option<&[u8]> {
+        let i = self.find(key)?;
+        Some(self.piece(&self.members[i].value))
+    }
+
     /// The current raw JSON bytes of top-level `key` as a zero-copy slice of
     /// the input (or of the bytes that were set).
     pub fn get_raw_bytes(&self, key: &str) -> Option<Bytes> {

@@ -106,7 +106,8 @@ impl TextKeys {
         let block_bytes = text_block_bytes(token_block_size);
         Self {
             block_bytes,
-            partial: Vec::with_capacity(block_bytes),
+            // Allocated when a piece straddles a block.
+            partial: Vec::new(),
             parent: TEXT_SEED,
             keys: Vec::new(),
         }
@@ -156,11 +157,16 @@ impl TextKeys {
     }
 }
 
-/// Approximate keys of a plain prompt.
+/// Approximate keys of a plain prompt: [`TextKeys`] fed `text` at once, without its buffer.
 pub fn text_keys(text: &[u8], token_block_size: usize) -> Vec<BlockKey> {
-    let mut k = TextKeys::new(token_block_size);
-    k.push(text);
-    k.finish()
+    let blocks = text.chunks_exact(text_block_bytes(token_block_size));
+    let mut keys = Vec::with_capacity(blocks.len());
+    let mut parent = TEXT_SEED;
+    for block in blocks {
+        parent = xxh3_64_with_seed(block, parent);
+        keys.push(BlockKey(parent));
+    }
+    keys
 }
 
 #[cfg(test)]

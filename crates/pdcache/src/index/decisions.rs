@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use super::{CacheIndex, EndpointId, EntryKind, NIL};
+use super::{CacheIndex, EndpointId, EntryKind, Link, NIL};
 use crate::keys::BlockKey;
 
 /// Decision targets whose keys are written in one walk.
@@ -87,21 +87,23 @@ impl Written {
     }
 
     /// How many leading `keys` this memo covers: up to the last checkpoint whose key agrees.
+    /// Checkpoints are compared in order and the first that differs ends it (a new prompt
+    /// usually differs at the first: one compare).
     fn shared(&self, keys: &[BlockKey]) -> usize {
         let step = self.step as usize;
         let len = (self.len as usize).min(keys.len());
-        let mut mine = [0; MARKS];
         // Only whole checkpoints of the memo count.
         let whole = if len == self.len as usize {
             len.div_ceil(step)
         } else {
             len / step
         };
-        let n = checkpoints(&keys[..len], step, &mut mine).min(whole);
-        let agree = mine[..n]
+        let agree = self
+            .marks
             .iter()
-            .zip(&self.marks)
-            .take_while(|(a, b)| a == b)
+            .take(whole)
+            .enumerate()
+            .take_while(|&(c, &mark)| keys[((c + 1) * step).min(len) - 1].0 == mark)
             .count();
         (agree * step).min(len)
     }
@@ -184,9 +186,9 @@ impl CacheIndex {
         let skip_all = skip[..group.len()].iter().copied().min().unwrap_or(0);
         for (at, k) in keys.iter().enumerate().skip(skip_all) {
             let mut found = [NIL; GROUP];
-            let mut posted = false;
+            let mut link = Link::New;
             if let Some(p) = self.posting(k.0) {
-                posted = true;
+                link = Link::of(p);
                 for ((f, &(ep, _)), &s) in found.iter_mut().zip(group).zip(&skip) {
                     if at >= s {
                         *f = self.find_in(p, k.0, ep).unwrap_or(NIL);
@@ -198,9 +200,7 @@ impl CacheIndex {
                     continue;
                 }
                 if i == NIL {
-                    self.insert_new(ep, k.0, kind, 0, t, posted);
-                    // Now it is.
-                    posted = true;
+                    link = self.insert_new(ep, k.0, kind, 0, t, link);
                     continue;
                 }
                 match self.recent(i, kind, t, window[j]) {

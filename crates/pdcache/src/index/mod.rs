@@ -238,10 +238,33 @@ enum Posting<'a> {
     Wide(&'a Wide),
 }
 
+/// Where a key's posting stands, as a caller inserting entries of the key knows it.
+#[derive(Clone, Copy)]
+enum Link {
+    /// The key has no posting.
+    New,
+    /// A narrow chain with this head (new entries go right after it).
+    After(u32),
+    /// Unknown, or a bitmap: look it up.
+    Lookup,
+}
+
+impl Link {
+    fn of(p: Posting<'_>) -> Self {
+        match p {
+            Posting::Narrow(head) => Link::After(head),
+            Posting::Wide(_) => Link::Lookup,
+        }
+    }
+}
+
 /// The cache index of one model.
 #[derive(Debug)]
 pub struct CacheIndex {
     config: IndexConfig,
+    /// The approximate and speculative TTLs in ticks (a `Duration` to ticks is a 128-bit
+    /// division, per entry written otherwise).
+    ttls: [u32; 2],
     epoch: Instant,
     seed: u64,
     slab: Slab,
@@ -288,6 +311,10 @@ impl CacheIndex {
             h.finish() | 1
         };
         Self {
+            ttls: [
+                Self::ttl_ticks(config.approximate_ttl),
+                Self::ttl_ticks(config.speculative_ttl),
+            ],
             config,
             epoch,
             seed,
@@ -312,7 +339,11 @@ impl CacheIndex {
     }
 
     fn ticks(&self, now: Instant) -> u32 {
-        (now.saturating_duration_since(self.epoch).as_millis() / TICK.as_millis()) as u32
+        // Milliseconds / 10 without the 128-bit division of `as_millis`.
+        const PER_SEC: u64 = 1000 / TICK.as_millis() as u64;
+        let d = now.saturating_duration_since(self.epoch);
+        (d.as_secs().wrapping_mul(PER_SEC)
+            + u64::from(d.subsec_millis()) / (TICK.as_millis() as u64)) as u32
     }
 
     fn ttl_ticks(d: Duration) -> u32 {
@@ -411,8 +442,8 @@ impl CacheIndex {
     fn ttl_of(&self, kind: EntryKind) -> u32 {
         match kind {
             EntryKind::Precise => 0,
-            EntryKind::Approximate => Self::ttl_ticks(self.config.approximate_ttl),
-            EntryKind::Speculative => Self::ttl_ticks(self.config.speculative_ttl),
+            EntryKind::Approximate => self.ttls[0],
+            EntryKind::Speculative => self.ttls[1],
         }
     }
 
@@ -432,11 +463,15 @@ impl CacheIndex {
             self.remove_entry(old);
         }
         let Some(p) = self.posting(key) else {
-            return self.insert_new(ep, key, kind, engine, now, false);
+            self.insert_new(ep, key, kind, engine, now, Link::New);
+            return;
         };
         match self.find_in(p, key, ep) {
             Some(i) => self.touch(i, kind, engine, now),
-            None => self.insert_new(ep, key, kind, engine, now, true),
+            None => {
+                let link = Link::of(p);
+                self.insert_new(ep, key, kind, engine, now, link);
+            }
         }
     }
 
@@ -482,8 +517,8 @@ impl CacheIndex {
     }
 
     /// A new entry (key, endpoint), evicting the endpoint's least recently used beyond capacity.
-    /// `posted`: whether the key has a posting (other endpoints hold it); a new key's posting is
-    /// inserted without looking it up again.
+    /// `link`: where the key's posting stands, as the caller just saw it; returns where it
+    /// stands now, for another endpoint's new entry of the same key.
     fn insert_new(
         &mut self,
         ep: u16,
@@ -491,8 +526,8 @@ impl CacheIndex {
         kind: EntryKind,
         engine: u64,
         now: u32,
-        posted: bool,
-    ) {
+        link: Link,
+    ) -> Link {
         let ttl = self.ttl_of(kind);
         let i = self.slab.alloc(Entry {
             key,
@@ -513,11 +548,19 @@ impl CacheIndex {
             kind: kind.slot() as u8,
         });
         self.counts[kind.slot()] += 1;
-        if posted {
-            self.posting_add(i);
-        } else {
-            self.posting_insert_new(i);
-        }
+        let mut next = match link {
+            Link::New => {
+                self.posting_insert_new(i);
+                Link::After(i)
+            }
+            Link::After(head) if self.posting_after(head, i) => Link::After(head),
+            // It just became a bitmap.
+            Link::After(_) => Link::Lookup,
+            Link::Lookup => {
+                self.posting_add(i);
+                Link::Lookup
+            }
+        };
         self.link_front(i);
         if kind == EntryKind::Precise {
             self.engine_insert(i);
@@ -527,10 +570,15 @@ impl CacheIndex {
                 .iter()
                 .find_map(|&k| self.tail(EndpointId(ep), k));
             match victim {
-                Some(v) => self.remove_entry(v),
+                Some(v) => {
+                    // The chain's head may be what goes.
+                    next = Link::Lookup;
+                    self.remove_entry(v);
+                }
                 None => break,
             }
         }
+        next
     }
 
     /// Records that a routing decision sent `keys` to `ep`, for an endpoint without KV events.
@@ -672,7 +720,7 @@ impl CacheIndex {
     /// Sizes, for metrics.
     pub fn stats(&self) -> IndexStats {
         let bytes = self.slab.chunks.len() * CHUNK * size_of::<Entry>()
-            + self.slab.chunks.capacity() * size_of::<Box<[Entry]>>()
+            + self.slab.chunks.capacity() * size_of::<Box<[Entry; CHUNK]>>()
             + self.posting.allocation_size()
             + self.wide_entries.allocation_size()
             + self.engine.allocation_size()

@@ -8,9 +8,11 @@ use super::{
 };
 
 /// Entries in fixed chunks: growing never copies or doubles, so memory stays proportional.
+/// A chunk is an array, not a slice: the index within it is masked, so reading an entry checks
+/// one bound instead of two (every probe, link and walk reads entries).
 #[derive(Debug)]
 pub(super) struct Slab {
-    pub(super) chunks: Vec<Box<[Entry]>>,
+    pub(super) chunks: Vec<Box<[Entry; CHUNK]>>,
     free: u32,
     used: u32,
 }
@@ -39,7 +41,11 @@ impl Slab {
         }
         let i = self.used;
         if i as usize == self.chunks.len() * CHUNK {
-            self.chunks.push(vec![FREE_ENTRY; CHUNK].into_boxed_slice());
+            let chunk: Box<[Entry; CHUNK]> = vec![FREE_ENTRY; CHUNK]
+                .into_boxed_slice()
+                .try_into()
+                .expect("a chunk of CHUNK entries");
+            self.chunks.push(chunk);
         }
         self.used += 1;
         *self.get_mut(i) = e;
@@ -209,72 +215,94 @@ impl CacheIndex {
         });
     }
 
+    /// Posts entry `i` under its key, wherever the key's posting stands.
     pub(super) fn posting_add(&mut self, i: u32) {
-        let (key, ep) = {
-            let e = self.slab.get(i);
-            (e.key, e.endpoint)
-        };
+        let key = self.slab.get(i).key;
         match self.posting(key) {
-            None => {
-                self.slab.get_mut(i).key_next = NIL;
-                self.set_posting(key, Some(i));
-            }
+            None => self.posting_insert_new(i),
             Some(Posting::Narrow(head)) => {
-                let mut chain = Vec::with_capacity(WIDE_AT);
-                let mut j = head;
-                while j != NIL {
-                    chain.push(j);
-                    j = self.slab.get(j).key_next;
-                }
-                if chain.len() < WIDE_AT {
-                    self.slab.get_mut(i).key_next = head;
-                    self.set_posting(key, Some(i));
-                    return;
-                }
-                let mut wide = Wide {
-                    key,
-                    bits: Vec::new(),
-                    count: 0,
-                };
-                chain.push(i);
-                for &j in &chain {
-                    let e = self.slab.get_mut(j);
-                    e.key_next = NIL;
-                    let ep = usize::from(e.endpoint);
-                    if wide.bits.len() <= ep / 64 {
-                        wide.bits.resize(ep / 64 + 1, 0);
-                    }
-                    wide.bits[ep / 64] |= 1 << (ep % 64);
-                    wide.count += 1;
-                }
-                let w = match self.free_wides.pop() {
-                    Some(w) => {
-                        self.wides[w as usize] = wide;
-                        w
-                    }
-                    None => {
-                        self.wides.push(wide);
-                        (self.wides.len() - 1) as u32
-                    }
-                };
-                self.set_posting(key, Some(w | WIDE_BIT));
-                for j in chain {
-                    self.wide_entry_insert(j);
-                }
+                self.posting_after(head, i);
             }
-            Some(Posting::Wide(_)) => {
-                let w = self.wide_index(key);
-                let wide = &mut self.wides[w];
-                let ep = usize::from(ep);
-                if wide.bits.len() <= ep / 64 {
-                    wide.bits.resize(ep / 64 + 1, 0);
-                }
-                wide.bits[ep / 64] |= 1 << (ep % 64);
-                wide.count += 1;
-                self.slab.get_mut(i).key_next = NIL;
-                self.wide_entry_insert(i);
-            }
+            Some(Posting::Wide(_)) => self.wide_add(i),
         }
+    }
+
+    /// Posts entry `i` on the narrow chain starting at `head`, its key's posting: right after
+    /// the head, so the posting table is not touched; a chain of [`WIDE_AT`] becomes a bitmap.
+    /// Returns whether the key is still narrow (with `head` its chain's head).
+    pub(super) fn posting_after(&mut self, head: u32, i: u32) -> bool {
+        let mut len = 0;
+        let mut j = head;
+        while j != NIL {
+            len += 1;
+            j = self.slab.get(j).key_next;
+        }
+        if len < WIDE_AT {
+            let next = self.slab.get(head).key_next;
+            self.slab.get_mut(i).key_next = next;
+            self.slab.get_mut(head).key_next = i;
+            return true;
+        }
+        self.widen(head, i);
+        false
+    }
+
+    /// Turns the narrow chain at `head` plus entry `i` into a bitmap posting.
+    fn widen(&mut self, head: u32, i: u32) {
+        let key = self.slab.get(i).key;
+        let mut chain = Vec::with_capacity(WIDE_AT + 1);
+        let mut j = head;
+        while j != NIL {
+            chain.push(j);
+            j = self.slab.get(j).key_next;
+        }
+        chain.push(i);
+        let mut wide = Wide {
+            key,
+            bits: Vec::new(),
+            count: 0,
+        };
+        for &j in &chain {
+            let e = self.slab.get_mut(j);
+            e.key_next = NIL;
+            let ep = usize::from(e.endpoint);
+            if wide.bits.len() <= ep / 64 {
+                wide.bits.resize(ep / 64 + 1, 0);
+            }
+            wide.bits[ep / 64] |= 1 << (ep % 64);
+            wide.count += 1;
+        }
+        let w = match self.free_wides.pop() {
+            Some(w) => {
+                self.wides[w as usize] = wide;
+                w
+            }
+            None => {
+                self.wides.push(wide);
+                (self.wides.len() - 1) as u32
+            }
+        };
+        self.set_posting(key, Some(w | WIDE_BIT));
+        for j in chain {
+            self.wide_entry_insert(j);
+        }
+    }
+
+    /// Adds entry `i` to its key's bitmap posting.
+    fn wide_add(&mut self, i: u32) {
+        let (key, ep) = {
+            let e = self.slab.get_mut(i);
+            e.key_next = NIL;
+            (e.key, usize::from(e.endpoint))
+        };
+        let w = self.wide_index(key);
+        let wide = &mut self.wides[w];
+        if wide.bits.len() <= ep / 64 {
+            wide.bits.resize(ep / 64 + 1, 0);
+        }
+        wide.bits[ep / 64] |= 1 << (ep % 64);
+        wide.count += 1;
+        self.wide_entry_insert(i);
     }
 
     pub(super) fn wide_index(&self, key: u64) -> usize {

@@ -168,7 +168,9 @@ impl ModelCache {
 #[derive(Debug)]
 pub(crate) struct Cache {
     pub(crate) config: CacheConfig,
-    models: RwLock<HashMap<String, Arc<ModelCache>>>,
+    /// By model name (known models only; foldhash: SipHash was half of a decision's model
+    /// lookup).
+    models: RwLock<HashMap<String, Arc<ModelCache>, foldhash::fast::RandomState>>,
     default: Arc<ModelCache>,
     /// Tokenizers by model (the global one under [`DEFAULT_MODEL`]), loaded at start-up.
     tokenizers: HashMap<String, Arc<HfTokenizer>>,
@@ -256,7 +258,7 @@ impl Cache {
         ));
         Ok(Cache {
             config: config.clone(),
-            models: RwLock::new(HashMap::new()),
+            models: RwLock::new(HashMap::default()),
             default,
             tokenizers,
             configured,

@@ -118,6 +118,10 @@ pub(crate) fn choose(
             uncached_tokens: view.prompt_tokens - cached_tokens,
         }
     };
+    if facts.len() == 1 {
+        // Nothing to weigh (and no spread for the guard): the one candidate, with its facts.
+        return Some(choice(0, DecisionKind::Miss));
+    }
     let (min, max) = facts.iter().fold((u32::MAX, 0), |(lo, hi), f| {
         (lo.min(f.in_flight), hi.max(f.in_flight))
     });
@@ -195,6 +199,20 @@ mod tests {
         // 1024 cached tokens are worth 4 in-flight requests at the default load weight.
         assert_eq!(pick(&[f(0, 0), f(64, 5)], &v, &cfg).unwrap().index, 0);
         assert_eq!(pick(&[], &v, &cfg), None);
+    }
+
+    #[test]
+    fn a_lone_candidate_gets_the_choice_it_would_win_among_many() {
+        let cfg = CacheConfig::default();
+        let v = view(1100);
+        for (blocks, in_flight) in [(0, 0), (64, 1), (70, 300), (3, 0)] {
+            let alone = pick(&[f(blocks, in_flight)], &v, &cfg).unwrap();
+            // The same candidate beside one that can only lose to it (it holds nothing and is
+            // busier), so that the general path picks it.
+            let among = pick(&[f(blocks, in_flight), f(0, in_flight + 1)], &v, &cfg).unwrap();
+            assert_eq!(among.index, 0);
+            assert_eq!(alone, Choice { index: 0, ..among });
+        }
     }
 
     #[test]

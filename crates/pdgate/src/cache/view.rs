@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 
 use kvtransfer::JsonBody;
-use pdcache::keys::{BYTES_PER_TOKEN, BlockKey, TextKeys, token_keys};
+use pdcache::keys::{BYTES_PER_TOKEN, BlockKey, TextKeys, text_keys, token_keys};
 use pdcache::tokenizer::HfTokenizer;
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -56,9 +56,9 @@ impl PrefixView {
         }
     }
 
-    fn text(keys: TextKeys, bytes: usize, block_size: usize) -> Self {
+    fn text(keys: Vec<BlockKey>, bytes: usize, block_size: usize) -> Self {
         PrefixView {
-            keys: keys.finish(),
+            keys,
             kind: KeyKind::Text,
             prompt_tokens: saturate(bytes.div_ceil(BYTES_PER_TOKEN)),
             block_size: saturate(block_size),
@@ -102,9 +102,22 @@ impl PrefixView {
         block_size: usize,
         tokenizer: Option<&HfTokenizer>,
     ) -> Option<Self> {
-        let raw = body.get_raw("prompt")?;
-        let trimmed = raw.trim_start();
-        if trimmed.starts_with('[') {
+        let raw = body.get_raw_slice("prompt")?.trim_ascii();
+        if tokenizer.is_none()
+            && let Some(text) = raw.strip_prefix(b"\"").and_then(|r| r.strip_suffix(b"\""))
+        {
+            // A string prompt's keys without a tokenizer: its bytes as received, escapes
+            // included (as chat contents are keyed), so no unescaped copy and no UTF-8 pass
+            // (measured: ~1,000 instructions for a 128-token prompt, 12% of the cache's cost
+            // per request). Deterministic, which is all approximate keys need.
+            return Some(Self::text(
+                text_keys(text, block_size),
+                text.len(),
+                block_size,
+            ));
+        }
+        let raw = std::str::from_utf8(raw).ok()?;
+        if raw.starts_with('[') {
             // Token ids (or a one-element batch of a string or of token ids).
             if let Ok(ids) = serde_json::from_str::<Vec<u32>>(raw) {
                 return Some(Self::tokens(&ids, block_size));
@@ -125,7 +138,7 @@ impl PrefixView {
         }
         let mut keys = TextKeys::new(block_size);
         keys.push(text.as_bytes());
-        Self::text(keys, text.len(), block_size)
+        Self::text(keys.finish(), text.len(), block_size)
     }
 
     fn chat(body: &JsonBody, block_size: usize, tokenizer: Option<&HfTokenizer>) -> Option<Self> {
@@ -153,7 +166,7 @@ impl PrefixView {
             keys.push_message(role, content.as_bytes());
             bytes += role.len() + content.len() + 2;
         }
-        Some(Self::text(keys, bytes, block_size))
+        Some(Self::text(keys.finish(), bytes, block_size))
     }
 
     /// The Responses API's conversation: `instructions` as the system message, then `input` (a
@@ -249,7 +262,7 @@ impl PrefixView {
             keys.push_message(role, content.get().as_bytes());
             bytes += role.len() + content.get().len() + 2;
         }
-        Self::text(keys, bytes, block_size)
+        Self::text(keys.finish(), bytes, block_size)
     }
 }
 
@@ -298,6 +311,33 @@ mod tests {
         assert_eq!(a.keys[..3], b.keys[..3]);
         assert_ne!(a.keys[3], b.keys[3]);
         assert_eq!(a.prompt_tokens, 66);
+    }
+
+    #[test]
+    fn string_prompts_are_keyed_as_received() {
+        // Escapes included: two prompts sharing an escaped prefix share its blocks, whatever
+        // the whitespace around the value.
+        let shared = r"line\n\u00e9\t".repeat(20);
+        let a = view(
+            &format!(r#"{{"prompt":"{shared}{}"}}"#, "a".repeat(64)),
+            Route::Completions,
+            16,
+        );
+        let b = view(
+            &format!("{{\"prompt\" :\n \"{shared}{}\" }}", "b".repeat(64)),
+            Route::Completions,
+            16,
+        );
+        let bytes = format!("{shared}{}", "a".repeat(64));
+        assert_eq!(a.keys, text_keys(bytes.as_bytes(), 16));
+        assert_eq!(
+            a.prompt_tokens as usize,
+            bytes.len().div_ceil(BYTES_PER_TOKEN)
+        );
+        let common = shared.len() / (16 * BYTES_PER_TOKEN);
+        assert!(common >= 4);
+        assert_eq!(a.keys[..common], b.keys[..common]);
+        assert_ne!(a.keys.last(), b.keys.last());
     }
 
     #[test]
