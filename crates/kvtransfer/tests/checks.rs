@@ -243,6 +243,32 @@ fn batches_are_found() {
     assert!(check_single_sequence(&read(r#"{"prompt":"a","n":1}"#), C, "shfs").is_ok());
 }
 
+/// The deepest bodies the one-scan path takes, at the limits around it: an empty container
+/// innermost is a level `check_depth` counts and the scanner reads as a plain value (the case
+/// a proptest found: 65 levels passed at a limit of 64).
+#[test]
+fn parse_bounded_counts_an_innermost_empty_container() {
+    use kvtransfer::checks::{SCANNED_DEPTH, check_depth};
+    for pairs in 30..34 {
+        for innermost in ["[]", "{}", "[1]", "0"] {
+            let text = format!(
+                "{}{innermost}{}",
+                r#"{"a":["#.repeat(pairs),
+                "]}".repeat(pairs)
+            );
+            for limit in SCANNED_DEPTH - 2..SCANNED_DEPTH + 2 {
+                let raw = Bytes::from(text.clone());
+                let two_steps = check_depth(&raw, limit).is_ok();
+                let one = kvtransfer::parse_bounded(raw, limit).is_ok();
+                assert_eq!(
+                    one, two_steps,
+                    "{pairs} pairs around {innermost}, limit {limit}"
+                );
+            }
+        }
+    }
+}
+
 mod properties {
     use super::*;
     use kvtransfer::check_depth;
