@@ -204,8 +204,8 @@ pub fn check_depth(raw: &[u8], max_depth: usize) -> Result<(), EngineReject> {
 }
 
 /// The deepest body (as [`check_depth`] counts levels) the scanner behind [`parse_bounded`]
-/// accepts: the top-level object, [`crate::scan::MAX_NESTING`] non-empty containers inside it
-/// (the scanner's bound), and an empty one inside those (which the scanner reads as a value and
+/// accepts: the top-level object, 63 non-empty containers inside it (the scanner's bound, one
+/// bit per level in a `u64`), and an empty one inside those (which the scanner reads as a value and
 /// does not count). A proptest found the empty innermost one at 64 when this was taken as 64.
 pub const SCANNED_DEPTH: usize = crate::scan::MAX_NESTING as usize + 2;
 
