@@ -20,13 +20,32 @@ PGIDS=()
 
 free_ports() {
   "$PY" - "$1" <<'PY'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
+import random, socket, sys
+n = int(sys.argv[1])
+try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
+except OSError:
+    low, high = 32768, 60999
+# Outside the kernel's ephemeral range: such a port is never handed to another bind(0) (the
+# engines bind many while they load; one took a NIXL side-channel port picked here before the
+# engine that was to use it bound it), so it stays free until its user binds it.
+lo, hi = (10000, low - 1) if low > 11000 else (high + 1, 65535)
+socks, ports = [], []
+for _ in range(10000):
+    if len(ports) == n:
+        break
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    try:
+        s.bind(("127.0.0.1", random.randint(lo, hi)))
+    except OSError:
+        s.close()
+        continue
     socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
+    ports.append(s.getsockname()[1])
+if len(ports) < n:
+    sys.exit(f"free_ports: found {len(ports)} of {n} free ports in {lo}-{hi}")
+print(" ".join(map(str, ports)))
 PY
 }
 

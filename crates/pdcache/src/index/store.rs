@@ -61,6 +61,17 @@ impl Slab {
     }
 }
 
+impl Wide {
+    /// Marks endpoint `ep` as holding the key.
+    fn add(&mut self, ep: usize) {
+        if self.bits.len() <= ep / 64 {
+            self.bits.resize(ep / 64 + 1, 0);
+        }
+        self.bits[ep / 64] |= 1 << (ep % 64);
+        self.count += 1;
+    }
+}
+
 impl CacheIndex {
     // --- LRU lists ----------------------------------------------------------------------------
 
@@ -265,12 +276,7 @@ impl CacheIndex {
         for &j in &chain {
             let e = self.slab.get_mut(j);
             e.key_next = NIL;
-            let ep = usize::from(e.endpoint);
-            if wide.bits.len() <= ep / 64 {
-                wide.bits.resize(ep / 64 + 1, 0);
-            }
-            wide.bits[ep / 64] |= 1 << (ep % 64);
-            wide.count += 1;
+            wide.add(usize::from(e.endpoint));
         }
         let w = match self.free_wides.pop() {
             Some(w) => {
@@ -296,12 +302,7 @@ impl CacheIndex {
             (e.key, usize::from(e.endpoint))
         };
         let w = self.wide_index(key);
-        let wide = &mut self.wides[w];
-        if wide.bits.len() <= ep / 64 {
-            wide.bits.resize(ep / 64 + 1, 0);
-        }
-        wide.bits[ep / 64] |= 1 << (ep % 64);
-        wide.count += 1;
+        self.wides[w].add(ep);
         self.wide_entry_insert(i);
     }
 
