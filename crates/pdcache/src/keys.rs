@@ -124,15 +124,11 @@ impl TextKeys {
             if self.partial.len() < self.block_bytes {
                 return;
             }
-            self.parent = xxh3_64_with_seed(&self.partial, self.parent);
-            self.keys.push(BlockKey(self.parent));
+            self.parent = chain_text_blocks(self.parent, [&self.partial[..]], &mut self.keys);
             self.partial.clear();
         }
         let mut blocks = bytes.chunks_exact(self.block_bytes);
-        for block in &mut blocks {
-            self.parent = xxh3_64_with_seed(block, self.parent);
-            self.keys.push(BlockKey(self.parent));
-        }
+        self.parent = chain_text_blocks(self.parent, &mut blocks, &mut self.keys);
         self.partial.extend_from_slice(blocks.remainder());
     }
 
@@ -161,12 +157,22 @@ impl TextKeys {
 pub fn text_keys(text: &[u8], token_block_size: usize) -> Vec<BlockKey> {
     let blocks = text.chunks_exact(text_block_bytes(token_block_size));
     let mut keys = Vec::with_capacity(blocks.len());
-    let mut parent = TEXT_SEED;
+    chain_text_blocks(TEXT_SEED, blocks, &mut keys);
+    keys
+}
+
+/// Chains each of `blocks` (whole text blocks) onto `parent`, appending their keys to `keys`;
+/// returns the last key (`parent` when there are none).
+fn chain_text_blocks<'a>(
+    mut parent: u64,
+    blocks: impl IntoIterator<Item = &'a [u8]>,
+    keys: &mut Vec<BlockKey>,
+) -> u64 {
     for block in blocks {
         parent = xxh3_64_with_seed(block, parent);
         keys.push(BlockKey(parent));
     }
-    keys
+    parent
 }
 
 #[cfg(test)]

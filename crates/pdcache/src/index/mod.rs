@@ -553,9 +553,14 @@ impl CacheIndex {
                 self.posting_insert_new(i);
                 Link::After(i)
             }
-            Link::After(head) if self.posting_after(head, i) => Link::After(head),
-            // It just became a bitmap.
-            Link::After(_) => Link::Lookup,
+            Link::After(head) => {
+                if self.posting_after(head, i) {
+                    Link::After(head)
+                } else {
+                    // It just became a bitmap.
+                    Link::Lookup
+                }
+            }
             Link::Lookup => {
                 self.posting_add(i);
                 Link::Lookup
