@@ -8,12 +8,7 @@ impl CacheIndex {
     /// consecutively (endpoints absent from the result hold none). Order is unspecified.
     pub fn match_prefix(&self, keys: &[BlockKey], out: &mut Vec<Match>) {
         out.clear();
-        self.walk(keys, |endpoint, blocks| {
-            out.push(Match {
-                endpoint: EndpointId(endpoint),
-                blocks,
-            })
-        });
+        self.walk(keys, &mut List(out));
     }
 
     /// [`CacheIndex::match_prefix`] into a dense table: `blocks[id]` is set to the leading keys
@@ -22,11 +17,7 @@ impl CacheIndex {
     pub fn match_blocks(&self, keys: &[BlockKey], blocks: &mut Vec<u32>) {
         blocks.clear();
         blocks.resize(self.endpoints.len(), 0);
-        self.walk(keys, |endpoint, n| {
-            if let Some(b) = blocks.get_mut(usize::from(endpoint)) {
-                *b = n;
-            }
-        });
+        self.walk(keys, &mut Dense(blocks));
     }
 
     /// Endpoint ids in use or free: every [`EndpointId`] of this index is below it.
@@ -34,9 +25,9 @@ impl CacheIndex {
         self.endpoints.len()
     }
 
-    /// Walks `keys` while the candidate set shrinks; `emit(endpoint, blocks)` once per endpoint
-    /// holding at least the first key.
-    fn walk(&self, keys: &[BlockKey], mut emit: impl FnMut(u16, u32)) {
+    /// Walks `keys` while the candidate set shrinks; `emit` gets each endpoint holding at least
+    /// the first key once, with the leading keys it holds.
+    fn walk(&self, keys: &[BlockKey], emit: &mut impl Emit) {
         let Some((first, rest)) = keys.split_first() else {
             return;
         };
@@ -90,14 +81,14 @@ impl CacheIndex {
                             let keep = *word & other;
                             let dropped = *word ^ keep;
                             if dropped != 0 {
-                                emit_word(wi, dropped, depth, &mut emit);
+                                emit.word(wi, dropped, depth);
                             }
                             *word = keep;
                             any |= keep;
                         }
                         for (wi, word) in tail.iter_mut().enumerate() {
                             if *word != 0 {
-                                emit_word(common + wi, *word, depth, &mut emit);
+                                emit.word(common + wi, *word, depth);
                                 *word = 0;
                             }
                         }
@@ -109,7 +100,7 @@ impl CacheIndex {
                         list.retain(|&ep| {
                             let keep = bit(&w.bits, ep);
                             if !keep {
-                                emit(ep, depth);
+                                emit.one(ep, depth);
                             }
                             keep
                         });
@@ -129,7 +120,7 @@ impl CacheIndex {
                             }
                             i = e.key_next;
                         }
-                        emit_bits(&bits, depth, &mut emit);
+                        emit_bits(&bits, depth, emit);
                         wide = false;
                         if list.is_empty() {
                             return;
@@ -169,7 +160,7 @@ impl CacheIndex {
                         list.retain(|&ep| {
                             let keep = holds(ep);
                             if !keep {
-                                emit(ep, depth);
+                                emit.one(ep, depth);
                             }
                             keep
                         });
@@ -182,30 +173,76 @@ impl CacheIndex {
             }
         }
         if wide {
-            emit_bits(&bits, depth, &mut emit);
+            emit_bits(&bits, depth, emit);
         } else {
             for &ep in &list {
-                emit(ep, depth);
+                emit.one(ep, depth);
             }
         }
     }
 }
 
-/// Emits every endpoint of `bits` at `depth`.
-fn emit_bits(bits: &[u64], depth: u32, emit: &mut impl FnMut(u16, u32)) {
-    for (wi, &word) in bits.iter().enumerate() {
-        if word != 0 {
-            emit_word(wi, word, depth, emit);
+/// Where a walk's matches go.
+trait Emit {
+    /// Endpoint `ep` holds the first `blocks` keys.
+    fn one(&mut self, ep: u16, blocks: u32);
+
+    /// Every endpoint of word `wi` of a bitmap holds the first `blocks` keys.
+    fn word(&mut self, wi: usize, word: u64, blocks: u32) {
+        let base = (wi * 64) as u16;
+        let mut w = word;
+        while w != 0 {
+            self.one(base + w.trailing_zeros() as u16, blocks);
+            w &= w - 1;
         }
     }
 }
 
-/// Emits the endpoints of word `wi` of a bitmap.
-fn emit_word(wi: usize, word: u64, depth: u32, emit: &mut impl FnMut(u16, u32)) {
-    let base = (wi * 64) as u16;
-    let mut w = word;
-    while w != 0 {
-        emit(base + w.trailing_zeros() as u16, depth);
-        w &= w - 1;
+/// Matches as a list.
+struct List<'a>(&'a mut Vec<Match>);
+
+impl Emit for List<'_> {
+    fn one(&mut self, ep: u16, blocks: u32) {
+        self.0.push(Match {
+            endpoint: EndpointId(ep),
+            blocks,
+        });
+    }
+}
+
+/// Matches into a table by endpoint id.
+struct Dense<'a>(&'a mut [u32]);
+
+impl Emit for Dense<'_> {
+    fn one(&mut self, ep: u16, blocks: u32) {
+        if let Some(b) = self.0.get_mut(usize::from(ep)) {
+            *b = blocks;
+        }
+    }
+
+    /// A full word (a prefix every endpoint holds, as a shared system prompt) is one fill of
+    /// 64 entries: one endpoint at a time took about 12 instructions each.
+    fn word(&mut self, wi: usize, word: u64, blocks: u32) {
+        let base = wi * 64;
+        if word == u64::MAX
+            && let Some(run) = self.0.get_mut(base..base + 64)
+        {
+            run.fill(blocks);
+            return;
+        }
+        let mut w = word;
+        while w != 0 {
+            self.one((base + w.trailing_zeros() as usize) as u16, blocks);
+            w &= w - 1;
+        }
+    }
+}
+
+/// Emits every endpoint of `bits` at `depth`.
+fn emit_bits(bits: &[u64], depth: u32, emit: &mut impl Emit) {
+    for (wi, &word) in bits.iter().enumerate() {
+        if word != 0 {
+            emit.word(wi, word, depth);
+        }
     }
 }

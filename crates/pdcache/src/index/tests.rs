@@ -460,3 +460,42 @@ fn a_prompt_that_diverges_from_the_last_one_writes_its_own_keys() {
     idx.insert_approximate(a, &k2, t0 + Duration::from_millis(10));
     assert_eq!(idx.stats().entries, 64 + 39);
 }
+
+#[test]
+fn whole_bitmap_words_match_as_single_endpoints_do() {
+    // 150 endpoints: bitmap words 0 and 1 full, word 2 partial. Keys 1 and 2 are held by all,
+    // key 3 by words 0 and 2 (word 1 drops whole at key 3), key 4 by endpoint 5 alone.
+    let (mut idx, t0) = index(100);
+    let eps: Vec<EndpointId> = (0..150).map(|_| ep(&mut idx)).collect();
+    let holds = |e: usize, k: u64| match k {
+        1 | 2 => true,
+        3 => !(64..128).contains(&e),
+        _ => e == 5,
+    };
+    for (e, &id) in eps.iter().enumerate() {
+        let held: Vec<u64> = (1..=4).filter(|&k| holds(e, k)).collect();
+        idx.insert_approximate(id, &keys(&held), t0);
+    }
+    for prompt in [&[1, 2, 3][..], &[1, 2, 3, 4], &[1, 2], &[2, 3]] {
+        let ks = keys(prompt);
+        let want: Vec<(u16, u32)> = (0..150)
+            .map(|e| {
+                (
+                    e as u16,
+                    ks.iter().take_while(|k| holds(e, k.0)).count() as u32,
+                )
+            })
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        assert_eq!(matches(&idx, &ks), want, "list, prompt {prompt:?}");
+        let mut blocks = Vec::new();
+        idx.match_blocks(&ks, &mut blocks);
+        let dense: Vec<(u16, u32)> = blocks
+            .iter()
+            .enumerate()
+            .map(|(e, &n)| (e as u16, n))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        assert_eq!(dense, want, "table, prompt {prompt:?}");
+    }
+}

@@ -32,14 +32,6 @@ pub(super) struct IndexState {
     pub(super) watches: Vec<Option<EventWatch>>,
     /// Matched blocks by endpoint id, for the last [`Scorer::prepare`].
     pub(super) blocks: Vec<u32>,
-    /// The same by slot, beside the address of the `Load` that holds the slot in `by_slot`
-    /// (0 for a free slot): a candidate whose `Load` is at that address reads its blocks with
-    /// one vector read and one compare, without going through its id. Built by
-    /// [`Scorer::prepare`], once for both roles. (Writing it from the match directly, through
-    /// a slot per id, measured slower: 12.0 against 10.2 us for the decision bench.)
-    pub(super) slot_blocks: Vec<(usize, u32)>,
-    /// Scratch: the candidates' facts of the last [`Scorer::choose`].
-    pub(super) facts: Vec<score::Facts>,
 }
 
 fn saturate(n: usize) -> u32 {
@@ -138,31 +130,15 @@ impl Scorer<'_> {
     pub(crate) fn prepare(&mut self, view: &PrefixView) {
         let st = &mut *self.state;
         self.index.match_blocks(&view.keys, &mut st.blocks);
-        let blocks = &st.blocks;
-        st.slot_blocks.clear();
-        st.slot_blocks.extend(st.by_slot.iter().map(|e| match e {
-            Some((load, id)) => (
-                Arc::as_ptr(load) as usize,
-                blocks.get(usize::from(id.0)).copied().unwrap_or(0),
-            ),
-            None => (0, 0),
-        }));
     }
 
-    /// Leading blocks of the prepared view that `ep` holds (registering `ep` on first sight).
-    #[inline]
-    fn blocks_of(&mut self, ep: &Endpoint) -> u32 {
-        match self.state.slot_blocks.get(ep.load.slot()) {
-            Some(&(load, blocks)) if load == Arc::as_ptr(&ep.load) as usize => blocks,
-            _ => self.blocks_by_id(ep),
-        }
-    }
-
-    /// [`Scorer::blocks_of`] for an endpoint the slot table does not know (yet).
+    /// Leading blocks of the prepared view held by an endpoint that `by_slot` does not know
+    /// (under the slot of its `Load`): by its name if it was registered, else none (the index
+    /// holds nothing for it).
     #[cold]
-    fn blocks_by_id(&mut self, ep: &Endpoint) -> u32 {
-        let st = &mut *self.state;
-        st.id_of(&mut self.index, ep)
+    fn blocks_by_id(&self, ep: &Endpoint) -> u32 {
+        let st = &*self.state;
+        st.registered_id(ep)
             .and_then(|id| st.blocks.get(usize::from(id.0)).copied())
             .unwrap_or(0)
     }
@@ -180,29 +156,34 @@ impl Scorer<'_> {
 
     /// Chooses among `candidates` (non-empty) by cache and load for the prepared `view`.
     pub(crate) fn choose<E: AsRef<Endpoint>>(
-        &mut self,
+        &self,
         candidates: &[E],
         view: &PrefixView,
         cfg: &CacheConfig,
     ) -> Option<score::Choice> {
-        let mut facts = std::mem::take(&mut self.state.facts);
-        facts.clear();
-        facts.reserve(candidates.len());
-        for e in candidates {
+        // The tables by value: read through the guard, they were read again per candidate. A
+        // candidate's id is found by the slot of its `Load` and one pointer compare. (A table of
+        // blocks by slot, built per decision from these two, cost more to build than it saved.)
+        let (by_slot, blocks): (&[_], &[u32]) = (&self.state.by_slot, &self.state.blocks);
+        let facts = candidates.iter().map(|e| {
             let e = e.as_ref();
-            facts.push(score::Facts {
-                blocks: self.blocks_of(e),
+            let blocks = match by_slot.get(e.load.slot()) {
+                Some(Some((load, id))) if Arc::ptr_eq(load, &e.load) => {
+                    blocks.get(usize::from(id.0)).copied().unwrap_or(0)
+                }
+                _ => self.blocks_by_id(e),
+            };
+            score::Facts {
+                blocks,
                 in_flight: saturate(e.load.in_flight()),
-            });
-        }
+            }
+        });
         let (state, index) = (&*self.state, &*self.index);
-        let choice = score::choose(&facts, view, cfg, |i| {
+        score::choose(facts, view, cfg, |i| {
             state
                 .registered_id(candidates[i].as_ref())
                 .map_or(0, |id| index.endpoint_len(id))
-        });
-        self.state.facts = facts;
-        choice
+        })
     }
 
     /// Records that `view` was sent to each of `eps`: its blocks will be in their caches, all

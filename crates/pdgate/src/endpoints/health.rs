@@ -382,6 +382,12 @@ impl Health {
         }
     }
 
+    /// Whether [`Health::hold_back_probed`] keeps every candidate now (nothing is half-open, or
+    /// half-open probing is off): one atomic load.
+    pub(crate) fn holds_back_none(&self) -> bool {
+        !self.half_open_probe || !self.any_half_open.load(Ordering::Acquire)
+    }
+
     /// `candidates` without the half-open endpoints whose probe is under way, unless that
     /// leaves none (then the probed one is all there is). Routing asks this at selection, so a
     /// burst right after [`Health::begin`] does not follow the probe before the reconciler
@@ -390,7 +396,7 @@ impl Health {
         &self,
         mut candidates: Vec<E>,
     ) -> Vec<E> {
-        if !self.half_open_probe || !self.any_half_open.load(Ordering::Acquire) {
+        if self.holds_back_none() {
             return candidates;
         }
         let map = self.lock();

@@ -182,6 +182,9 @@ pub struct Snapshot {
     /// fleet), set by [`build_snapshot`]: [`Snapshot::pairs`] then compares nothing, where a
     /// decision over a large fleet would compare connector names once per candidate.
     pub(crate) every_pair: bool,
+    /// Every endpoint of both roles declares the same models (or none), set by
+    /// [`build_snapshot`]: whether one serves a model says whether all do.
+    pub(crate) same_models: bool,
 }
 
 impl Snapshot {
@@ -201,6 +204,18 @@ impl Snapshot {
                 || (p.pod.label(kvtransfer::labels::ROLESET_NAME).is_some()
                     && p.pod.label(kvtransfer::labels::ROLESET_NAME)
                         == d.pod.label(kvtransfer::labels::ROLESET_NAME)))
+    }
+
+    /// Whether every endpoint of both roles is a candidate for a request for `model`: both
+    /// roles have endpoints, all serve `model`, and every prefill pairs with every decode (the
+    /// usual fleet). A decision then weighs the snapshot's own lists instead of copying the
+    /// qualifying endpoints out of them.
+    #[inline]
+    pub(crate) fn all_serve(&self, model: Option<&str>) -> bool {
+        self.every_pair
+            && self.same_models
+            && !self.decode.is_empty()
+            && self.prefill.first().is_some_and(|p| p.serves(model))
     }
 
     /// Whether all prefills share one connector that every decode accepts, without roleset
@@ -425,6 +440,11 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
     loads.retain(&names);
     snap.models = models.into_iter().collect();
     snap.every_pair = snap.every_prefill_pairs_with_every_decode();
+    snap.same_models = {
+        let mut all = snap.prefill.iter().chain(&snap.decode);
+        let first = all.next().map(|e| &e.models);
+        all.all(|e| Some(&e.models) == first)
+    };
     snap
 }
 

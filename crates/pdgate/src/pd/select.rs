@@ -109,6 +109,46 @@ pub(crate) fn pair(
     })
 }
 
+/// One role's candidates for a decision.
+enum Candidates<'a> {
+    /// The snapshot's whole list: every endpoint in it qualifies (the usual fleet, see
+    /// [`Snapshot::all_serve`]). Copying the references out of a 500-endpoint list cost about
+    /// 35 instructions per endpoint, as much as scoring it.
+    Whole(&'a [Arc<Endpoint>]),
+    /// The endpoints that qualify.
+    Chosen(Vec<&'a Arc<Endpoint>>),
+}
+
+impl<'a> Candidates<'a> {
+    /// `all` if `whole`, else those of `all` that `keep` allows, under the per-endpoint cap and
+    /// without a half-open endpoint being probed.
+    fn of(
+        gw: &Gateway,
+        whole: bool,
+        all: &'a [Arc<Endpoint>],
+        keep: impl FnMut(&&'a Arc<Endpoint>) -> bool,
+    ) -> Result<Self, GatewayError> {
+        if whole {
+            return Ok(Candidates::Whole(all));
+        }
+        let mut chosen = Vec::with_capacity(all.len());
+        chosen.extend(all.iter().filter(keep));
+        let chosen = under_cap(
+            gw.config.limits.max_in_flight_per_endpoint,
+            &gw.metrics,
+            gw.health.hold_back_probed(chosen),
+        )?;
+        Ok(Candidates::Chosen(chosen))
+    }
+
+    fn get(&self, i: usize) -> &'a Arc<Endpoint> {
+        match self {
+            Candidates::Whole(all) => &all[i],
+            Candidates::Chosen(chosen) => chosen[i],
+        }
+    }
+}
+
 /// Picks among `candidates` by cache and load (recording the decision in metrics) when
 /// `policy` is cache-aware, else by the policy; the prediction is `None` then.
 fn pick_by(
@@ -116,21 +156,30 @@ fn pick_by(
     scorer: &mut Scorer<'_>,
     cache: &Cache,
     role: Role,
-    candidates: &[&Arc<Endpoint>],
+    candidates: &Candidates<'_>,
     view: &PrefixView,
-) -> Option<(usize, Option<Choice>)> {
+) -> Option<(Arc<Endpoint>, Option<Choice>)> {
     if !policy.cache_aware() {
-        let owned: Vec<Arc<Endpoint>> = candidates.iter().map(|&e| e.clone()).collect();
-        return policy.pick(&owned).map(|i| (i, None));
+        let i = match candidates {
+            Candidates::Whole(all) => policy.pick(all)?,
+            Candidates::Chosen(chosen) => {
+                let owned: Vec<Arc<Endpoint>> = chosen.iter().map(|&e| e.clone()).collect();
+                policy.pick(&owned)?
+            }
+        };
+        return Some((Arc::clone(candidates.get(i)), None));
     }
-    let choice = scorer.choose(candidates, view, &cache.config)?;
+    let choice = match candidates {
+        Candidates::Whole(all) => scorer.choose(all, view, &cache.config),
+        Candidates::Chosen(chosen) => scorer.choose(chosen, view, &cache.config),
+    }?;
     cache.metrics.decision(
         role.as_str(),
         choice.kind.label(),
         choice.cached_tokens,
         view.prompt_tokens,
     );
-    Some((choice.index, Some(choice)))
+    Some((Arc::clone(candidates.get(choice.index)), Some(choice)))
 }
 
 /// Cache-aware selection. With a `cache_aware` decode policy the decode is chosen first (by its
@@ -145,16 +194,18 @@ fn cache_pair(
     model: Option<&str>,
     view: &PrefixView,
 ) -> Result<Pair, GatewayError> {
-    let cap = gw.config.limits.max_in_flight_per_endpoint;
     let mc = cache.model(model, snap);
     let mut scorer = mc.lock();
     scorer.prepare(view);
+    // Candidates are borrowed from the snapshot (a decision over a large fleet would otherwise
+    // spend more on reference counts than on scoring), or are its whole lists when every
+    // endpoint qualifies: no cap, no probe held back, and all serve the model and pair.
+    let whole = gw.config.limits.max_in_flight_per_endpoint == 0
+        && snap.all_serve(model)
+        && gw.health.holds_back_none();
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
-    // Candidates are borrowed from the snapshot: a decision over a large fleet would otherwise
-    // spend more on reference counts than on scoring.
-    let pick_prefill = |prefills: Vec<&Arc<Endpoint>>, scorer: &mut Scorer<'_>| {
-        let prefills = under_cap(cap, &gw.metrics, gw.health.hold_back_probed(prefills))?;
-        let (i, choice) = pick_by(
+    let pick_prefill = |prefills: Candidates<'_>, scorer: &mut Scorer<'_>| {
+        pick_by(
             gw.prefill_policy.as_ref(),
             scorer,
             cache,
@@ -162,18 +213,13 @@ fn cache_pair(
             &prefills,
             view,
         )
-        .ok_or_else(|| no_pair(snap, model))?;
-        Ok::<_, GatewayError>((Arc::clone(prefills[i]), choice))
+        .ok_or_else(|| no_pair(snap, model))
     };
     let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
-        let mut decodes: Vec<&Arc<Endpoint>> = Vec::with_capacity(snap.decode.len());
-        decodes.extend(
-            snap.decode
-                .iter()
-                .filter(|d| d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))),
-        );
-        let decodes = under_cap(cap, &gw.metrics, gw.health.hold_back_probed(decodes))?;
-        let (j, d_choice) = pick_by(
+        let decodes = Candidates::of(gw, whole, &snap.decode, |d| {
+            d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
+        })?;
+        let (decode, d_choice) = pick_by(
             gw.decode_policy.as_ref(),
             &mut scorer,
             cache,
@@ -182,14 +228,11 @@ fn cache_pair(
             view,
         )
         .ok_or_else(|| no_pair(snap, model))?;
-        let decode = Arc::clone(decodes[j]);
-        let mut prefills: Vec<&Arc<Endpoint>> = Vec::with_capacity(snap.prefill.len());
-        prefills.extend(serving_prefills().filter(|p| snap.pairs(p, &decode)));
+        let pairing = |p: &Endpoint| p.serves(model) && snap.pairs(p, &decode);
+        let pairing_prefills = || snap.prefill.iter().filter(|p| pairing(p));
         let alone = d_choice.is_some_and(|c| decode_only_fits(&cache.config, c, view))
-            && prefills
-                .iter()
-                .all(|p| p.agent.as_ref().is_some_and(|a| a.allows_decode_only()));
-        if alone && let Some(first) = prefills.first() {
+            && pairing_prefills().all(|p| p.agent.as_ref().is_some_and(|a| a.allows_decode_only()));
+        if alone && let Some(first) = pairing_prefills().next() {
             // The prefill only names the connector; no leg goes to it.
             (
                 Arc::clone(first),
@@ -198,16 +241,18 @@ fn cache_pair(
                 d_choice.map(|c| c.cached_tokens),
             )
         } else {
+            let prefills = Candidates::of(gw, whole, &snap.prefill, |p| pairing(p))?;
             let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
             (prefill, decode, false, p_choice.map(|c| c.cached_tokens))
         }
     } else {
-        let mut prefills: Vec<&Arc<Endpoint>> = Vec::with_capacity(snap.prefill.len());
-        prefills.extend(serving_prefills().filter(|p| {
-            snap.decode
-                .iter()
-                .any(|d| d.serves(model) && snap.pairs(p, d))
-        }));
+        let prefills = Candidates::of(gw, whole, &snap.prefill, |p| {
+            p.serves(model)
+                && snap
+                    .decode
+                    .iter()
+                    .any(|d| d.serves(model) && snap.pairs(p, d))
+        })?;
         let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
         let decodes: Vec<Arc<Endpoint>> = snap
             .decode
@@ -215,7 +260,11 @@ fn cache_pair(
             .filter(|d| d.serves(model) && snap.pairs(&prefill, d))
             .cloned()
             .collect();
-        let decodes = under_cap(cap, &gw.metrics, gw.health.hold_back_probed(decodes))?;
+        let decodes = under_cap(
+            gw.config.limits.max_in_flight_per_endpoint,
+            &gw.metrics,
+            gw.health.hold_back_probed(decodes),
+        )?;
         let j = gw
             .decode_policy
             .pick(&decodes)
