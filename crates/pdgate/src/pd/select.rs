@@ -375,6 +375,93 @@ mod tests {
     use crate::cache::score::DecisionKind;
     use crate::cache::view::KeyKind;
 
+    /// A gateway with `cache_aware` on both roles over `toml`'s endpoints, its snapshot, and
+    /// the view of a 4-block token prompt.
+    fn cache_fleet(toml: &str) -> (Arc<Gateway>, Arc<Snapshot>, PrefixView) {
+        let toml = format!(
+            "kv_connector = \"shfs\"\nprefill_policy = \"cache_aware\"\n\
+             decode_policy = \"cache_aware\"\n{toml}[cache]\nblock_size = 16\n"
+        );
+        let config = crate::config::Config::from_toml(&toml).expect("config");
+        let pods = config.pods().expect("pods");
+        let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("gateway");
+        let snap = gw.publish(&pods, &std::collections::BTreeSet::new());
+        let cache = gw.cache.clone().expect("a cache");
+        let tokens: Vec<u32> = (0..64).collect();
+        let view = cache.model(Some("b"), &snap).token_view(&tokens);
+        (gw, snap, view)
+    }
+
+    /// Records that the decode named `name` and the first prefill hold `view` (model "b").
+    fn seed(gw: &Gateway, snap: &Snapshot, name: &str, view: &PrefixView) {
+        let cache = gw.cache.as_ref().expect("a cache");
+        let d = snap
+            .decode
+            .iter()
+            .find(|d| d.name.contains(name))
+            .expect(name);
+        let mc = cache.model(Some("b"), snap);
+        let mut scorer = mc.lock();
+        scorer.prepare(view);
+        scorer.record(
+            &[&**d, &*snap.prefill[0]],
+            view,
+            std::time::Instant::now(),
+            |_| {},
+        );
+    }
+
+    #[test]
+    fn cache_aware_candidates_are_the_qualifying_endpoints_only() {
+        let ep = |role: &str, i: usize, models: &str| {
+            format!("[[{role}]]\nurl = \"http://10.0.0.{i}:8000\"\n{models}")
+        };
+        // Every endpoint serves every model: the whole lists are the candidates, and the decode
+        // holding the prompt wins.
+        let uniform: String = [
+            ep("prefill", 1, ""),
+            ep("decode", 2, ""),
+            ep("decode", 3, ""),
+        ]
+        .concat();
+        let (gw, snap, view) = cache_fleet(&uniform);
+        assert!(snap.all_serve(Some("b")));
+        let holder = snap.decode[1].name.clone();
+        seed(&gw, &snap, &holder, &view);
+        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        assert_eq!(chosen.decode.name, holder);
+        assert_eq!(chosen.predicted_cached, Some(48));
+        // A decode that serves another model only is no candidate, though it holds the prompt.
+        let mixed: String = [
+            ep("prefill", 1, ""),
+            ep("decode", 2, "model = \"a\"\n"),
+            ep("decode", 3, ""),
+        ]
+        .concat();
+        let (gw, snap, view) = cache_fleet(&mixed);
+        assert!(!snap.all_serve(Some("b")));
+        let only_a = snap.decode[0].name.clone();
+        seed(&gw, &snap, &only_a, &view);
+        for _ in 0..20 {
+            let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+            assert_eq!(chosen.decode.name, snap.decode[1].name);
+        }
+        // At the per-endpoint cap the holder is left out; all at the cap is an overload.
+        let capped = format!("max_in_flight_per_endpoint = 1\n{uniform}");
+        let (gw, snap, view) = cache_fleet(&capped);
+        let holder = snap.decode[1].name.clone();
+        seed(&gw, &snap, &holder, &view);
+        let busy = crate::endpoints::LoadGuard::acquire(&snap.decode[1].load);
+        let pair1 = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        assert_eq!(pair1.decode.name, snap.decode[0].name);
+        let also = crate::endpoints::LoadGuard::acquire(&snap.decode[0].load);
+        assert!(matches!(
+            pair(&gw, &snap, Some("b"), Some(&view)),
+            Err(GatewayError::Overloaded { .. })
+        ));
+        drop((busy, also));
+    }
+
     #[test]
     fn decode_only_needs_both_thresholds() {
         let view = PrefixView {
