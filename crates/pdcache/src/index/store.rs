@@ -121,15 +121,26 @@ impl CacheIndex {
     }
 
     pub(super) fn posting(&self, key: u64) -> Option<Posting<'_>> {
+        self.posting_value(key).map(|v| self.posting_of(v))
+    }
+
+    /// `key`'s posting as the table stores it (see [`CacheIndex::posting_of`]).
+    #[inline]
+    pub(super) fn posting_value(&self, key: u64) -> Option<u32> {
         let (slab, wides) = (&self.slab, &self.wides);
-        let v = *self
-            .posting
-            .find(self.h1(key), |&v| Self::posting_key(slab, wides, v) == key)?;
-        Some(if v & WIDE_BIT != 0 {
+        self.posting
+            .find(self.h1(key), |&v| Self::posting_key(slab, wides, v) == key)
+            .copied()
+    }
+
+    /// The posting a stored value names.
+    #[inline]
+    pub(super) fn posting_of(&self, v: u32) -> Posting<'_> {
+        if v & WIDE_BIT != 0 {
             Posting::Wide(&self.wides[(v & !WIDE_BIT) as usize])
         } else {
             Posting::Narrow(v)
-        })
+        }
     }
 
     pub(super) fn set_posting(&mut self, key: u64, value: Option<u32>) {
