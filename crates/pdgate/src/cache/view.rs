@@ -103,21 +103,29 @@ impl PrefixView {
         tokenizer: Option<&HfTokenizer>,
     ) -> Option<Self> {
         let raw = body.get_raw_slice("prompt")?.trim_ascii();
+        // A string prompt's keys without a tokenizer: its bytes as received, escapes included
+        // (as chat contents are keyed), so no unescaped copy and no UTF-8 pass (measured:
+        // ~1,000 instructions for a 128-token prompt, 12% of the cache's cost per request).
+        // Deterministic, which is all approximate keys need.
+        let as_received =
+            |text: &[u8]| Self::text(text_keys(text, block_size), text.len(), block_size);
         if tokenizer.is_none()
             && let Some(text) = raw.strip_prefix(b"\"").and_then(|r| r.strip_suffix(b"\""))
         {
-            // A string prompt's keys without a tokenizer: its bytes as received, escapes
-            // included (as chat contents are keyed), so no unescaped copy and no UTF-8 pass
-            // (measured: ~1,000 instructions for a 128-token prompt, 12% of the cache's cost
-            // per request). Deterministic, which is all approximate keys need.
-            return Some(Self::text(
-                text_keys(text, block_size),
-                text.len(),
-                block_size,
-            ));
+            return Some(as_received(text));
         }
         let raw = std::str::from_utf8(raw).ok()?;
         if raw.starts_with('[') {
+            // A one-element batch of a string is keyed as that string is.
+            if tokenizer.is_none()
+                && let Ok([item]) = serde_json::from_str::<[&RawValue; 1]>(raw)
+                && let Some(text) = item
+                    .get()
+                    .strip_prefix('"')
+                    .and_then(|r| r.strip_suffix('"'))
+            {
+                return Some(as_received(text.as_bytes()));
+            }
             // Token ids (or a one-element batch of a string or of token ids).
             if let Ok(ids) = serde_json::from_str::<Vec<u32>>(raw) {
                 return Some(Self::tokens(&ids, block_size));
@@ -338,6 +346,21 @@ mod tests {
         assert!(common >= 4);
         assert_eq!(a.keys[..common], b.keys[..common]);
         assert_ne!(a.keys.last(), b.keys.last());
+        // The same prompt as a one-element batch has the same keys; a two-element one is no
+        // single prompt.
+        let batch = view(
+            &format!(r#"{{"prompt":[ "{shared}{}" ]}}"#, "a".repeat(64)),
+            Route::Completions,
+            16,
+        );
+        assert_eq!(batch.keys, a.keys);
+        assert_eq!(batch.prompt_tokens, a.prompt_tokens);
+        let two = view(
+            &format!(r#"{{"prompt":["{shared}", "{}"]}}"#, "a".repeat(64)),
+            Route::Completions,
+            16,
+        );
+        assert!(two.keys.is_empty());
     }
 
     #[test]
