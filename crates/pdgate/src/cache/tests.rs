@@ -104,8 +104,8 @@ fn a_recorded_decision_is_matched_and_purged_with_its_endpoint() {
 
 #[test]
 fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
-    // Endpoints outside a load table all have slot 0: the slot table holds one of them at a
-    // time, and the others must still be scored by their own entries.
+    // Endpoints outside a load table all have slot 0: the ids by slot hold one of them at a
+    // time, and the others must still be scored by their own entries (found by name).
     let c = cache();
     let (a, b, fresh) = (ep("a:1"), ep("b:1"), ep("c:1"));
     let snap = Snapshot {
@@ -130,8 +130,8 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
         assert!(Arc::ptr_eq(order[choice.index], &b), "{order:?}");
         assert_eq!(choice.cached_tokens, 144);
     }
-    // Neither holds a third prompt: the tie goes to the one caching less, however the slots
-    // were taken while scoring (`a` holds 10 entries, `fresh` none).
+    // Neither holds a third prompt: the tie goes to the one caching less, whichever holds the
+    // slot (`a` holds 10 entries, `fresh`, never recorded, none).
     let third = prompt_of(&mc, "e");
     s.prepare(&third);
     for _ in 0..20 {
