@@ -92,6 +92,7 @@ pub struct Metrics {
     fallbacks: Family<ConnectorLabels, Counter>,
     retries: Family<LegLabels, Counter>,
     in_flight: Family<EndpointLabels, Gauge>,
+    computing: Family<EndpointLabels, Gauge>,
     endpoints: Family<RoleLabels, Gauge>,
     ejections: Family<RoleLabels, Counter>,
     endpoint_ejections: Family<EjectionLabels, Counter>,
@@ -129,6 +130,7 @@ impl Metrics {
         let fallbacks = Family::<ConnectorLabels, Counter>::default();
         let retries = Family::<LegLabels, Counter>::default();
         let in_flight = Family::<EndpointLabels, Gauge>::default();
+        let computing = Family::<EndpointLabels, Gauge>::default();
         let endpoints = Family::<RoleLabels, Gauge>::default();
         registry.register(
             "requests",
@@ -174,6 +176,11 @@ impl Metrics {
             "endpoint_in_flight",
             "Requests in flight per endpoint",
             in_flight.clone(),
+        );
+        registry.register(
+            "endpoint_computing_tokens",
+            "Prompt tokens in flight per endpoint that a cache-aware decision predicted it computes",
+            computing.clone(),
         );
         registry.register(
             "endpoints",
@@ -275,6 +282,7 @@ impl Metrics {
             fallbacks,
             retries,
             in_flight,
+            computing,
             endpoints,
         }
     }
@@ -415,24 +423,25 @@ impl Metrics {
     }
 
     /// Sets the fleet gauges: routable endpoints per role, and each one's requests in flight
-    /// (`fleet`: role, endpoint names with their in-flight counts). Endpoints not named are
-    /// dropped from the in-flight family.
+    /// and predicted prompt tokens in computation (`fleet`: role, endpoint names with those
+    /// two counts). Endpoints not named are dropped from both families.
     pub fn set_fleet<'a>(
         &self,
-        fleet: impl IntoIterator<Item = (&'static str, Vec<(&'a str, usize)>)>,
+        fleet: impl IntoIterator<Item = (&'static str, Vec<(&'a str, usize, usize)>)>,
     ) {
         self.in_flight.clear();
+        self.computing.clear();
         for (role, list) in fleet {
             self.endpoints
                 .get_or_create(&RoleLabels { role })
                 .set(list.len() as i64);
-            for (name, n) in list {
-                self.in_flight
-                    .get_or_create(&EndpointLabels {
-                        role,
-                        endpoint: name.to_string(),
-                    })
-                    .set(n as i64);
+            for (name, n, tokens) in list {
+                let labels = EndpointLabels {
+                    role,
+                    endpoint: name.to_string(),
+                };
+                self.in_flight.get_or_create(&labels).set(n as i64);
+                self.computing.get_or_create(&labels).set(tokens as i64);
             }
         }
     }

@@ -106,6 +106,57 @@ async fn a_decode_holding_the_prompt_serves_it_alone() {
     assert_eq!(fleet.prefill[0].stats().requests.completions, 2);
 }
 
+/// The value of `pdgate_endpoint_computing_tokens` for the one endpoint of `role`.
+fn computing(metrics: &str, role: &str) -> u64 {
+    let series = format!("pdgate_endpoint_computing_tokens{{role=\"{role}\",");
+    let line = metrics.lines().find(|l| l.starts_with(&series));
+    let value = line.and_then(|l| l.rsplit(' ').next()?.parse().ok());
+    value.unwrap_or_else(|| panic!("no {series} in\n{metrics}"))
+}
+
+#[tokio::test]
+async fn a_prefill_leg_counts_its_predicted_prompt_tokens_while_it_runs() {
+    let mut slow = sim(Role::Prefill, Connector::Shfs);
+    // About 530 uncached prompt tokens: a second of prefill.
+    slow.latency.prefill_per_token = std::time::Duration::from_millis(2);
+    let fleet = start(
+        vec![slow],
+        vec![sim(Role::Decode, Connector::Shfs)],
+        cache_aware,
+    )
+    .await;
+    assert_eq!(computing(&fleet.metrics().await, "prefill"), 0);
+    let body = json!({"model": MODEL, "prompt": prompt(3, 0), "max_tokens": 4});
+    let watch = async {
+        for _ in 0..500 {
+            let m = fleet.metrics().await;
+            let seen = computing(&m, "prefill");
+            if seen > 0 {
+                return (seen, computing(&m, "decode"));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        panic!("the prefill leg never counted its tokens");
+    };
+    let (answer, (during, decode)) =
+        tokio::join!(fleet.post_bounded("/v1/completions", &body), watch);
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers()["x-pdgate-predicted-cached-tokens"], "0");
+    answer.text().await.unwrap();
+    // Nothing was cached: the leg computed the whole prompt, as the decision counted it.
+    let metrics = fleet.metrics().await;
+    let prompt_tokens = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"pdgate_cache_prompt_tokens_total{role="prefill"} "#))
+        .and_then(|v| v.parse::<u64>().ok())
+        .expect("prompt tokens counted");
+    assert_eq!(during, prompt_tokens);
+    assert!(during > 400, "{during}");
+    // The decode receives the KV: it computes nothing. The answer released the prefill's.
+    assert_eq!(decode, 0);
+    assert_eq!(computing(&metrics, "prefill"), 0);
+}
+
 #[tokio::test]
 async fn chat_conversations_follow_their_earlier_turns() {
     let fleet = two_prefills_one_decode(Connector::Shfs, |c| {

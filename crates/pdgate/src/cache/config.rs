@@ -31,6 +31,10 @@ pub struct CacheConfig {
     pub models: BTreeMap<String, ModelCacheConfig>,
     /// Cost of one uncached prompt token (the prefill work a miss costs).
     pub cache_weight: f64,
+    /// Cost of one prompt token an endpoint is still computing for the requests it holds (the
+    /// uncached tokens pdgate predicted for the prefill legs it sent there and that have not
+    /// answered yet): the work queued ahead of a new request. 0 ignores it.
+    pub queued_weight: f64,
     /// Cost of one in-flight request on an endpoint, in uncached-token units.
     pub load_weight: f64,
     /// Imbalance guard: when the busiest candidate holds more than `balance_abs` in-flight
@@ -81,6 +85,7 @@ impl Default for CacheConfig {
             tokenizer: None,
             models: BTreeMap::new(),
             cache_weight: 1.0,
+            queued_weight: 1.0,
             load_weight: 256.0,
             balance_abs: 32,
             balance_rel: 1.5,
@@ -129,6 +134,7 @@ impl CacheConfig {
         }
         let finite = [
             ("cache_weight", self.cache_weight),
+            ("queued_weight", self.queued_weight),
             ("load_weight", self.load_weight),
         ];
         for (name, v) in finite {
@@ -181,6 +187,14 @@ mod tests {
         c.balance_rel = 1.5;
         c.decode_only_max_uncached_ratio = 2.0;
         assert!(c.validate().is_err());
+        c.decode_only_max_uncached_ratio = 0.7;
+        for bad in [-1.0, f64::NAN, f64::INFINITY] {
+            c.queued_weight = bad;
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("cache.queued_weight"), "{e}");
+        }
+        c.queued_weight = 0.0;
+        assert!(c.validate().is_ok());
     }
 
     #[test]

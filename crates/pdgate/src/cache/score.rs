@@ -1,7 +1,7 @@
 //! Choosing one endpoint by cache and load: pure, so every rule has a unit test.
 //!
-//! cost = `cache_weight` x uncached prompt tokens + `load_weight` x in-flight requests; the
-//! cheapest wins, ties go to the least loaded, then to the one caching least (then at random).
+//! cost = `cache_weight` x uncached prompt tokens + `queued_weight` x prompt tokens the endpoint
+//! is still computing for earlier requests + `load_weight` x in-flight requests; the cheapest wins, ties go to the least loaded, then to the one caching least (then at random).
 //! The imbalance guard: when the busiest candidate is more than `balance_abs` requests *and*
 //! `balance_rel` times above the idlest, the cache is ignored and the least loaded wins, so one
 //! hot prefix cannot pile all traffic onto one endpoint.
@@ -41,6 +41,8 @@ pub(crate) struct Facts {
     pub(crate) blocks: u32,
     /// Requests it holds now (saturated).
     pub(crate) in_flight: u32,
+    /// Prompt tokens it is computing for them, where predicted (saturated).
+    pub(crate) computing: u32,
 }
 
 /// The choice among candidates.
@@ -108,19 +110,27 @@ where
     let (block_size, cap64) = (u64::from(view.block_size), u64::from(cap));
     // The product fits in 64 bits, and the minimum in 32.
     let cached = move |f: &Facts| (u64::from(f.blocks) * block_size).min(cap64) as u32;
-    let (prompt, cache_weight, load_weight) = (
+    let (prompt, cache_weight, queued_weight, load_weight) = (
         f64::from(view.prompt_tokens),
         cfg.cache_weight,
+        cfg.queued_weight,
         cfg.load_weight,
     );
-    // Whole weights up to 2^20 (the defaults are 1 and 256) make every cost a whole number
-    // below 2^53, which the float sum holds exactly: the same costs in integer arithmetic,
-    // 6 instructions per candidate fewer than converting both terms to floats.
+    // Whole weights up to 2^20 (the defaults are 1, 1 and 256) make every cost a whole number
+    // (each term below 2^52), computed exactly in integers: the same order as the float sum
+    // below wherever that sum is exact (below 2^53, far above any real fleet's costs), for 6
+    // instructions per candidate fewer than converting the terms to floats.
     let whole = |w: f64| (w.fract() == 0.0 && (0.0..=1_048_576.0).contains(&w)).then_some(w as u64);
-    if let (Some(cache_weight), Some(load_weight)) = (whole(cache_weight), whole(load_weight)) {
+    if let (Some(cache_weight), Some(queued_weight), Some(load_weight)) = (
+        whole(cache_weight),
+        whole(queued_weight),
+        whole(load_weight),
+    ) {
         let prompt = view.prompt_tokens;
         let cost = move |f: &Facts| {
-            cache_weight * u64::from(prompt - cached(f)) + load_weight * u64::from(f.in_flight)
+            cache_weight * u64::from(prompt - cached(f))
+                + queued_weight * u64::from(f.computing)
+                + load_weight * u64::from(f.in_flight)
         };
         return choose_by(facts, view, cfg, entries, cached, cost);
     }
@@ -128,8 +138,9 @@ where
     // candidate never caches more than the prompt), and such floats order as their bits do.
     // (Compared as floats, the cheapest took 13 instructions per candidate against 3.)
     let cost = move |f: &Facts| {
-        let c =
-            cache_weight * (prompt - f64::from(cached(f))) + load_weight * f64::from(f.in_flight);
+        let c = cache_weight * (prompt - f64::from(cached(f)))
+            + queued_weight * f64::from(f.computing)
+            + load_weight * f64::from(f.in_flight);
         c.to_bits()
     };
     choose_by(facts, view, cfg, entries, cached, cost)
@@ -225,7 +236,19 @@ mod tests {
     }
 
     fn f(blocks: u32, in_flight: u32) -> Facts {
-        Facts { blocks, in_flight }
+        Facts {
+            blocks,
+            in_flight,
+            computing: 0,
+        }
+    }
+
+    /// A candidate computing `computing` prompt tokens for the requests it holds.
+    fn busy(blocks: u32, in_flight: u32, computing: u32) -> Facts {
+        Facts {
+            computing,
+            ..f(blocks, in_flight)
+        }
     }
 
     /// `choose` with no entries anywhere.
@@ -259,6 +282,37 @@ mod tests {
             assert_eq!(among.index, 0);
             assert_eq!(alone, Choice { index: 0, ..among });
         }
+    }
+
+    #[test]
+    fn prompt_tokens_queued_ahead_cost_as_uncached_ones() {
+        let cfg = CacheConfig::default();
+        let v = view(1100);
+        // Both hold one request; the one holding 1024 of the prompt is computing a 2,000-token
+        // prompt for it, the other a 100-token one: 76 + 2000 against 1100 + 100.
+        let c = pick(&[busy(64, 1, 2000), busy(0, 1, 100)], &v, &cfg).unwrap();
+        assert_eq!(
+            (c.index, c.kind, c.uncached_tokens),
+            (1, DecisionKind::Miss, 1100)
+        );
+        // Less queued work than it saves: the cache wins.
+        assert_eq!(
+            pick(&[busy(64, 1, 900), busy(0, 1, 0)], &v, &cfg)
+                .unwrap()
+                .index,
+            0
+        );
+        // `queued_weight = 0` leaves only the request count.
+        let blind = CacheConfig {
+            queued_weight: 0.0,
+            ..CacheConfig::default()
+        };
+        assert_eq!(
+            pick(&[busy(64, 1, 2000), busy(0, 1, 100)], &v, &blind)
+                .unwrap()
+                .index,
+            0
+        );
     }
 
     #[test]
@@ -306,6 +360,7 @@ mod tests {
             let key = |f: &Facts| {
                 let cached = (f.blocks * v.block_size).min(cap);
                 let cost = cfg.cache_weight * f64::from(v.prompt_tokens - cached)
+                    + cfg.queued_weight * f64::from(f.computing)
                     + cfg.load_weight * f64::from(f.in_flight);
                 (cost, f.in_flight)
             };
@@ -326,20 +381,31 @@ mod tests {
         };
         let v = view(4000);
         let mut unique = 0;
-        for (cache_weight, load_weight) in [(1.0, 256.0), (3.0, 7.0), (0.5, 100.25), (1.0, 0.0)] {
+        let weights = [
+            (1.0, 1.0, 256.0),
+            (3.0, 2.0, 7.0),
+            (0.5, 1.0, 100.25),
+            (1.0, 0.25, 0.0),
+            (1.0, 0.0, 3.0),
+        ];
+        for (cache_weight, queued_weight, load_weight) in weights {
             let cfg = CacheConfig {
                 cache_weight,
+                queued_weight,
                 load_weight,
                 balance_abs: usize::MAX,
                 ..CacheConfig::default()
             };
             for _ in 0..500 {
                 let n = 1 + next(12) as usize;
-                let facts: Vec<Facts> = (0..n).map(|_| f(next(260), next(6))).collect();
+                let facts: Vec<Facts> = (0..n)
+                    .map(|_| busy(next(260), next(6), next(3) * next(2000)))
+                    .collect();
                 if let Some(want) = reference(&facts, &v, &cfg) {
                     unique += 1;
                     let got = pick(&facts, &v, &cfg).unwrap();
-                    assert_eq!(got.index, want, "{facts:?} at {cache_weight}/{load_weight}");
+                    let w = (cache_weight, queued_weight, load_weight);
+                    assert_eq!(got.index, want, "{facts:?} at {w:?}");
                 }
             }
         }

@@ -176,6 +176,7 @@ impl Scorer<'_> {
             score::Facts {
                 blocks,
                 in_flight: saturate(e.load.in_flight()),
+                computing: saturate(e.load.computing_tokens()),
             }
         });
         let (state, index) = (&*self.state, &*self.index);

@@ -59,6 +59,9 @@ impl Role {
 #[derive(Debug, Default)]
 pub struct Load {
     in_flight: AtomicUsize,
+    /// Prompt tokens this endpoint is computing for the requests it holds, where pdgate
+    /// predicted them (a cache-aware prefill's uncached tokens): work queued before a new one.
+    computing: AtomicUsize,
     total: AtomicU64,
     /// A small number no other live endpoint of the [`LoadTable`] has (0 outside one): per
     /// endpoint state elsewhere is a vector indexed by it, found without hashing a name.
@@ -76,28 +79,56 @@ impl Load {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// Prompt tokens it is computing for the requests it holds, as far as pdgate predicted
+    /// them (see [`LoadGuard::computing`]).
+    pub fn computing_tokens(&self) -> usize {
+        self.computing.load(Ordering::Relaxed)
+    }
+
     /// Requests ever sent to this endpoint.
     pub fn total(&self) -> u64 {
         self.total.load(Ordering::Relaxed)
     }
 }
 
-/// Holds one unit of an endpoint's in-flight count until dropped.
+/// Holds one unit of an endpoint's in-flight count (and the prompt tokens that request makes it
+/// compute, where known) until dropped.
 #[derive(Debug)]
-pub struct LoadGuard(Arc<Load>);
+pub struct LoadGuard {
+    load: Arc<Load>,
+    tokens: usize,
+}
 
 impl LoadGuard {
     /// Counts one more request on `load`.
     pub fn acquire(load: &Arc<Load>) -> LoadGuard {
+        LoadGuard::computing(load, 0)
+    }
+
+    /// Counts one more request on `load`, which computes `tokens` prompt tokens for it (a
+    /// prefill leg whose uncached tokens a cache-aware decision predicted).
+    pub fn computing(load: &Arc<Load>, tokens: u32) -> LoadGuard {
+        let tokens = tokens as usize;
         load.in_flight.fetch_add(1, Ordering::Relaxed);
         load.total.fetch_add(1, Ordering::Relaxed);
-        LoadGuard(load.clone())
+        if tokens > 0 {
+            load.computing.fetch_add(tokens, Ordering::Relaxed);
+        }
+        LoadGuard {
+            load: load.clone(),
+            tokens,
+        }
     }
 }
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.load.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.tokens > 0 {
+            self.load
+                .computing
+                .fetch_sub(self.tokens, Ordering::Relaxed);
+        }
     }
 }
 

@@ -142,8 +142,14 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
         .into_response()
 }
 
-fn in_flight(list: &[Arc<crate::endpoints::Endpoint>]) -> Vec<(&str, usize)> {
+fn in_flight(list: &[Arc<crate::endpoints::Endpoint>]) -> Vec<(&str, usize, usize)> {
     list.iter()
-        .map(|e| (e.name.as_str(), e.load.in_flight()))
+        .map(|e| {
+            (
+                e.name.as_str(),
+                e.load.in_flight(),
+                e.load.computing_tokens(),
+            )
+        })
         .collect()
 }

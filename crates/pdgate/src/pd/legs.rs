@@ -37,6 +37,8 @@ struct PrefillJob {
     extra: Vec<(http::HeaderName, http::HeaderValue)>,
     /// Bound on the whole leg.
     limit: Duration,
+    /// Prompt tokens the endpoint is predicted to compute (0 unknown).
+    tokens: u32,
 }
 
 impl PrefillJob {
@@ -48,6 +50,7 @@ impl PrefillJob {
     ) -> Self {
         PrefillJob {
             limit,
+            tokens: pd.prefill_tokens,
             endpoint: pd.prefill.clone(),
             path: pd.route.path(),
             request_id: request_id.to_string(),
@@ -69,7 +72,9 @@ fn prefill_span(request_id: &str, endpoint: &str) -> tracing::Span {
 /// retries elsewhere). The outcome feeds passive health (a 4xx is the client's fault, not the
 /// engine's).
 async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, GatewayError> {
-    let _load = LoadGuard::acquire(&job.endpoint.load);
+    // The prompt tokens it computes count as work queued there (cache-aware choices) until
+    // it answers.
+    let _load = LoadGuard::computing(&job.endpoint.load, job.tokens);
     gw.health.begin(&job.endpoint.name);
     let leg = LegRequest {
         leg: Leg::Prefill,

@@ -103,6 +103,9 @@ pub(crate) struct Pd {
     /// The prefill leg's base when the route needs one other than `clean`
     /// ([`Route::prefill_base`]); the agent builds the prefill leg from it.
     pub(crate) prefill_base: Option<JsonBody>,
+    /// Prompt tokens `prefill` is predicted to compute ([`select::Pair::prefill_tokens`]; 0
+    /// unknown), counted in its load while a prefill leg runs there.
+    pub(crate) prefill_tokens: u32,
 }
 
 impl Pd {
@@ -118,6 +121,8 @@ impl Pd {
             .ok_or_else(|| GatewayError::Internal("prefill endpoint without an agent".into()))?;
         self.restart(request_id);
         self.agent = agent;
+        // Predicted for the endpoint it leaves, not for this one.
+        self.prefill_tokens = 0;
         self.served.prefill = next.name.clone();
         self.prefill = next;
         Ok(())
@@ -192,6 +197,7 @@ pub(crate) async fn serve(
         decode,
         decode_only,
         predicted_cached,
+        prefill_tokens,
     } = select::pair(&gw, &snapshot, view.model.as_deref(), prefix.as_ref())?;
     if let Some(cached) = predicted_cached {
         debug!(id = %ex.request_id, cached, decode_only, "cache-aware decision");
@@ -284,6 +290,7 @@ pub(crate) async fn serve(
         served,
         prefill_cached: None,
         prefill_base,
+        prefill_tokens,
     };
     // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
     // would otherwise hold (and move) that much inline.

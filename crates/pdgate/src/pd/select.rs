@@ -29,6 +29,9 @@ pub(crate) struct Pair {
     /// Prompt tokens predicted cached where the prompt is computed (the prefill, or the decode
     /// when alone); `None` without cache-aware routing.
     pub(crate) predicted_cached: Option<u32>,
+    /// Prompt tokens the prefill is predicted to compute (its uncached ones), counted in its
+    /// load while the prefill leg runs; 0 where not predicted (no cache-aware prefill choice).
+    pub(crate) prefill_tokens: u32,
 }
 
 /// Why no pair serves `model`.
@@ -106,6 +109,7 @@ pub(crate) fn pair(
         decode: decodes[j].clone(),
         decode_only: false,
         predicted_cached: None,
+        prefill_tokens: 0,
     })
 }
 
@@ -215,6 +219,7 @@ fn cache_pair(
         )
         .ok_or_else(|| no_pair(snap, model))
     };
+    // The prefill's prediction (cached, uncached), or the decode's when it serves alone.
     let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
         let decodes = Candidates::of(gw, whole, &snap.decode, |d| {
             d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
@@ -234,16 +239,11 @@ fn cache_pair(
             && pairing_prefills().all(|p| p.agent.as_ref().is_some_and(|a| a.allows_decode_only()));
         if alone && let Some(first) = pairing_prefills().next() {
             // The prefill only names the connector; no leg goes to it.
-            (
-                Arc::clone(first),
-                decode,
-                true,
-                d_choice.map(|c| c.cached_tokens),
-            )
+            (Arc::clone(first), decode, true, d_choice)
         } else {
             let prefills = Candidates::of(gw, whole, &snap.prefill, |p| pairing(p))?;
             let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
-            (prefill, decode, false, p_choice.map(|c| c.cached_tokens))
+            (prefill, decode, false, p_choice)
         }
     } else {
         let prefills = Candidates::of(gw, whole, &snap.prefill, |p| {
@@ -269,12 +269,7 @@ fn cache_pair(
             .decode_policy
             .pick(&decodes)
             .ok_or_else(|| no_pair(snap, model))?;
-        (
-            prefill,
-            decodes[j].clone(),
-            false,
-            p_choice.map(|c| c.cached_tokens),
-        )
+        (prefill, decodes[j].clone(), false, p_choice)
     };
     // Both engines will hold the prompt's blocks: the prefill computed them, the decode
     // received (or computed) them and caches them too. One walk of the keys writes both.
@@ -291,7 +286,11 @@ fn cache_pair(
         prefill,
         decode,
         decode_only,
-        predicted_cached: predicted,
+        predicted_cached: predicted.map(|c| c.cached_tokens),
+        prefill_tokens: match predicted {
+            Some(c) if !decode_only => c.uncached_tokens,
+            _ => 0,
+        },
     })
 }
 
@@ -460,6 +459,36 @@ mod tests {
             Err(GatewayError::Overloaded { .. })
         ));
         drop((busy, also));
+    }
+
+    #[test]
+    fn a_prefill_computing_long_prompts_loses_a_prefix_it_holds() {
+        let (gw, snap, view) = cache_fleet(
+            "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
+             [[prefill]]\nurl = \"http://10.0.0.2:8000\"\n\
+             [[decode]]\nurl = \"http://10.0.0.3:8000\"\n",
+        );
+        let (holder, other) = (&snap.prefill[0], &snap.prefill[1]);
+        seed(&gw, &snap, &snap.decode[0].name, &view);
+        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        assert_eq!(chosen.prefill.name, holder.name);
+        // 48 of the 64 tokens cached there: it computes the last block.
+        assert_eq!(
+            (chosen.predicted_cached, chosen.prefill_tokens),
+            (Some(48), 16)
+        );
+        // Both hold a request; the holder's computes 1,000 prompt tokens: 16 + 1000 > 64 + 0.
+        let long = crate::endpoints::LoadGuard::computing(&holder.load, 1000);
+        let short = crate::endpoints::LoadGuard::acquire(&other.load);
+        assert_eq!(holder.load.computing_tokens(), 1000);
+        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        assert_eq!(chosen.prefill.name, other.name);
+        assert_eq!(
+            (chosen.predicted_cached, chosen.prefill_tokens),
+            (Some(0), 64)
+        );
+        drop((long, short));
+        assert_eq!(holder.load.computing_tokens(), 0);
     }
 
     #[test]
