@@ -173,10 +173,11 @@ impl Scorer<'_> {
                 }
                 _ => self.blocks_by_id(e),
             };
+            let (in_flight, computing) = e.load.held();
             score::Facts {
                 blocks,
-                in_flight: saturate(e.load.in_flight()),
-                computing: saturate(e.load.computing_tokens()),
+                in_flight,
+                computing,
             }
         });
         let (state, index) = (&*self.state, &*self.index);

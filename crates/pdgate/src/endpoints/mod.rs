@@ -11,7 +11,7 @@ pub mod policy;
 pub mod reliability;
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
@@ -58,10 +58,12 @@ impl Role {
 /// Live load of one endpoint, shared across snapshots.
 #[derive(Debug, Default)]
 pub struct Load {
-    in_flight: AtomicUsize,
-    /// Prompt tokens this endpoint is computing for the requests it holds, where pdgate
-    /// predicted them (a cache-aware prefill's uncached tokens): work queued before a new one.
-    computing: AtomicUsize,
+    /// What it holds, in one word so that a cache-aware decision reads both halves with one
+    /// load: the requests in the low 32 bits, and in the high 32 the prompt tokens it computes
+    /// for them where pdgate predicted them (a cache-aware prefill's uncached tokens: work
+    /// queued ahead of a new request). Guards add and subtract the same amounts, so both halves
+    /// are exact (the tokens modulo 2^32, four billion).
+    held: AtomicU64,
     total: AtomicU64,
     /// A small number no other live endpoint of the [`LoadTable`] has (0 outside one): per
     /// endpoint state elsewhere is a vector indexed by it, found without hashing a name.
@@ -76,13 +78,20 @@ impl Load {
 
     /// Requests currently held by this endpoint.
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Relaxed)
+        self.held().0 as usize
     }
 
     /// Prompt tokens it is computing for the requests it holds, as far as pdgate predicted
     /// them (see [`LoadGuard::computing`]).
     pub fn computing_tokens(&self) -> usize {
-        self.computing.load(Ordering::Relaxed)
+        self.held().1 as usize
+    }
+
+    /// The requests it holds and the prompt tokens it computes for them, read together.
+    #[inline]
+    pub fn held(&self) -> (u32, u32) {
+        let held = self.held.load(Ordering::Relaxed);
+        (held as u32, (held >> 32) as u32)
     }
 
     /// Requests ever sent to this endpoint.
@@ -96,7 +105,8 @@ impl Load {
 #[derive(Debug)]
 pub struct LoadGuard {
     load: Arc<Load>,
-    tokens: usize,
+    /// What it added to the endpoint's [`Load::held`].
+    held: u64,
 }
 
 impl LoadGuard {
@@ -108,27 +118,19 @@ impl LoadGuard {
     /// Counts one more request on `load`, which computes `tokens` prompt tokens for it (a
     /// prefill leg whose uncached tokens a cache-aware decision predicted).
     pub fn computing(load: &Arc<Load>, tokens: u32) -> LoadGuard {
-        let tokens = tokens as usize;
-        load.in_flight.fetch_add(1, Ordering::Relaxed);
+        let held = 1 | u64::from(tokens) << 32;
+        load.held.fetch_add(held, Ordering::Relaxed);
         load.total.fetch_add(1, Ordering::Relaxed);
-        if tokens > 0 {
-            load.computing.fetch_add(tokens, Ordering::Relaxed);
-        }
         LoadGuard {
             load: load.clone(),
-            tokens,
+            held,
         }
     }
 }
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        self.load.in_flight.fetch_sub(1, Ordering::Relaxed);
-        if self.tokens > 0 {
-            self.load
-                .computing
-                .fetch_sub(self.tokens, Ordering::Relaxed);
-        }
+        self.load.held.fetch_sub(self.held, Ordering::Relaxed);
     }
 }
 

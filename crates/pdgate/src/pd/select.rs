@@ -480,7 +480,8 @@ mod tests {
         // Both hold a request; the holder's computes 1,000 prompt tokens: 16 + 1000 > 64 + 0.
         let long = crate::endpoints::LoadGuard::computing(&holder.load, 1000);
         let short = crate::endpoints::LoadGuard::acquire(&other.load);
-        assert_eq!(holder.load.computing_tokens(), 1000);
+        assert_eq!(holder.load.held(), (1, 1000));
+        assert_eq!(other.load.held(), (1, 0));
         let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(chosen.prefill.name, other.name);
         assert_eq!(
@@ -488,7 +489,10 @@ mod tests {
             (Some(0), 64)
         );
         drop((long, short));
-        assert_eq!(holder.load.computing_tokens(), 0);
+        assert_eq!(
+            (holder.load.in_flight(), holder.load.computing_tokens()),
+            (0, 0)
+        );
     }
 
     #[test]
