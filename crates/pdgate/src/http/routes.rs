@@ -126,8 +126,8 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
     }
     let snap = gw.store.load();
     gw.metrics.set_fleet([
-        ("prefill", in_flight(&snap.prefill)),
-        ("decode", in_flight(&snap.decode)),
+        ("prefill", held(&snap.prefill)),
+        ("decode", held(&snap.decode)),
     ]);
     gw.metrics
         .set_retry_budget(gw.retry_budget.tokens(), gw.retry_budget.capacity());
@@ -142,14 +142,13 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
         .into_response()
 }
 
-fn in_flight(list: &[Arc<crate::endpoints::Endpoint>]) -> Vec<(&str, usize, usize)> {
+/// Each endpoint's name, requests in flight and predicted prompt tokens in computation (one
+/// read of its load, so the two agree).
+fn held(list: &[Arc<crate::endpoints::Endpoint>]) -> Vec<(&str, usize, usize)> {
     list.iter()
         .map(|e| {
-            (
-                e.name.as_str(),
-                e.load.in_flight(),
-                e.load.computing_tokens(),
-            )
+            let (requests, tokens) = e.load.held();
+            (e.name.as_str(), requests as usize, tokens as usize)
         })
         .collect()
 }
