@@ -1,7 +1,8 @@
 //! Choosing one endpoint by cache and load: pure, so every rule has a unit test.
 //!
 //! cost = `cache_weight` x uncached prompt tokens + `queued_weight` x prompt tokens the endpoint
-//! is still computing for earlier requests + `load_weight` x in-flight requests; the cheapest wins, ties go to the least loaded, then to the one caching least (then at random).
+//! is still computing for earlier requests + `load_weight` x in-flight requests; the cheapest
+//! wins, ties go to the least loaded, then to the one caching least (then at random).
 //! The imbalance guard: when the busiest candidate is more than `balance_abs` requests *and*
 //! `balance_rel` times above the idlest, the cache is ignored and the least loaded wins, so one
 //! hot prefix cannot pile all traffic onto one endpoint.
@@ -39,9 +40,9 @@ impl DecisionKind {
 pub(crate) struct Facts {
     /// Leading blocks of the prompt it holds.
     pub(crate) blocks: u32,
-    /// Requests it holds now (saturated).
+    /// Requests it holds now.
     pub(crate) in_flight: u32,
-    /// Prompt tokens it is computing for them, where predicted (saturated).
+    /// Prompt tokens it is computing for them, where predicted (see `Load::held`).
     pub(crate) computing: u32,
 }
 
