@@ -18,7 +18,8 @@
 # builds can be compared without an idle host (wall-clock numbers come from bench/compare.sh).
 # A relayed event is one SSE event the client receives: 256 tokens, the usage event and [DONE]
 # (258 per stream). Needs valgrind (`apt-get install valgrind`), strace and perf for `syscalls`;
-# builds release binaries unless BENCH_SKIP_BUILD=1, and for massif a pdgate with the system
+# builds optimised binaries with symbols (`--profile profiling`) unless BENCH_SKIP_BUILD=1, and
+# for massif a pdgate with the system
 # allocator (feature `system-allocator`; massif cannot see jemalloc).
 #
 # Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_TARGET
@@ -60,11 +61,13 @@ else
     exit 2
   }
 fi
-BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
+# The `profiling` profile: the release build with line tables and symbols (the release binary
+# itself ships without debuginfo).
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/profiling"
 if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
-  cargo build --release --locked -p pdgate -p pdsim -p pdbench --manifest-path "$ROOT/Cargo.toml" >&2
+  cargo build --profile profiling --locked -p pdgate -p pdsim -p pdbench --manifest-path "$ROOT/Cargo.toml" >&2
   if [ "$TARGET" != pdgate ]; then
-    cargo build --release --locked -p pdbench --example stream_floor \
+    cargo build --profile profiling --locked -p pdbench --example stream_floor \
       --manifest-path "$ROOT/Cargo.toml" >&2
   fi
 fi
@@ -72,9 +75,9 @@ GATEWAY="${PDGATE_BIN:-$BIN/pdgate}"
 if [ "$MODE" = massif ] && [ -z "${PDGATE_BIN:-}" ]; then
   # massif sees only the system allocator's heap: a pdgate without jemalloc, in its own target
   # dir so the regular release binary stays as it is (a cold build there takes minutes).
-  cargo build --release --locked -p pdgate --features system-allocator \
+  cargo build --profile profiling --locked -p pdgate --features system-allocator \
     --manifest-path "$ROOT/Cargo.toml" --target-dir "${CARGO_TARGET_DIR:-$ROOT/target}/system-allocator" >&2
-  GATEWAY="${CARGO_TARGET_DIR:-$ROOT/target}/system-allocator/release/pdgate"
+  GATEWAY="${CARGO_TARGET_DIR:-$ROOT/target}/system-allocator/profiling/pdgate"
 fi
 OUT="${PROFILE_OUT:-$ROOT/bench/out/profile-$(date -u +%Y%m%dT%H%M%SZ)}"
 mkdir -p "$OUT"
