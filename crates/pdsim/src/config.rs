@@ -215,6 +215,16 @@ pub struct Faults {
     /// KV events: the publisher stops sending; batches queue (bounded by `hwm`, then dropped
     /// and counted) and go out when the stall ends.
     pub kv_events_stall: bool,
+    /// Decode: KV-transfer parameters are ignored and the prompt is recomputed, as by a vLLM
+    /// decode started without a KV connector (the answer looks right; no KV moved).
+    pub ignore_kv: bool,
+    /// Decode: a failed KV load recomputes the prompt and answers 200, as vLLM's
+    /// `kv_load_failure_policy = "recompute"` does, instead of failing the request.
+    pub recompute_on_kv_failure: bool,
+    /// Prefill (shfs): the side-channel port advertised in `kv_transfer_params.remote_port`
+    /// instead of the one it listens on, as when `VLLM_NIXL_SIDE_CHANNEL_PORT` disagrees with
+    /// the engine's real side channel.
+    pub advertise_side_channel_port: Option<u16>,
 }
 
 impl Default for Faults {
@@ -231,6 +241,9 @@ impl Default for Faults {
             kv_events_drop_rate: 0.0,
             kv_events_skip_seq: 0,
             kv_events_stall: false,
+            ignore_kv: false,
+            recompute_on_kv_failure: false,
+            advertise_side_channel_port: None,
         }
     }
 }

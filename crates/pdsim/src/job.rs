@@ -251,15 +251,26 @@ impl Job {
             }
             Consume::Fail(e) => return Err(engine.kv_load_failed(&self.id, e)),
             Consume::Crash(e) => return Err(engine.die(&self.id, &e)),
-            remote => {
-                let wire = self
-                    .pull(remote)
-                    .await
-                    .map_err(|e| engine.kv_load_failed(&self.id, e))?;
-                engine.counters.transfers_pulled.fetch_add(1, Relaxed);
-                // The prefill's own hits travel with its KV; a local hit is reported when larger.
-                (0, wire.cached_tokens.max(local_hit))
+            _ if engine.faults.load().ignore_kv => {
+                engine.counters.faults_injected.fetch_add(1, Relaxed);
+                engine.counters.recomputed.fetch_add(1, Relaxed);
+                tracing::debug!(request_id = %self.id, "KV params ignored (injected ignore_kv): recomputing the prompt");
+                (count - local_hit, local_hit)
             }
+            remote => match self.pull(remote).await {
+                Ok(wire) => {
+                    engine.counters.transfers_pulled.fetch_add(1, Relaxed);
+                    // The prefill's own hits travel with its KV; a local hit is reported when larger.
+                    (0, wire.cached_tokens.max(local_hit))
+                }
+                Err(e) if engine.faults.load().recompute_on_kv_failure => {
+                    // Counted and logged as a failed load, then served like vLLM's recovery.
+                    let _ = engine.kv_load_failed(&self.id, e);
+                    engine.counters.recomputed.fetch_add(1, Relaxed);
+                    (count - local_hit, local_hit)
+                }
+                Err(e) => return Err(engine.kv_load_failed(&self.id, e)),
+            },
         };
         self.cached = cached;
         engine
@@ -427,7 +438,12 @@ impl Job {
                     remote_engine_id: &engine.engine_id,
                     remote_request_id: &request_id,
                     remote_host: &engine.cfg.advertise_host,
-                    remote_port: engine.side_channel_port.unwrap_or(0),
+                    remote_port: engine
+                        .faults
+                        .load()
+                        .advertise_side_channel_port
+                        .or(engine.side_channel_port)
+                        .unwrap_or(0),
                     tp_size: 1,
                     dcp_size: 1,
                     pp_size: 1,

@@ -106,6 +106,18 @@ struct Args {
     /// Fault: the KV-event publisher stalls (batches queue up to hwm, then drop).
     #[arg(long, env = "PDSIM_FAULT_KV_EVENTS_STALL")]
     fault_kv_events_stall: bool,
+    /// Fault (decode): ignore KV-transfer params and recompute the prompt, like a vLLM decode
+    /// started without a KV connector.
+    #[arg(long, env = "PDSIM_FAULT_IGNORE_KV")]
+    fault_ignore_kv: bool,
+    /// Fault (decode): a failed KV load recomputes the prompt and answers 200 (vLLM's
+    /// kv_load_failure_policy "recompute") instead of failing the request.
+    #[arg(long, env = "PDSIM_FAULT_RECOMPUTE_ON_KV_FAILURE")]
+    fault_recompute_on_kv_failure: bool,
+    /// Fault (shfs prefill): advertise this side-channel port instead of the real one, like a
+    /// VLLM_NIXL_SIDE_CHANNEL_PORT that disagrees with the engine's side channel.
+    #[arg(long, env = "PDSIM_FAULT_ADVERTISE_SIDE_CHANNEL_PORT")]
+    fault_advertise_side_channel_port: Option<u16>,
     /// Hugging Face tokenizer.json (chat template from tokenizer_config.json beside it); default:
     /// the deterministic word tokenizer (one token per whitespace-separated word, plus BOS).
     #[arg(long, env = "PDSIM_TOKENIZER")]
@@ -153,7 +165,8 @@ Handoffs (a wrong one fails like the real engine: 500 JSON error, or 200 then a 
 Faults JSON (POST /sim/faults; missing fields take these defaults, unknown fields are rejected):
   {\"error_rate\":0.0,\"error_status\":500,\"hang\":false,\"first_byte_delay_ms\":0,
    \"drop_after_chunks\":null,\"dead\":false,\"refuse_kv\":false,\"crash_on_bad_kv_params\":false,
-   \"kv_events_drop_rate\":0.0,\"kv_events_skip_seq\":0,\"kv_events_stall\":false}
+   \"kv_events_drop_rate\":0.0,\"kv_events_skip_seq\":0,\"kv_events_stall\":false,\"ignore_kv\":false,
+   \"recompute_on_kv_failure\":false,\"advertise_side_channel_port\":null}
 
 Prefix cache (like vLLM's): full blocks of --block-size tokens, chained sha256_cbor hashes; hits capped
 at prompt_tokens-1 (floor((n-1)/block)*block); prefill time = uncached tokens x --prefill-ms-per-token.
@@ -236,6 +249,9 @@ fn config(a: &Args) -> Result<SimConfig, StartError> {
         kv_events_drop_rate: a.fault_kv_events_drop_rate,
         kv_events_skip_seq: a.fault_kv_events_skip_seq,
         kv_events_stall: a.fault_kv_events_stall,
+        ignore_kv: a.fault_ignore_kv,
+        recompute_on_kv_failure: a.fault_recompute_on_kv_failure,
+        advertise_side_channel_port: a.fault_advertise_side_channel_port,
     };
     Ok(c)
 }
