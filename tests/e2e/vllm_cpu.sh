@@ -8,7 +8,8 @@
 # engine's /metrics, outputs equal to the baseline, /v1/responses and /v1/messages
 # through PD (prefill engine's prompt tokens, NIXL pulls), /tokenize and /detokenize
 # passed through, two prefills both used, a
-# killed prefill and a killed decode answered cleanly. Cleans up everything.
+# killed prefill and a killed decode answered cleanly; and `pdgate check` proves both
+# prefill/decode pairs move their KV. Cleans up everything.
 #
 # Environment:
 #   PDGATE_CACHE           cache root (default ~/.cache/pdgate): vllm-venv/, tiny-llama/
@@ -132,7 +133,25 @@ else
   CHECK_ARGS+=(--gateway-one "http://127.0.0.1:$GW1_PORT" --gateway-two "http://127.0.0.1:$GW2_PORT")
 fi
 
-# ---- 7. checks ----------------------------------------------------------------------
+# ---- 7. pdgate check: both pairs move their KV (before check_pd.py kills engines) ------
+if [[ "$DIRECT" != 1 ]]; then
+  t_check=$SECONDS
+  if ! timeout 600 "$PDGATE" check --prefill "http://127.0.0.1:$P1_PORT" --prefill "http://127.0.0.1:$P2_PORT" \
+    --decode "http://127.0.0.1:$D_PORT" --kv-connector shfs --timeout 180s --require-evidence \
+    >"$WORK/check.txt" 2>"$WORK/check.log"; then
+    cat "$WORK/check.txt" "$WORK/check.log" >&2
+    log "FAIL pdgate check: a pair did not move its KV"
+    exit 1
+  fi
+  cat "$WORK/check.txt"
+  if ! grep -q "^2 pairs: 2 received the KV" "$WORK/check.txt"; then
+    log "FAIL pdgate check: expected both pairs to receive the KV"
+    exit 1
+  fi
+  log "PASS pdgate check: both pairs moved their KV ($((SECONDS - t_check))s)"
+fi
+
+# ---- 8. checks ----------------------------------------------------------------------
 t_checks=$SECONDS
 timeout 1200 "$PY" "$HERE/check_pd.py" "${CHECK_ARGS[@]}"
 log "checks took $((SECONDS - t_checks))s"

@@ -59,6 +59,7 @@
 
 // (rustfmt keeps these sorted; the order a request meets them is the list above.)
 pub(crate) mod cache;
+pub mod check;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;

@@ -32,6 +32,19 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Prove that each prefill/decode pair of a running deployment really moves KV.
+    ///
+    /// Sends a canary through each pair (every pair with --all-pairs, otherwise a sample in
+    /// which every endpoint appears), with the same configuration or discovery as the gateway,
+    /// and reports per pair whether the decode received the KV or recomputed the prompt (from
+    /// the engine's own counters), the time per leg, and whether the answer equals the decode's
+    /// answer to the prompt alone. Exits 1 when a pair fails, 2 on a configuration error.
+    Check {
+        #[command(flatten)]
+        run: Box<RunArgs>,
+        #[command(flatten)]
+        check: CheckArgs,
+    },
     #[cfg(feature = "demo")]
     /// Start simulated prefill/decode engines (several connectors, model `demo`) and a gateway in
     /// front of them, and print ready-to-paste examples.
@@ -40,6 +53,101 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
     },
+}
+
+/// How `pdgate check` samples pairs and what it sends.
+#[derive(Debug, clap::Args)]
+struct CheckArgs {
+    /// Check every prefill/decode pair (default: a sample in which every endpoint appears).
+    #[arg(long)]
+    all_pairs: bool,
+    /// At most this many pairs.
+    #[arg(long, default_value_t = 64)]
+    max_pairs: usize,
+    /// Words in each canary prompt (a few tokens each: keep it under the engines' context).
+    #[arg(long, default_value_t = 48)]
+    prompt_words: usize,
+    /// Tokens each canary generates.
+    #[arg(long, default_value_t = 8)]
+    max_tokens: u32,
+    /// Bound on each step (the pair ready, each request, the counters settling).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Fail a pair whose decode exposes no counter of received KV (default: report "unknown").
+    #[arg(long)]
+    require_evidence: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `pdgate check`: the deployment's pods, from its configuration or its discovery, checked pair
+/// by pair.
+async fn check(args: Box<RunArgs>, opts: CheckArgs) -> ExitCode {
+    let config = match args.load() {
+        Ok(config) => config,
+        Err(e) => return fail(&pdgate::Error::from(e)),
+    };
+    let pods = match deployment_pods(&config).await {
+        Ok(pods) => pods,
+        Err(e) => return fail(&e),
+    };
+    let options = pdgate::check::CheckOptions {
+        all_pairs: opts.all_pairs,
+        max_pairs: opts.max_pairs,
+        prompt_words: opts.prompt_words,
+        max_tokens: opts.max_tokens,
+        timeout: opts.timeout,
+        require_evidence: opts.require_evidence,
+    };
+    let registry = kvtransfer::Registry::with_builtins();
+    let report = match pdgate::check::run(config, registry, pods, &options).await {
+        Ok(report) => report,
+        Err(e) => return fail(&e),
+    };
+    if opts.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(json) => println!("{json}"),
+            Err(e) => eprintln!("pdgate: {e}"),
+        }
+    } else {
+        print!("{}", report.render());
+    }
+    if report.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// The endpoints the gateway would route to: the configured ones, or the first complete list
+/// from Kubernetes (bounded).
+async fn deployment_pods(config: &Config) -> Result<Vec<kvtransfer::Pod>, pdgate::Error> {
+    if config.discovery.kind != DiscoveryKind::Kubernetes {
+        return Ok(config.pods()?);
+    }
+    let field = |message: String| pdgate::ConfigError::Field {
+        field: "discovery".into(),
+        message,
+    };
+    let client = pdkube::client_from_env()
+        .await
+        .map_err(|e| field(e.to_string()))?;
+    let (tx, mut rx) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let discovery = tokio::spawn(pdkube::run(
+        client,
+        config.kubernetes.clone(),
+        tx,
+        cancel.clone(),
+    ));
+    let first = tokio::time::timeout(Duration::from_secs(30), rx.changed()).await;
+    cancel.cancel();
+    let _ = discovery.await;
+    match first {
+        Ok(Ok(())) => Ok(rx.borrow().as_ref().clone()),
+        _ => Err(field("no pod list from the Kubernetes API server within 30s".into()).into()),
+    }
 }
 
 async fn shutdown_signal() {
@@ -117,8 +225,21 @@ async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    let command = match cli.command {
+        Some(Command::Check { run, check: opts }) => {
+            // The report owns stdout; logs go to stderr, warnings only unless RUST_LOG says more.
+            let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+            tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .init();
+            return check(run, opts).await;
+        }
+        other => other,
+    };
     // The configuration first: it says where spans go (`[telemetry]`). The demo exports none.
-    let config = if cli.command.is_some() {
+    let config = if command.is_some() {
         None
     } else {
         match cli.run.load() {
@@ -136,7 +257,8 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let result = match cli.command {
+    let result = match command {
+        Some(Command::Check { .. }) => Ok(()), // answered above
         #[cfg(feature = "demo")]
         Some(Command::Demo { listen }) => pdgate::demo::run(listen, shutdown_signal()).await,
         None => match config {
