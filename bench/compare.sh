@@ -442,4 +442,11 @@ fi
   python3 "$ROOT/bench/ratios.py" "$OUT"
 } | tee "$OUT/table.txt"
 python3 "$ROOT/bench/ratios.py" "$OUT" --markdown >"$OUT/table.md"
+# The chart (docs/benchmarks.md shows the one of its current run): matplotlib from the bench venv.
+CHART_VENV="$CACHE/bench-venv"
+if ! "$CHART_VENV/bin/python" -c 'import matplotlib' 2>/dev/null; then
+  (timeout 900 python3 -m venv "$CHART_VENV" && timeout 900 "$CHART_VENV/bin/pip" install -q matplotlib) \
+    >"$OUT/pip-matplotlib.log" 2>&1 || log "matplotlib install failed: no chart (see $OUT/pip-matplotlib.log)"
+fi
+"$CHART_VENV/bin/python" "$ROOT/bench/compare_charts.py" "$OUT" || log "no chart drawn"
 log "results in $OUT"

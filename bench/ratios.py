@@ -62,6 +62,28 @@ def pct(r, hist, q):
     return None if not h else h.get(q)
 
 
+def gateway_cost(r, pr):
+    """(CPU ms per successful request, CPU us per relayed event, peak RSS MiB) of one cell's
+    target, from its pdbench result and its proc.tsv row (None where unknown)."""
+    cpu = rss = per_event = None
+    if pr and r and r.get("ok"):
+        cpu = float(pr["cpu_s"]) * 1000.0 / r["ok"]
+        rss = int(pr["rss_kb"]) / 1024.0
+        events = int(pr.get("events_per_stream") or 0)
+        if events:
+            streams = r["ok"] + int(pr.get("warmup") or 0)
+            per_event = float(pr["cpu_s"]) * 1e6 / (streams * events)
+    return cpu, per_event, rss
+
+
+def cells_of(results):
+    return sorted({c for c, _ in results}, key=cell_key)
+
+
+def targets_of(results, cell):
+    return sorted({t for c, t in results if c == cell}, key=target_key)
+
+
 def main():
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
@@ -73,11 +95,9 @@ def main():
               "+p99 ms", "+ttft p50", "ttft p50", "ttft p99", "itl p99", "cpu s/1k",
               "cpu us/ev", "rss MiB", "errors"]
     rows = []
-    cells = sorted({c for c, _ in results}, key=cell_key)
-    for cell in cells:
+    for cell in cells_of(results):
         base = results.get((cell, "direct"))
-        targets = sorted({t for c, t in results if c == cell}, key=target_key)
-        for t in targets:
+        for t in targets_of(results, cell):
             r = results.get((cell, t))
             if r is None:
                 rows.append([cell, t] + ["failed"] + ["-"] * (len(header) - 3))
@@ -88,15 +108,7 @@ def main():
             b50, b99 = pct(base, "latency_ms", "p50"), pct(base, "latency_ms", "p99")
             t50, bt50 = pct(r, "ttft_ms", "p50"), pct(base, "ttft_ms", "p50")
             add = lambda a, b: None if a is None or b is None else a - b  # noqa: E731
-            pr = proc.get((cell, t))
-            cpu = rss = per_event = None
-            if pr and r.get("ok"):
-                cpu = float(pr["cpu_s"]) * 1000.0 / r["ok"]
-                rss = int(pr["rss_kb"]) / 1024.0
-                events = int(pr.get("events_per_stream") or 0)
-                if events:
-                    streams = r["ok"] + int(pr.get("warmup") or 0)
-                    per_event = float(pr["cpu_s"]) * 1e6 / (streams * events)
+            cpu, per_event, rss = gateway_cost(r, proc.get((cell, t)))
             t99, i99 = pct(r, "ttft_ms", "p99"), pct(r, "itl_ms", "p99")
             errs = r.get("errors_by_class") or {}
             err = ",".join(f"{k}={v}" for k, v in sorted(errs.items())) or "0"
