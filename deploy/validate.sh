@@ -25,7 +25,11 @@ fi
 kv="$venv/bin/kubernetes-validate"
 py="$venv/bin/python"
 
-mapfile -t manifests < <(cd "$here" && find kubernetes -name '*.yaml' ! -name kustomization.yaml | sort)
+# Custom resources (InferencePool) are checked below against their CRDs, not here.
+mapfile -t manifests < <(cd "$here" && grep -L '^apiVersion: inference\.networking\.k8s\.io/' \
+  $(find kubernetes -name '*.yaml' ! -name kustomization.yaml) | sort)
+mapfile -t custom < <(cd "$here" && grep -l '^apiVersion: inference\.networking\.k8s\.io/' \
+  $(find kubernetes -name '*.yaml' ! -name kustomization.yaml) | sort)
 if [ "${#manifests[@]}" -eq 0 ]; then
   echo "validate.sh: no manifests found under $here/kubernetes" >&2
   exit 1
@@ -59,6 +63,61 @@ for version in "${kube_versions[@]}"; do
     failed=1
   fi
 done
+
+# Custom resources against the CRDs kept in deploy/crds (strict: unknown fields fail, like the
+# API server's structural-schema pruning would drop them), with a self-test first.
+if ! (cd "$here" && "$py" - "${custom[@]}" <<'PY'
+import glob, sys, yaml, jsonschema
+
+def strict(schema):
+    # An object schema without additionalProperties/x-kubernetes-preserve-unknown-fields
+    # prunes unknown fields in the API server: refuse them here.
+    if isinstance(schema, dict):
+        if schema.get("type") == "object" and "properties" in schema \
+                and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema = dict(schema, additionalProperties=False)
+        return {k: strict(v) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+schemas = {}
+for path in glob.glob("crds/*.yaml"):
+    with open(path) as f:
+        crd = yaml.safe_load(f)
+    group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+    for v in crd["spec"]["versions"]:
+        root = strict(v["schema"]["openAPIV3Schema"])
+        # metadata is the API server's (ObjectMeta), not the CRD's to describe.
+        root.setdefault("properties", {})["metadata"] = {"type": "object"}
+        schemas[(f"{group}/{v['name']}", kind)] = root
+
+def check(doc):
+    schema = schemas.get((doc.get("apiVersion"), doc.get("kind")))
+    if schema is None:
+        return [f"no CRD in deploy/crds for {doc.get('apiVersion')} {doc.get('kind')}"]
+    return [e.message for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+
+broken = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+          "metadata": {"name": "x"}, "spec": {"selector": {"matchLabels": {"a": "b"}},
+          "targetPort": [{"number": 8000}]}}
+if not check(broken):
+    sys.exit("validate.sh: self-test failed: the CRD schema accepted a broken InferencePool")
+errors = []
+for path in sys.argv[1:]:
+    with open(path) as f:
+        for doc in yaml.safe_load_all(f):
+            if doc:
+                errors += [f"{path}: {e}" for e in check(doc)]
+for e in errors:
+    print(f"validate.sh: {e}", file=sys.stderr)
+print(f"validate.sh: {len(sys.argv) - 1} custom-resource files valid against deploy/crds")
+sys.exit(1 if errors else 0)
+PY
+); then
+  failed=1
+fi
 
 # Kustomizations: listed resources exist; every manifest outside examples/ is listed somewhere.
 if ! (cd "$here" && "$py" - "${manifests[@]}" <<'PY'

@@ -117,6 +117,19 @@ pub struct KubeDiscoveryConfig {
     /// Only publish prefill and decode pods that belong to a roleset holding at least one
     /// routable prefill and one routable decode pod (the gateway must then pair within a roleset).
     pub roleset_pairing: bool,
+    /// Follow the Gateway API Inference Extension `InferencePool` of this name
+    /// (`inference.networking.k8s.io/v1`) in the watched namespace: its
+    /// `spec.selector.matchLabels` selects the pods (together with `selector`, when set) and its
+    /// first `spec.targetPorts` number is their engine port. Roles and connectors still come from
+    /// the pods' labels.
+    pub inference_pool: Option<String>,
+    /// How often the InferencePool is read again; a changed selector or port restarts the pod
+    /// watch. In configuration files: milliseconds under `inference_pool_refresh_ms`.
+    #[serde(
+        rename = "inference_pool_refresh_ms",
+        deserialize_with = "deserialize_millis"
+    )]
+    pub inference_pool_refresh: Duration,
 }
 
 /// Namespace value meaning "watch every namespace".
@@ -124,6 +137,9 @@ pub const ALL_NAMESPACES: &str = "*";
 
 /// Default debounce window.
 pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(250);
+
+/// Default interval between two reads of the followed InferencePool.
+pub const DEFAULT_POOL_REFRESH: Duration = Duration::from_secs(10);
 
 impl Default for KubeDiscoveryConfig {
     fn default() -> Self {
@@ -133,6 +149,8 @@ impl Default for KubeDiscoveryConfig {
             keys: LabelKeys::default(),
             debounce: DEFAULT_DEBOUNCE,
             roleset_pairing: false,
+            inference_pool: None,
+            inference_pool_refresh: DEFAULT_POOL_REFRESH,
         }
     }
 }
@@ -153,6 +171,28 @@ impl KubeDiscoveryConfig {
         if let Some(selector) = &self.selector {
             validate_selector(selector)?;
         }
+        if let Some(pool) = &self.inference_pool {
+            if !is_dns_subdomain(pool) {
+                return Err(KubeDiscoveryError::InvalidConfig {
+                    field: "inference_pool",
+                    reason: format!("{pool:?} is not a valid object name (RFC 1123 subdomain)"),
+                });
+            }
+            if self.namespace.as_deref() == Some(ALL_NAMESPACES) {
+                return Err(KubeDiscoveryError::InvalidConfig {
+                    field: "inference_pool",
+                    reason: "an InferencePool lives in one namespace: name it, not \"*\"".into(),
+                });
+            }
+            if self.inference_pool_refresh < Duration::from_millis(10)
+                || self.inference_pool_refresh > Duration::from_secs(3600)
+            {
+                return Err(KubeDiscoveryError::InvalidConfig {
+                    field: "inference_pool_refresh",
+                    reason: format!("{:?} is outside 10 ms ..= 1 h", self.inference_pool_refresh),
+                });
+            }
+        }
         if self.debounce > Duration::from_secs(60) {
             return Err(KubeDiscoveryError::InvalidConfig {
                 field: "debounce",
@@ -168,6 +208,11 @@ where
     D: serde::Deserializer<'de>,
 {
     u64::deserialize(deserializer).map(Duration::from_millis)
+}
+
+/// RFC 1123 subdomain (object names): dot-separated labels, at most 253 characters.
+fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(is_dns_label)
 }
 
 /// RFC 1123 label: lower-case alphanumerics and '-', 1..=63, alphanumeric at both ends.

@@ -41,6 +41,7 @@
 
 pub mod config;
 pub mod pods;
+pub mod pool;
 pub mod watch;
 
 pub use config::{KubeDiscoveryConfig, LabelKeys};

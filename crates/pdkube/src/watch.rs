@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod as KubePod;
+use kube::api::DynamicObject;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::{WatchStreamExt, watcher as watch_pods};
 use kube::{Api, Client};
@@ -16,6 +17,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{ALL_NAMESPACES, KubeDiscoveryConfig};
 use crate::pods::{pair_rolesets, routable_from, skip_summary};
+use crate::pool::{self, PoolView};
 use crate::{EndpointPod, KubeDiscoveryError};
 
 /// Builds a client from the environment: in-cluster service account when running in a pod,
@@ -128,14 +130,26 @@ async fn wait_until(deadline: Option<Instant>) {
     }
 }
 
-/// Computes the endpoint set from the whole store.
-fn endpoints(store: &Store, config: &KubeDiscoveryConfig) -> Vec<EndpointPod> {
-    let routable = routable_from(store.live.values(), &config.keys);
+/// Computes the endpoint set from the whole store; `port` (an InferencePool's target port)
+/// replaces the pods' own.
+fn endpoints(store: &Store, config: &KubeDiscoveryConfig, port: Option<u16>) -> Vec<EndpointPod> {
+    let mut routable = routable_from(store.live.values(), &config.keys);
+    if let Some(port) = port {
+        for pod in &mut routable {
+            pod.http_port = port;
+        }
+    }
     if config.roleset_pairing {
         pair_rolesets(routable)
     } else {
         routable
     }
+}
+
+/// Reads the InferencePool `name`.
+async fn read_pool(api: &Api<DynamicObject>, name: &str) -> Result<PoolView, String> {
+    let pool = api.get(name).await.map_err(|e| e.to_string())?;
+    PoolView::from_spec(&pool.data["spec"])
 }
 
 /// Watch loop: list + watch pods with reconnect and backoff (kube's `watcher`, client-go's
@@ -153,25 +167,65 @@ pub async fn run(
     cancel: CancellationToken,
 ) -> Result<(), KubeDiscoveryError> {
     config.validate()?;
+    let pool_client = client.clone();
     let api: Api<KubePod> = match config.namespace.as_deref() {
         Some(ALL_NAMESPACES) => Api::all(client),
         Some(ns) => Api::namespaced(client, ns),
         None => Api::default_namespaced(client),
     };
-    let mut watcher_config = watcher::Config::default();
-    if let Some(selector) = &config.selector {
-        watcher_config = watcher_config.labels(selector);
+    let pool_api: Option<(Api<DynamicObject>, &str)> =
+        config.inference_pool.as_deref().map(|name| {
+            let resource = pool::resource();
+            let api = match config.namespace.as_deref() {
+                Some(ns) => Api::namespaced_with(pool_client.clone(), ns, &resource),
+                None => Api::default_namespaced_with(pool_client.clone(), &resource),
+            };
+            (api, name)
+        });
+    // The pool first: no pod is watched before its selector is known.
+    let mut pool_view: Option<PoolView> = None;
+    if let Some((api, name)) = &pool_api {
+        loop {
+            match read_pool(api, name).await {
+                Ok(view) => {
+                    pool_view = Some(view);
+                    break;
+                }
+                Err(why) => warn!(pool = %name, "InferencePool not usable yet, retrying: {why}"),
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return Ok(()),
+                () = tokio::time::sleep(config.inference_pool_refresh) => {}
+            }
+        }
     }
-    info!(
-        namespace = config.namespace.as_deref().unwrap_or("<client default>"),
-        selector = config.selector.as_deref().unwrap_or(""),
-        "kubernetes discovery starting"
-    );
-    let mut events = watch_pods(api, watcher_config).default_backoff().boxed();
+    let selector_of = |view: Option<&PoolView>| match view {
+        Some(v) => Some(v.selector_with(config.selector.as_deref())),
+        None => config.selector.clone(),
+    };
+    let watch = |selector: Option<String>| {
+        let mut watcher_config = watcher::Config::default();
+        if let Some(selector) = &selector {
+            watcher_config = watcher_config.labels(selector);
+        }
+        info!(
+            namespace = config.namespace.as_deref().unwrap_or("<client default>"),
+            selector = selector.as_deref().unwrap_or(""),
+            pool = config.inference_pool.as_deref().unwrap_or(""),
+            "kubernetes discovery: watching pods"
+        );
+        watch_pods(api.clone(), watcher_config)
+            .default_backoff()
+            .boxed()
+    };
+    let mut events = watch(selector_of(pool_view.as_ref()));
     let mut store = Store::default();
     let mut last: Option<Arc<Vec<EndpointPod>>> = None;
     let mut deadline: Option<Instant> = None;
     let mut failing = false;
+    let refresh = config.inference_pool_refresh;
+    let mut pool_tick = tokio::time::interval_at(Instant::now() + refresh, refresh);
+    pool_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             biased;
@@ -179,9 +233,25 @@ pub async fn run(
                 debug!("kubernetes discovery cancelled");
                 return Ok(());
             }
+            _ = pool_tick.tick(), if pool_api.is_some() => {
+                let Some((api, name)) = &pool_api else { continue };
+                match read_pool(api, name).await {
+                    Ok(view) if pool_view.as_ref() != Some(&view) => {
+                        info!(pool = %name, selector = %view.selector, port = view.port,
+                            "InferencePool changed: watching its pods anew");
+                        events = watch(selector_of(Some(&view)));
+                        // The last good set stays published until the new list completes.
+                        store = Store::default();
+                        deadline = None;
+                        pool_view = Some(view);
+                    }
+                    Ok(_) => {}
+                    Err(why) => warn!(pool = %name, "InferencePool unreadable; keeping the last good endpoint set: {why}"),
+                }
+            }
             () = wait_until(deadline) => {
                 deadline = None;
-                let next = endpoints(&store, &config);
+                let next = endpoints(&store, &config, pool_view.as_ref().map(|v| v.port));
                 if last.as_deref() != Some(&next) {
                     info!(
                         pods = store.live.len(),

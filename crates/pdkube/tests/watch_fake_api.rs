@@ -327,3 +327,58 @@ async fn invalid_config_fails_before_contacting_the_server() {
     let s = api.state();
     assert_eq!(s.list_calls + s.watch_calls, 0);
 }
+
+#[tokio::test]
+async fn an_inference_pool_names_the_pods_and_their_port() {
+    let api = FakeApi::start().await;
+    let mut other = prefill("elsewhere", "10.0.0.9", true);
+    other["metadata"]["labels"]["app"] = serde_json::json!("other");
+    api.upsert_many(vec![
+        prefill("p1", "10.0.0.1", true),
+        decode("d1", "10.0.0.2", true),
+        other,
+    ]);
+    let config = KubeDiscoveryConfig {
+        inference_pool: Some("llama".to_owned()),
+        inference_pool_refresh: Duration::from_millis(50),
+        debounce: Duration::from_millis(20),
+        ..KubeDiscoveryConfig::default()
+    };
+    let mut d = Discovery::start(&api, config);
+    // No pool yet: no pod is watched, nothing is published.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!d.rx.has_changed().expect("alive"));
+    assert!(api.state().pool_gets >= 2, "the pool is looked up again");
+    assert_eq!(api.state().list_calls, 0);
+
+    api.set_pool(
+        "llama",
+        serde_json::json!({"selector": {"matchLabels": {"app": "engine"}},
+                           "targetPorts": [{"number": 8200}]}),
+    );
+    // The pool's selector picks the pods, its port replaces theirs (the decode's label says 8100).
+    let set = d.next().await;
+    assert_eq!(set, ["d1@10.0.0.2:8200/decode", "p1@10.0.0.1:8200/prefill"]);
+    assert!(api.state().selectors.iter().any(|s| s == "app=engine"));
+
+    // A changed pool: the pod watch starts anew with its selector and port.
+    api.set_pool(
+        "llama",
+        serde_json::json!({"selector": {"matchLabels": {"app": "engine", "role-name": "prefill"}},
+                           "targetPorts": [{"number": 9000}]}),
+    );
+    let set = d.until(|s| s == ["p1@10.0.0.1:9000/prefill"]).await;
+    assert_eq!(set, ["p1@10.0.0.1:9000/prefill"]);
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn an_inference_pool_with_all_namespaces_is_refused() {
+    let config = KubeDiscoveryConfig {
+        namespace: Some("*".to_owned()),
+        inference_pool: Some("llama".to_owned()),
+        ..KubeDiscoveryConfig::default()
+    };
+    let err = config.validate().expect_err("one namespace");
+    assert!(err.to_string().contains("inference_pool"), "{err}");
+}

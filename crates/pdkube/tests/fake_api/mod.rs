@@ -48,6 +48,10 @@ pub struct Inner {
     pub selectors: Vec<String>,
     /// Namespaces seen in request paths (`*` for cluster-wide).
     pub namespaces: Vec<String>,
+    /// InferencePools by name (`inference.networking.k8s.io/v1`), served by GET.
+    pub pools: BTreeMap<String, Value>,
+    /// GETs of InferencePools.
+    pub pool_gets: usize,
 }
 
 /// Handle to a running fake API server; shuts it down on drop.
@@ -86,6 +90,10 @@ impl FakeApi {
         let router = Router::new()
             .route("/api/v1/namespaces/{ns}/pods", get(namespaced))
             .route("/api/v1/pods", get(cluster_wide))
+            .route(
+                "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}",
+                get(inference_pool),
+            )
             .with_state(app);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -192,6 +200,19 @@ impl FakeApi {
         self.notify();
     }
 
+    /// Creates or replaces the InferencePool `name` with `spec`.
+    pub fn set_pool(&self, name: &str, spec: Value) {
+        let mut s = self.state();
+        s.rv += 1;
+        let pool = json!({
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": name, "namespace": "llm", "resourceVersion": s.rv.to_string()},
+            "spec": spec,
+        });
+        s.pools.insert(name.to_owned(), pool);
+    }
+
     /// Switches the "API server down" mode; going down also drops open watches.
     pub fn set_down(&self, down: bool) {
         {
@@ -276,6 +297,43 @@ async fn cluster_wide(
     handle(app, "*".to_owned(), q).await
 }
 
+async fn inference_pool(
+    State(app): State<App>,
+    Path((_ns, name)): Path<(String, String)>,
+) -> Response {
+    let mut s = lock(&app.inner);
+    if s.down {
+        s.refused_calls += 1;
+        let body = status(503, "ServiceUnavailable", "apiserver is down");
+        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+    }
+    s.pool_gets += 1;
+    match s.pools.get(&name) {
+        Some(pool) => axum::Json(pool.clone()).into_response(),
+        None => {
+            let body = status(
+                404,
+                "NotFound",
+                &format!("inferencepools {name:?} not found"),
+            );
+            (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
+        }
+    }
+}
+
+/// Whether `obj` matches a selector of `k=v` terms (other kinds of terms match everything).
+fn matches(selector: Option<&String>, obj: &Value) -> bool {
+    let Some(selector) = selector else {
+        return true;
+    };
+    selector.split(',').all(|term| match term.split_once('=') {
+        Some((k, v)) if !k.ends_with('!') => {
+            obj["metadata"]["labels"][k.trim()].as_str() == Some(v.trim())
+        }
+        _ => true,
+    })
+}
+
 async fn handle(app: App, ns: String, q: HashMap<String, String>) -> Response {
     let mut s = lock(&app.inner);
     if s.down {
@@ -289,7 +347,13 @@ async fn handle(app: App, ns: String, q: HashMap<String, String>) -> Response {
     }
     if q.get("watch").map(String::as_str) != Some("true") {
         s.list_calls += 1;
-        let items: Vec<Value> = s.pods.values().cloned().collect();
+        let selector = q.get("labelSelector");
+        let items: Vec<Value> = s
+            .pods
+            .values()
+            .filter(|p| matches(selector, p))
+            .cloned()
+            .collect();
         let body = json!({"apiVersion":"v1","kind":"PodList",
                           "metadata":{"resourceVersion": s.rv.to_string()},"items": items});
         return axum::Json(body).into_response();
@@ -307,28 +371,35 @@ async fn handle(app: App, ns: String, q: HashMap<String, String>) -> Response {
     }
     let start = s.history.partition_point(|(rv, _, _)| *rv <= from);
     let generation = s.drop_generation;
+    let selector = q.get("labelSelector").cloned();
     drop(s);
     let rx = app.bump.subscribe();
     let stream = futures_util::stream::unfold(
         (app.inner.clone(), rx, start),
-        move |(inner, mut rx, mut next)| async move {
-            loop {
-                {
-                    let s = lock(&inner);
-                    if s.drop_generation != generation || s.down {
+        move |(inner, mut rx, mut next)| {
+            let selector = selector.clone();
+            async move {
+                loop {
+                    {
+                        let s = lock(&inner);
+                        if s.drop_generation != generation || s.down {
+                            return None;
+                        }
+                        if let Some((_, kind, obj)) = s.history.get(next) {
+                            next += 1;
+                            if kind != "BOOKMARK" && !matches(selector.as_ref(), obj) {
+                                continue;
+                            }
+                            let line = format!("{}\n", json!({"type": kind, "object": obj}));
+                            return Some((
+                                Ok::<_, Infallible>(Bytes::from(line)),
+                                (inner.clone(), rx, next),
+                            ));
+                        }
+                    }
+                    if rx.changed().await.is_err() {
                         return None;
                     }
-                    if let Some((_, kind, obj)) = s.history.get(next) {
-                        let line = format!("{}\n", json!({"type": kind, "object": obj}));
-                        next += 1;
-                        return Some((
-                            Ok::<_, Infallible>(Bytes::from(line)),
-                            (inner.clone(), rx, next),
-                        ));
-                    }
-                }
-                if rx.changed().await.is_err() {
-                    return None;
                 }
             }
         },
