@@ -42,6 +42,7 @@ mod kv_servers;
 mod kv_store;
 mod plan;
 mod prefix_cache;
+pub mod profile;
 mod request;
 mod respond;
 mod respond_api;
