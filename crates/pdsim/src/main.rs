@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use pdsim::{CacheConfig, Connector, Faults, KvEventsConfig, LatencyModel, Role, SimConfig};
+use pdsim::{
+    CacheConfig, Connector, Faults, KvEventsConfig, LatencyModel, Profile, Role, SimConfig,
+    StepModel,
+};
 
 /// jemalloc, as in pdgate: a benchmark engine (or load generator) that spends less CPU per request
 /// leaves more of a shared core to what is being measured.
@@ -114,8 +117,30 @@ struct Args {
     #[arg(long, env = "PDSIM_BLOCK_SIZE", default_value_t = 16)]
     block_size: u32,
     /// Prefix-cache capacity in blocks; unreferenced blocks are evicted least recently used first.
-    #[arg(long, env = "PDSIM_KV_CACHE_BLOCKS", default_value_t = 65_536)]
-    kv_cache_blocks: usize,
+    /// With --profile it is the engine's KV memory: running requests hold their blocks and a
+    /// full cache makes requests wait. Default: the profile's, else 65536.
+    #[arg(long, env = "PDSIM_KV_CACHE_BLOCKS")]
+    kv_cache_blocks: Option<usize>,
+    /// Step-loop engine model on this performance profile (vLLM v1-like scheduler: batched
+    /// steps, chunked prefill, KV-bounded admission, step time from a roofline). Off: each
+    /// request sleeps its own latency-model delays. Profiles: llama-3.1-8b-h100,
+    /// llama-3.1-70b-h100-tp8, llama-3.1-8b-a100-40gb.
+    #[arg(long, env = "PDSIM_PROFILE")]
+    profile: Option<Profile>,
+    /// With --profile: tokens per step (prefill chunks share it with decodes).
+    #[arg(long, env = "PDSIM_MAX_NUM_BATCHED_TOKENS", default_value_t = 8192)]
+    max_num_batched_tokens: u32,
+    /// With --profile: requests running at once; the rest wait.
+    #[arg(long, env = "PDSIM_MAX_NUM_SEQS", default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Context window (prompt plus max_tokens). Default: the profile's, else 32768.
+    #[arg(long, env = "PDSIM_MAX_MODEL_LEN")]
+    max_model_len: Option<u32>,
+    /// Simulated seconds per wall second (10 = ten times faster than real time). Delays are
+    /// divided by it; every time the engine reports (created, KV-event timestamps, /metrics) is
+    /// simulated.
+    #[arg(long, env = "PDSIM_TIME_SCALE", default_value_t = 1.0)]
+    time_scale: f64,
     /// Reuse cached prompt prefixes (vLLM's default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     enable_prefix_caching: bool,
@@ -213,9 +238,43 @@ fn config(a: &Args) -> Result<SimConfig, StartError> {
     if a.block_size == 0 {
         return Err(StartError::Flag("block-size", "must be at least 1".into()));
     }
+    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
+        return Err(StartError::Flag(
+            "time-scale",
+            "must be a positive number".into(),
+        ));
+    }
+    c.time_scale = a.time_scale;
+    if a.max_model_len == Some(0) {
+        return Err(StartError::Flag(
+            "max-model-len",
+            "must be at least 1".into(),
+        ));
+    }
+    c.max_model_len = a.max_model_len;
+    c.step = match &a.profile {
+        Some(p) => {
+            if a.max_num_batched_tokens == 0 || a.max_num_seqs == 0 {
+                return Err(StartError::Flag(
+                    "max-num-batched-tokens",
+                    "--max-num-batched-tokens and --max-num-seqs must be at least 1".into(),
+                ));
+            }
+            Some(StepModel {
+                profile: p.clone(),
+                max_num_batched_tokens: a.max_num_batched_tokens,
+                max_num_seqs: a.max_num_seqs,
+            })
+        }
+        None => None,
+    };
+    let kv_cache_blocks = a
+        .kv_cache_blocks
+        .or_else(|| a.profile.as_ref().map(|p| p.kv_cache_blocks))
+        .unwrap_or(65_536);
     c.cache = CacheConfig {
         block_size: a.block_size,
-        kv_cache_blocks: a.kv_cache_blocks,
+        kv_cache_blocks,
         enable_prefix_caching: !a.no_enable_prefix_caching,
         tokenizer: a.tokenizer.clone(),
         enable_prompt_tokens_details: a.enable_prompt_tokens_details,
