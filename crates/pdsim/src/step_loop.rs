@@ -78,6 +78,10 @@ impl StepLoop {
 /// How soon a scheduler with nothing runnable looks at the KV blocks again.
 const BLOCKED_RETRY: Duration = Duration::from_millis(1);
 
+/// How far behind the wall clock the step deadlines may fall before the lag is written off
+/// (an overloaded host slows the simulation rather than bursting steps without end).
+const MAX_LAG: Duration = Duration::from_millis(50);
+
 /// Blocks a request needs for `tokens` tokens.
 pub(crate) fn blocks_for(tokens: u64, block_size: u32) -> usize {
     tokens.div_ceil(u64::from(block_size.max(1))) as usize
@@ -111,6 +115,10 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
     let mut running: Vec<Running> = Vec::new();
     let mut batch: Vec<Work> = Vec::new();
     let c = &engine.counters;
+    // When the current step ends, in wall time. Steps are laid end to end from it, so a step
+    // shorter than the timer's resolution (large --time-scale) or a late wake-up is made up
+    // by the next ones instead of stretching simulated time.
+    let mut deadline = tokio::time::Instant::now();
     loop {
         if running.is_empty() && waiting.is_empty() {
             tokio::select! {
@@ -120,6 +128,7 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
                     None => return,
                 },
             }
+            deadline = tokio::time::Instant::now();
         }
         while let Ok(s) = rx.try_recv() {
             waiting.push_back(s);
@@ -197,9 +206,10 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
             continue;
         }
         let step = Duration::from_secs_f64(model.profile.step_seconds(&batch));
+        deadline = deadline.max(tokio::time::Instant::now() - MAX_LAG) + clock.wall(step);
         tokio::select! {
             () = engine.shutdown.cancelled() => return,
-            () = tokio::time::sleep(clock.wall(step)) => {}
+            () = tokio::time::sleep_until(deadline) => {}
         }
         c.steps.fetch_add(1, Relaxed);
         c.busy_micros
