@@ -35,6 +35,7 @@ mod clock;
 pub mod config;
 mod engine;
 mod error;
+pub mod fleet;
 mod http;
 mod job;
 mod kv_events;

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use pdsim::fleet::FleetSpec;
 use pdsim::{
     CacheConfig, Connector, Faults, KvEventsConfig, LatencyModel, Profile, Role, SimConfig,
     StepModel,
@@ -185,7 +186,62 @@ at prompt_tokens-1 (floor((n-1)/block)*block); prefill time = uncached tokens x 
 A prefill caches what it computed; a decode caches the KV it pulled plus its generated tokens.
 
 Every flag can also be set through the environment variable shown next to it.
+
+Fleets: `pdsim fleet --prefill N --decode M --gateway-config OUT.toml` runs N prefill and M decode
+engines in one process (see `pdsim fleet --help`).
 ";
+
+/// Runs N prefill and M decode engines in one process and writes a pdgate configuration for them.
+///
+/// When every engine listens, prints one JSON line {"prefill":[url...],"decode":[url...],
+/// "gateway_config":path} (also written to --ready-file), then runs until SIGTERM or SIGINT.
+#[derive(Debug, Parser)]
+#[command(name = "pdsim fleet", version, about, long_about)]
+struct FleetArgs {
+    /// Prefill engines.
+    #[arg(long)]
+    prefill: usize,
+    /// Decode engines.
+    #[arg(long)]
+    decode: usize,
+    /// KV connector of every engine: shfs, nixl, mooncake, sglang, none.
+    #[arg(long, default_value = "shfs")]
+    connector: Connector,
+    /// Step-loop profile of every engine (see `pdsim --help`); without one, engines use the
+    /// latency model (pdsim's defaults, or --zero-delay).
+    #[arg(long)]
+    profile: Option<Profile>,
+    /// Profile of the prefills (overrides --profile).
+    #[arg(long)]
+    prefill_profile: Option<Profile>,
+    /// Profile of the decodes (overrides --profile).
+    #[arg(long)]
+    decode_profile: Option<Profile>,
+    /// Engines without a profile sleep no simulated time at all.
+    #[arg(long)]
+    zero_delay: bool,
+    /// Simulated seconds per wall second.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// KV-cache blocks per engine (default: the profile's, else 65536).
+    #[arg(long)]
+    kv_cache_blocks: Option<usize>,
+    /// Engines publish KV events (ZMQ PUB and replay sockets, written into the config).
+    #[arg(long)]
+    kv_events: bool,
+    /// Served model name.
+    #[arg(long, default_value = "pdsim")]
+    model: String,
+    /// Where to write the pdgate configuration (TOML).
+    #[arg(long)]
+    gateway_config: PathBuf,
+    /// Also write the ready JSON here (written whole, once every engine listens).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Tokio worker threads (default: one per available core).
+    #[arg(long)]
+    worker_threads: Option<usize>,
+}
 
 /// Why pdsim did not start.
 #[derive(Debug, thiserror::Error)]
@@ -299,8 +355,68 @@ fn config(a: &Args) -> Result<SimConfig, StartError> {
     Ok(c)
 }
 
-fn main() -> Result<(), StartError> {
-    let args = Args::parse();
+/// Writes `text` to `path` whole: readers never see a partial file.
+fn write_whole(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+fn fleet_spec(a: &FleetArgs) -> Result<FleetSpec, StartError> {
+    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
+        return Err(StartError::Flag(
+            "time-scale",
+            "must be a positive number".into(),
+        ));
+    }
+    if a.prefill + a.decode == 0 {
+        return Err(StartError::Flag(
+            "prefill",
+            "a fleet needs at least one engine".into(),
+        ));
+    }
+    let mut spec = FleetSpec::new(a.prefill, a.decode, a.connector);
+    spec.model = a.model.clone();
+    spec.prefill_profile = a.prefill_profile.clone().or_else(|| a.profile.clone());
+    spec.decode_profile = a.decode_profile.clone().or_else(|| a.profile.clone());
+    if a.zero_delay {
+        spec.latency = LatencyModel::default();
+    }
+    spec.time_scale = a.time_scale;
+    spec.kv_cache_blocks = a.kv_cache_blocks;
+    spec.kv_events = a.kv_events;
+    Ok(spec)
+}
+
+fn run_fleet(args: &FleetArgs) -> Result<(), StartError> {
+    let spec = fleet_spec(args)?;
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.worker_threads {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = rt.enable_all().build()?;
+    rt.block_on(async move {
+        let fleet = pdsim::fleet::start(&spec).await?;
+        write_whole(&args.gateway_config, &fleet.gateway_toml())?;
+        let ready = fleet.ready_json(&args.gateway_config.to_string_lossy());
+        if let Some(path) = &args.ready_file {
+            write_whole(path, &ready)?;
+        }
+        println!("{ready}");
+        tracing::info!(
+            prefill = spec.prefill,
+            decode = spec.decode,
+            connector = %spec.connector,
+            "pdsim fleet serving"
+        );
+        shutdown_signal().await;
+        fleet.shutdown().await;
+        Ok(())
+    })
+}
+
+fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -308,6 +424,16 @@ fn main() -> Result<(), StartError> {
         )
         .with_writer(std::io::stderr)
         .init();
+}
+
+fn main() -> Result<(), StartError> {
+    if std::env::args_os().nth(1).is_some_and(|a| a == "fleet") {
+        let args = FleetArgs::parse_from(std::env::args_os().skip(1));
+        init_tracing();
+        return run_fleet(&args);
+    }
+    let args = Args::parse();
+    init_tracing();
     let cfg = config(&args)?;
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = args.worker_threads {
