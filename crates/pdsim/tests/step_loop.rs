@@ -124,3 +124,49 @@ async fn a_full_kv_cache_makes_requests_wait_for_blocks() {
     assert_eq!(s.kv_cache_free_blocks, 100);
     h.shutdown().await;
 }
+
+#[tokio::test]
+async fn streamed_tokens_come_one_per_step_and_reported_times_are_simulated() {
+    let h = engine_with(
+        Role::Both,
+        Connector::None,
+        stepped("llama-3.1-70b-h100-tp8", 1e4),
+    )
+    .await;
+    // 0.2 s of wall time is 2000 s of simulated time.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let (status, events) = common::post_sse(
+        completions(&h),
+        &json!({"model": "pdsim", "prompt": prompt("s", 100), "max_tokens": 5, "ignore_eos": true, "stream": true}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let tokens: Vec<serde_json::Value> = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 5, "{events:?}");
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let created = tokens[0]["created"].as_f64().unwrap();
+    assert!(created - wall > 1000.0, "created {created} wall {wall}");
+    // One prefill step, then one decode step per further token.
+    let s = h.stats();
+    assert_eq!(s.steps, 5, "{s:?}");
+    let metrics = common::client()
+        .get(format!("{}/metrics", h.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("pdsim_steps_total{model_name=\"pdsim\"} 5"),
+        "{metrics}"
+    );
+    h.shutdown().await;
+}
