@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::profile::Profile;
+
 /// Connector label values, matching the pod label `model.aibrix.ai/kv-connector-type`.
 ///
 /// Kept local so pdsim does not depend on the kvtransfer crate for three strings.
@@ -375,6 +377,50 @@ pub struct SimConfig {
     pub cache: CacheConfig,
     /// KV-cache events (default off).
     pub kv_events: KvEventsConfig,
+    /// Simulated seconds per wall second: every delay is divided by it and every reported time
+    /// is simulated (default 1).
+    pub time_scale: f64,
+    /// The step-loop engine model; `None` (default) keeps the per-request delays of `latency`.
+    pub step: Option<StepModel>,
+    /// Context window (prompt plus output); default the step model's profile's, else 32,768.
+    pub max_model_len: Option<u32>,
+}
+
+/// Context window when neither `max_model_len` nor a profile gives one.
+pub const DEFAULT_MAX_MODEL_LEN: u32 = 32_768;
+
+/// The step-loop engine model, shaped like vLLM v1's scheduler: each step batches the running
+/// requests' decode tokens and prefill chunks up to `max_num_batched_tokens`, at most
+/// `max_num_seqs` requests run, admission needs KV blocks (`CacheConfig::kv_cache_blocks`), and
+/// a step lasts what the profile's roofline says.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepModel {
+    /// How long a step takes.
+    pub profile: Profile,
+    /// Tokens per step (chunked prefill), vLLM's `--max-num-batched-tokens`.
+    pub max_num_batched_tokens: u32,
+    /// Requests running at once, vLLM's `--max-num-seqs`.
+    pub max_num_seqs: usize,
+}
+
+impl StepModel {
+    /// vLLM's online-serving defaults (8192 batched tokens, 256 sequences) on `profile`.
+    pub fn new(profile: Profile) -> Self {
+        StepModel {
+            profile,
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 256,
+        }
+    }
+}
+
+impl SimConfig {
+    /// The context window this engine serves.
+    pub fn context_window(&self) -> u32 {
+        self.max_model_len
+            .or_else(|| self.step.as_ref().map(|s| s.profile.max_model_len))
+            .unwrap_or(DEFAULT_MAX_MODEL_LEN)
+    }
 }
 
 impl SimConfig {
@@ -396,6 +442,9 @@ impl SimConfig {
             engine_id: None,
             cache: CacheConfig::default(),
             kv_events: KvEventsConfig::default(),
+            time_scale: 1.0,
+            step: None,
+            max_model_len: None,
         }
     }
 }

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use pdcache::events::KvEvent;
 
+use crate::clock::SimClock;
 use crate::config::{Connector, Faults, SimConfig};
 use crate::error::ApiError;
 use crate::kv_events::EventSink;
@@ -19,9 +20,8 @@ use crate::kv_store::KvStore;
 use crate::plan::PlanInput;
 use crate::prefix_cache::PrefixCache;
 use crate::stats::{Counters, Recent, SimStats};
+use crate::step_loop::StepLoop;
 use crate::tokens::Tok;
-/// Context window of the simulated model.
-pub(crate) const MAX_MODEL_LEN: u32 = 32_768;
 
 /// State shared by every request and listener of one engine.
 pub(crate) struct Engine {
@@ -51,6 +51,10 @@ pub(crate) struct Engine {
     pub cache: Option<Mutex<PrefixCache>>,
     /// The KV-event publisher, when events are on.
     pub events: Option<EventSink>,
+    /// Simulated time (`--time-scale`).
+    pub clock: SimClock,
+    /// The scheduler of the step-loop engine model, when it is on.
+    pub steps: Option<StepLoop>,
 }
 
 impl Engine {
@@ -63,7 +67,9 @@ impl Engine {
         events: Option<EventSink>,
     ) -> Self {
         let (side_channel_port, bootstrap_port) = ports;
-        let slots = (cfg.latency.slots > 0).then(|| Arc::new(Semaphore::new(cfg.latency.slots)));
+        // The step loop bounds concurrency itself (`max_num_seqs`, KV blocks).
+        let slots = (cfg.latency.slots > 0 && cfg.step.is_none())
+            .then(|| Arc::new(Semaphore::new(cfg.latency.slots)));
         let block_size = cfg.cache.block_size.max(1);
         let cache = cfg.cache.enable_prefix_caching.then(|| {
             Mutex::new(PrefixCache::new(
@@ -78,7 +84,10 @@ impl Engine {
             block_size,
             cache,
             events,
-            counters: Counters::default(),
+            counters: Counters {
+                step_model: cfg.step.is_some(),
+                ..Counters::default()
+            },
             recent: Recent::default(),
             kv: KvStore::new(cfg.kv_lease),
             slots,
@@ -91,6 +100,8 @@ impl Engine {
             dead: CancellationToken::new(),
             last_kv_error: Mutex::new(None),
             next_block: AtomicU64::new(1),
+            clock: SimClock::new(cfg.time_scale),
+            steps: None,
             cfg,
         }
     }
@@ -188,11 +199,13 @@ impl Engine {
             &self.recent,
         );
         s.last_kv_error = self.last_kv_error();
+        s.time_scale = self.cfg.time_scale;
         s.engine_dead = self.is_dead();
         if let Some(cache) = &self.cache
             && let Ok(c) = cache.lock()
         {
             s.cached_blocks = c.len() as u64;
+            s.kv_cache_free_blocks = c.free() as u64;
         }
         if let Some(sink) = &self.events {
             let e = &sink.counters;

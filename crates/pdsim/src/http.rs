@@ -18,7 +18,7 @@ use crate::config::Faults;
 
 /// Pause before an injected connection drop so earlier bytes are flushed first.
 const DROP_FLUSH: Duration = Duration::from_millis(20);
-use crate::engine::{Engine, MAX_MODEL_LEN};
+use crate::engine::Engine;
 use crate::error::ApiError;
 use crate::job::{InFlight, Job};
 use crate::plan::plan;
@@ -193,10 +193,11 @@ async fn run(
 ) -> Response {
     let prepared = parse_with(endpoint, body, &engine.cfg.model, &engine.tok).and_then(|req| {
         let total = u64::from(req.prompt.count) + u64::from(req.max_tokens);
-        if total > u64::from(MAX_MODEL_LEN) {
+        let max_model_len = engine.cfg.context_window();
+        if total > u64::from(max_model_len) {
             return Err(ApiError::BadRequest {
                 message: format!(
-                    "This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {} output tokens and your prompt contains {} input tokens, for a total of {total} tokens. Please reduce the length of the input prompt or the number of requested output tokens. (parameter=input_tokens, value={})",
+                    "This model's maximum context length is {max_model_len} tokens. However, you requested {} output tokens and your prompt contains {} input tokens, for a total of {total} tokens. Please reduce the length of the input prompt or the number of requested output tokens. (parameter=input_tokens, value={})",
                     req.max_tokens, req.prompt.count, req.prompt.count
                 ),
                 param: Some("input_tokens"),
@@ -283,7 +284,7 @@ async fn run_full(job: &mut Job) -> Result<String, ApiError> {
     let choices = job.choices();
     let steps = choices.iter().map(|c| c.words.len()).max().unwrap_or(0) as u32;
     if steps > 1 {
-        job.delay(job.engine.cfg.latency.itl * (steps - 1)).await?;
+        job.tokens(steps - 1).await?;
     }
     let kv = job.finish(&choices);
     Ok(respond::full_body(
@@ -359,7 +360,7 @@ impl SseState {
                 Some(Ok(self.step_chunk()))
             }
             Phase::Tokens => {
-                if let Err(e) = self.job.delay(self.job.engine.cfg.latency.itl).await {
+                if let Err(e) = self.job.next_token().await {
                     return Some(Ok(self.fail(&e)));
                 }
                 Some(Ok(self.step_chunk()))
@@ -471,15 +472,13 @@ fn sse_response(job: Job, drop_after: Option<u32>) -> Response {
 
 async fn models(State(engine): State<Arc<Engine>>) -> Response {
     count(&engine.counters.models);
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let created = engine.clock.now_unix() as u64;
     let m = &engine.cfg.model;
     let body = serde_json::json!({
         "object": "list",
         "data": [{
             "id": m, "object": "model", "created": created, "owned_by": "vllm",
-            "root": m, "parent": null, "max_model_len": MAX_MODEL_LEN,
+            "root": m, "parent": null, "max_model_len": engine.cfg.context_window(),
         }]
     });
     axum::Json(body).into_response()
@@ -574,7 +573,7 @@ async fn tokenize(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
     match parsed {
         Ok(p) => axum::Json(serde_json::json!({
             "count": p.count,
-            "max_model_len": MAX_MODEL_LEN,
+            "max_model_len": engine.cfg.context_window(),
             "tokens": p.ids,
             "token_strs": null,
         }))

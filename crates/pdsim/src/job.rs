@@ -4,9 +4,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -19,6 +19,7 @@ use crate::plan::{Consume, Plan, Produce, kv_fail};
 use crate::prefix_cache::{BlockChain, Pins};
 use crate::request::{Endpoint, GenRequest};
 use crate::respond::ChoiceOut;
+use crate::step_loop::{Held, Seq, StepLoop, Tick, blocks_for};
 use crate::tokens::word;
 
 /// vLLM 0.33 NixlConnector `kv_transfer_params` of a prefill response, in vLLM's key order.
@@ -92,7 +93,13 @@ impl Drop for AbortReg {
 
 /// Caches the full blocks of `tokens` from block `from` on (pinned for the request) and
 /// publishes the change.
-fn store(engine: &Engine, chain: &mut BlockChain, pins: &mut Pins, tokens: &[u32], from: usize) {
+pub(crate) fn store(
+    engine: &Engine,
+    chain: &mut BlockChain,
+    pins: &mut Pins,
+    tokens: &[u32],
+    from: usize,
+) {
     let Some(cache) = &engine.cache else { return };
     chain.extend(tokens, engine.block_size as usize);
     let mut events = Vec::new();
@@ -122,12 +129,10 @@ pub(crate) struct Job {
     chain: BlockChain,
     /// Cache blocks this request holds until it ends.
     pins: Pins,
-}
-
-fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    /// The step loop's tokens for this request, once submitted to it.
+    ticks: Option<mpsc::UnboundedReceiver<Tick>>,
+    /// Choices generated before they are asked for (the step loop needs their length).
+    generated: Option<Vec<ChoiceOut>>,
 }
 
 impl Job {
@@ -165,7 +170,7 @@ impl Job {
         Job {
             id_json: crate::respond::json_str(&id),
             id,
-            created: now_unix(),
+            created: engine.clock.now_unix() as u64,
             engine,
             endpoint,
             req,
@@ -177,6 +182,8 @@ impl Job {
             sglang_published: false,
             chain: BlockChain::default(),
             pins: Pins::default(),
+            ticks: None,
+            generated: None,
         }
     }
 
@@ -201,12 +208,94 @@ impl Job {
         }
     }
 
-    /// Sleeps `d` (no timer at all when zero), abortable.
+    /// Sleeps simulated time `d` (no timer at all when zero), abortable.
     pub async fn delay(&self, d: Duration) -> Result<(), ApiError> {
         if d.is_zero() {
             return Ok(());
         }
-        self.guarded(tokio::time::sleep(d)).await
+        self.guarded(tokio::time::sleep(self.engine.clock.wall(d)))
+            .await
+    }
+
+    /// Waits for the next generated token: the step loop's, or one inter-token latency.
+    pub async fn next_token(&mut self) -> Result<(), ApiError> {
+        let Some(mut rx) = self.ticks.take() else {
+            return self.delay(self.engine.cfg.latency.itl).await;
+        };
+        let tick = self.guarded(rx.recv()).await;
+        self.ticks = Some(rx);
+        match tick? {
+            Some(Tick::Token) => Ok(()),
+            Some(Tick::Last(held)) => {
+                let Held { chain, pins } = *held;
+                self.chain = chain;
+                self.pins = pins;
+                Ok(())
+            }
+            None => Err(ApiError::Aborted("engine is shutting down".into())),
+        }
+    }
+
+    /// Waits for `n` more generated tokens.
+    pub async fn tokens(&mut self, n: u32) -> Result<(), ApiError> {
+        if self.ticks.is_none() {
+            return self.delay(self.engine.cfg.latency.itl * n).await;
+        }
+        for _ in 0..n {
+            self.next_token().await?;
+        }
+        Ok(())
+    }
+
+    /// Hands the request to the step loop and waits for its first token. `compute` prompt
+    /// tokens are computed here; `local_hit` are cached and pinned.
+    async fn step(
+        &mut self,
+        steps: &StepLoop,
+        compute: u32,
+        local_hit: u32,
+    ) -> Result<(), ApiError> {
+        let engine = self.engine.clone();
+        let bs = engine.block_size;
+        let count = self.req.prompt.count;
+        let choices = self.generate();
+        let outputs = choices
+            .iter()
+            .map(|c| c.words.len())
+            .max()
+            .unwrap_or(0)
+            .max(1) as u32;
+        self.generated = Some(choices);
+        // At least the last prompt token runs through the model: its step yields the first token.
+        let prefill = compute.clamp(1, count.max(1));
+        let hit_blocks = (local_hit / bs) as usize;
+        let need = blocks_for(u64::from(count) + u64::from(outputs), bs).saturating_sub(hit_blocks);
+        let capacity = engine.cfg.cache.kv_cache_blocks;
+        if need + hit_blocks > capacity {
+            return Err(ApiError::bad(format!(
+                "The request needs {} KV-cache blocks of {bs} tokens and the engine has {capacity}.",
+                need + hit_blocks
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let seq = Seq {
+            prefill_left: prefill,
+            context: count.saturating_sub(prefill),
+            decode_left: outputs - 1,
+            blocks: need,
+            prompt: Arc::from(self.req.prompt.ids.as_slice()),
+            cache_from: hit_blocks,
+            held: Held {
+                chain: std::mem::take(&mut self.chain),
+                pins: std::mem::take(&mut self.pins),
+            },
+            ticks: tx,
+        };
+        if !steps.submit(seq) {
+            return Err(ApiError::Aborted("engine is shutting down".into()));
+        }
+        self.ticks = Some(rx);
+        self.next_token().await
     }
 
     /// Slot, handoff and prefill compute: everything before the first token.
@@ -276,6 +365,9 @@ impl Job {
         engine
             .counters
             .record_prompt(count, local_hit, count - compute);
+        if let Some(steps) = &engine.steps {
+            return self.step(steps, compute, local_hit).await;
+        }
         let lat = &engine.cfg.latency;
         self.delay(lat.prefill_per_token * compute + lat.ttft)
             .await?;
@@ -353,8 +445,12 @@ impl Job {
         Ok(wire)
     }
 
-    /// Generates every choice up front (deterministic, cheap).
-    pub fn choices(&self) -> Vec<ChoiceOut> {
+    /// Every choice, generated up front (deterministic, cheap).
+    pub fn choices(&mut self) -> Vec<ChoiceOut> {
+        self.generated.take().unwrap_or_else(|| self.generate())
+    }
+
+    fn generate(&self) -> Vec<ChoiceOut> {
         let r = &self.req;
         (0..r.n)
             .map(|c| {

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
+use crate::clock::SimClock;
 use crate::config::{Faults, KvEventsConfig};
 
 /// How often a stalled publisher looks whether the stall ended.
@@ -97,6 +98,7 @@ pub(crate) async fn start(
     faults: Arc<ArcSwap<Faults>>,
     shutdown: CancellationToken,
     tasks: &mut tokio::task::JoinSet<()>,
+    clock: SimClock,
 ) -> Result<EventSink, EventsError> {
     let mut socket = zeromq::PubSocket::new();
     let bound = if cfg.binds() {
@@ -143,6 +145,7 @@ pub(crate) async fn start(
         buffer_steps: cfg.buffer_steps,
         faults,
         counters: counters.clone(),
+        clock,
     };
     tasks.spawn(async move {
         tokio::select! {
@@ -169,12 +172,8 @@ struct Publisher {
     buffer_steps: usize,
     faults: Arc<ArcSwap<Faults>>,
     counters: Arc<EventCounters>,
-}
-
-fn now_secs() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
+    /// Batch timestamps are simulated time.
+    clock: SimClock,
 }
 
 impl Publisher {
@@ -190,7 +189,7 @@ impl Publisher {
             }
             let n = events.len() as u64;
             let batch = EventBatch {
-                ts: now_secs(),
+                ts: self.clock.now_unix(),
                 events,
                 data_parallel_rank: Some(0),
             };

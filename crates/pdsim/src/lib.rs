@@ -31,9 +31,11 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod clock;
 pub mod config;
 mod engine;
 mod error;
+pub mod fleet;
 mod http;
 mod job;
 mod kv_events;
@@ -42,10 +44,12 @@ mod kv_servers;
 mod kv_store;
 mod plan;
 mod prefix_cache;
+pub mod profile;
 mod request;
 mod respond;
 mod respond_api;
 pub mod stats;
+mod step_loop;
 mod tokens;
 
 use std::net::SocketAddr;
@@ -59,10 +63,11 @@ use tokio::task::JoinSet;
 
 pub use config::{
     CONNECTOR_TYPE_MOONCAKE, CONNECTOR_TYPE_NIXL, CONNECTOR_TYPE_NONE, CONNECTOR_TYPE_SGLANG,
-    CONNECTOR_TYPE_SHFS, CacheConfig, Connector, Faults, KvEventsConfig, LatencyModel,
-    ParseEnumError, Role, SimConfig,
+    CONNECTOR_TYPE_SHFS, CacheConfig, Connector, DEFAULT_MAX_MODEL_LEN, Faults, KvEventsConfig,
+    LatencyModel, ParseEnumError, Role, SimConfig, StepModel,
 };
 pub use error::ApiError;
+pub use profile::Profile;
 pub use stats::{EndpointCounts, RecentRequest, SimStats};
 
 use arc_swap::ArcSwap;
@@ -135,6 +140,7 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     };
     let faults = Arc::new(ArcSwap::from_pointee(config.faults.clone()));
     let shutdown = tokio_util::sync::CancellationToken::new();
+    let clock = clock::SimClock::new(config.time_scale);
     let mut tasks = JoinSet::new();
     let events = if config.kv_events.publishes() && config.cache.enable_prefix_caching {
         Some(
@@ -143,6 +149,7 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
                 faults.clone(),
                 shutdown.clone(),
                 &mut tasks,
+                clock,
             )
             .await
             .map_err(std::io::Error::other)?,
@@ -159,7 +166,16 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
         events,
     );
     engine.shutdown = shutdown;
+    engine.clock = clock;
+    let queue = engine.cfg.step.is_some().then(|| {
+        let (handle, rx) = step_loop::StepLoop::new();
+        engine.steps = Some(handle);
+        rx
+    });
     let engine = Arc::new(engine);
+    if let Some(rx) = queue {
+        tasks.spawn(step_loop::run(engine.clone(), rx));
+    }
     serve(&mut tasks, listener, http::router(engine.clone()), &engine);
     if let Some(l) = side {
         serve(

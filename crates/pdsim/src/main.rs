@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use pdsim::{CacheConfig, Connector, Faults, KvEventsConfig, LatencyModel, Role, SimConfig};
+use pdsim::fleet::FleetSpec;
+use pdsim::{
+    CacheConfig, Connector, Faults, KvEventsConfig, LatencyModel, Profile, Role, SimConfig,
+    StepModel,
+};
 
 /// jemalloc, as in pdgate: a benchmark engine (or load generator) that spends less CPU per request
 /// leaves more of a shared core to what is being measured.
@@ -126,8 +130,30 @@ struct Args {
     #[arg(long, env = "PDSIM_BLOCK_SIZE", default_value_t = 16)]
     block_size: u32,
     /// Prefix-cache capacity in blocks; unreferenced blocks are evicted least recently used first.
-    #[arg(long, env = "PDSIM_KV_CACHE_BLOCKS", default_value_t = 65_536)]
-    kv_cache_blocks: usize,
+    /// With --profile it is the engine's KV memory: running requests hold their blocks and a
+    /// full cache makes requests wait. Default: the profile's, else 65536.
+    #[arg(long, env = "PDSIM_KV_CACHE_BLOCKS")]
+    kv_cache_blocks: Option<usize>,
+    /// Step-loop engine model on this performance profile (vLLM v1-like scheduler: batched
+    /// steps, chunked prefill, KV-bounded admission, step time from a roofline). Off: each
+    /// request sleeps its own latency-model delays. Profiles: llama-3.1-8b-h100,
+    /// llama-3.1-70b-h100-tp8, llama-3.1-8b-a100-40gb.
+    #[arg(long, env = "PDSIM_PROFILE")]
+    profile: Option<Profile>,
+    /// With --profile: tokens per step (prefill chunks share it with decodes).
+    #[arg(long, env = "PDSIM_MAX_NUM_BATCHED_TOKENS", default_value_t = 8192)]
+    max_num_batched_tokens: u32,
+    /// With --profile: requests running at once; the rest wait.
+    #[arg(long, env = "PDSIM_MAX_NUM_SEQS", default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Context window (prompt plus max_tokens). Default: the profile's, else 32768.
+    #[arg(long, env = "PDSIM_MAX_MODEL_LEN")]
+    max_model_len: Option<u32>,
+    /// Simulated seconds per wall second (10 = ten times faster than real time). Delays are
+    /// divided by it; every time the engine reports (created, KV-event timestamps, /metrics) is
+    /// simulated.
+    #[arg(long, env = "PDSIM_TIME_SCALE", default_value_t = 1.0)]
+    time_scale: f64,
     /// Reuse cached prompt prefixes (vLLM's default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     enable_prefix_caching: bool,
@@ -173,7 +199,62 @@ at prompt_tokens-1 (floor((n-1)/block)*block); prefill time = uncached tokens x 
 A prefill caches what it computed; a decode caches the KV it pulled plus its generated tokens.
 
 Every flag can also be set through the environment variable shown next to it.
+
+Fleets: `pdsim fleet --prefill N --decode M --gateway-config OUT.toml` runs N prefill and M decode
+engines in one process (see `pdsim fleet --help`).
 ";
+
+/// Runs N prefill and M decode engines in one process and writes a pdgate configuration for them.
+///
+/// When every engine listens, prints one JSON line {"prefill":[url...],"decode":[url...],
+/// "gateway_config":path} (also written to --ready-file), then runs until SIGTERM or SIGINT.
+#[derive(Debug, Parser)]
+#[command(name = "pdsim fleet", version, about, long_about)]
+struct FleetArgs {
+    /// Prefill engines.
+    #[arg(long)]
+    prefill: usize,
+    /// Decode engines.
+    #[arg(long)]
+    decode: usize,
+    /// KV connector of every engine: shfs, nixl, mooncake, sglang, none.
+    #[arg(long, default_value = "shfs")]
+    connector: Connector,
+    /// Step-loop profile of every engine (see `pdsim --help`); without one, engines use the
+    /// latency model (pdsim's defaults, or --zero-delay).
+    #[arg(long)]
+    profile: Option<Profile>,
+    /// Profile of the prefills (overrides --profile).
+    #[arg(long)]
+    prefill_profile: Option<Profile>,
+    /// Profile of the decodes (overrides --profile).
+    #[arg(long)]
+    decode_profile: Option<Profile>,
+    /// Engines without a profile sleep no simulated time at all.
+    #[arg(long)]
+    zero_delay: bool,
+    /// Simulated seconds per wall second.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// KV-cache blocks per engine (default: the profile's, else 65536).
+    #[arg(long)]
+    kv_cache_blocks: Option<usize>,
+    /// Engines publish KV events (ZMQ PUB and replay sockets, written into the config).
+    #[arg(long)]
+    kv_events: bool,
+    /// Served model name.
+    #[arg(long, default_value = "pdsim")]
+    model: String,
+    /// Where to write the pdgate configuration (TOML).
+    #[arg(long)]
+    gateway_config: PathBuf,
+    /// Also write the ready JSON here (written whole, once every engine listens).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Tokio worker threads (default: one per available core).
+    #[arg(long)]
+    worker_threads: Option<usize>,
+}
 
 /// Why pdsim did not start.
 #[derive(Debug, thiserror::Error)]
@@ -226,9 +307,43 @@ fn config(a: &Args) -> Result<SimConfig, StartError> {
     if a.block_size == 0 {
         return Err(StartError::Flag("block-size", "must be at least 1".into()));
     }
+    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
+        return Err(StartError::Flag(
+            "time-scale",
+            "must be a positive number".into(),
+        ));
+    }
+    c.time_scale = a.time_scale;
+    if a.max_model_len == Some(0) {
+        return Err(StartError::Flag(
+            "max-model-len",
+            "must be at least 1".into(),
+        ));
+    }
+    c.max_model_len = a.max_model_len;
+    c.step = match &a.profile {
+        Some(p) => {
+            if a.max_num_batched_tokens == 0 || a.max_num_seqs == 0 {
+                return Err(StartError::Flag(
+                    "max-num-batched-tokens",
+                    "--max-num-batched-tokens and --max-num-seqs must be at least 1".into(),
+                ));
+            }
+            Some(StepModel {
+                profile: p.clone(),
+                max_num_batched_tokens: a.max_num_batched_tokens,
+                max_num_seqs: a.max_num_seqs,
+            })
+        }
+        None => None,
+    };
+    let kv_cache_blocks = a
+        .kv_cache_blocks
+        .or_else(|| a.profile.as_ref().map(|p| p.kv_cache_blocks))
+        .unwrap_or(65_536);
     c.cache = CacheConfig {
         block_size: a.block_size,
-        kv_cache_blocks: a.kv_cache_blocks,
+        kv_cache_blocks,
         enable_prefix_caching: !a.no_enable_prefix_caching,
         tokenizer: a.tokenizer.clone(),
         enable_prompt_tokens_details: a.enable_prompt_tokens_details,
@@ -256,8 +371,68 @@ fn config(a: &Args) -> Result<SimConfig, StartError> {
     Ok(c)
 }
 
-fn main() -> Result<(), StartError> {
-    let args = Args::parse();
+/// Writes `text` to `path` whole: readers never see a partial file.
+fn write_whole(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+fn fleet_spec(a: &FleetArgs) -> Result<FleetSpec, StartError> {
+    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
+        return Err(StartError::Flag(
+            "time-scale",
+            "must be a positive number".into(),
+        ));
+    }
+    if a.prefill + a.decode == 0 {
+        return Err(StartError::Flag(
+            "prefill",
+            "a fleet needs at least one engine".into(),
+        ));
+    }
+    let mut spec = FleetSpec::new(a.prefill, a.decode, a.connector);
+    spec.model = a.model.clone();
+    spec.prefill_profile = a.prefill_profile.clone().or_else(|| a.profile.clone());
+    spec.decode_profile = a.decode_profile.clone().or_else(|| a.profile.clone());
+    if a.zero_delay {
+        spec.latency = LatencyModel::default();
+    }
+    spec.time_scale = a.time_scale;
+    spec.kv_cache_blocks = a.kv_cache_blocks;
+    spec.kv_events = a.kv_events;
+    Ok(spec)
+}
+
+fn run_fleet(args: &FleetArgs) -> Result<(), StartError> {
+    let spec = fleet_spec(args)?;
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.worker_threads {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = rt.enable_all().build()?;
+    rt.block_on(async move {
+        let fleet = pdsim::fleet::start(&spec).await?;
+        write_whole(&args.gateway_config, &fleet.gateway_toml())?;
+        let ready = fleet.ready_json(&args.gateway_config.to_string_lossy());
+        if let Some(path) = &args.ready_file {
+            write_whole(path, &ready)?;
+        }
+        println!("{ready}");
+        tracing::info!(
+            prefill = spec.prefill,
+            decode = spec.decode,
+            connector = %spec.connector,
+            "pdsim fleet serving"
+        );
+        shutdown_signal().await;
+        fleet.shutdown().await;
+        Ok(())
+    })
+}
+
+fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -265,6 +440,16 @@ fn main() -> Result<(), StartError> {
         )
         .with_writer(std::io::stderr)
         .init();
+}
+
+fn main() -> Result<(), StartError> {
+    if std::env::args_os().nth(1).is_some_and(|a| a == "fleet") {
+        let args = FleetArgs::parse_from(std::env::args_os().skip(1));
+        init_tracing();
+        return run_fleet(&args);
+    }
+    let args = Args::parse();
+    init_tracing();
     let cfg = config(&args)?;
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = args.worker_threads {

@@ -7,6 +7,11 @@
 //! `capacity` bounds the cached blocks; inserting into a full cache evicts from
 //! the LRU head and reports each evicted hash, and when every block is pinned
 //! the new blocks are simply not cached. Lookup and insert are O(blocks).
+//!
+//! Under the step-loop engine model the cache is also the engine's KV memory: a running
+//! request reserves the blocks it will fill ([`PrefixCache::reserve`]); pinned blocks plus
+//! reservations never exceed `capacity`, unreferenced cached blocks are evicted to make room,
+//! and the blocks it then caches draw from its reservation.
 
 use std::collections::HashMap;
 
@@ -66,6 +71,10 @@ pub(crate) struct PrefixCache {
     tail: u32,
     /// Bumped by [`PrefixCache::clear`].
     generation: u64,
+    /// Blocks with at least one reference.
+    pinned: usize,
+    /// Blocks reserved by running requests and not yet cached.
+    reserved: usize,
 }
 
 /// Blocks a request holds; give them back with [`PrefixCache::release`]. Tagged with the
@@ -74,6 +83,8 @@ pub(crate) struct PrefixCache {
 pub(crate) struct Pins {
     generation: u64,
     nodes: Vec<u32>,
+    /// Blocks reserved for this request and not yet cached.
+    reserved: usize,
 }
 
 impl PrefixCache {
@@ -87,6 +98,8 @@ impl PrefixCache {
             head: NIL,
             tail: NIL,
             generation: 0,
+            pinned: 0,
+            reserved: 0,
         }
     }
 
@@ -131,6 +144,7 @@ impl PrefixCache {
         self.adopt(pins);
         if self.nodes[i as usize].refs == 0 {
             self.unlink(i);
+            self.pinned += 1;
         }
         self.nodes[i as usize].refs += 1;
         pins.nodes.push(i);
@@ -190,7 +204,11 @@ impl PrefixCache {
                 self.pin(i, pins);
                 continue;
             }
-            if self.map.len() >= self.capacity {
+            if pins.reserved > 0 {
+                pins.reserved -= 1;
+                self.reserved -= 1;
+            }
+            if self.map.len() + self.reserved >= self.capacity {
                 match self.evict() {
                     Some(gone) => events.push(KvEvent::BlockRemoved(BlockRemoved::new(vec![
                         BlockHash::Uint(gone),
@@ -220,6 +238,7 @@ impl PrefixCache {
             };
             self.map.insert(h, i);
             self.nodes[i as usize].refs = 1;
+            self.pinned += 1;
             self.adopt(pins);
             pins.nodes.push(i);
             run.get_or_insert(b);
@@ -239,6 +258,8 @@ impl PrefixCache {
 
     /// Unpins a request's blocks; unreferenced ones become evictable, deepest first.
     pub fn release(&mut self, pins: &mut Pins) {
+        self.reserved -= pins.reserved.min(self.reserved);
+        pins.reserved = 0;
         if pins.generation != self.generation {
             pins.nodes.clear();
             return;
@@ -247,13 +268,41 @@ impl PrefixCache {
             let n = &mut self.nodes[i as usize];
             n.refs = n.refs.saturating_sub(1);
             if n.refs == 0 {
+                self.pinned -= 1;
                 self.push_tail(i);
             }
         }
     }
 
-    /// Drops every block (pins included: their requests' blocks are gone too).
+    /// Reserves `n` more blocks for the request holding `pins`, evicting unreferenced blocks
+    /// as needed; false (nothing reserved) when pinned and reserved blocks leave no room.
+    /// Evictions are appended to `events` as `BlockRemoved`.
+    pub fn reserve(&mut self, n: usize, pins: &mut Pins, events: &mut Vec<KvEvent>) -> bool {
+        if self.pinned + self.reserved + n > self.capacity {
+            return false;
+        }
+        while self.map.len() + self.reserved + n > self.capacity {
+            match self.evict() {
+                Some(gone) => events.push(KvEvent::BlockRemoved(BlockRemoved::new(vec![
+                    BlockHash::Uint(gone),
+                ]))),
+                None => return false,
+            }
+        }
+        self.reserved += n;
+        pins.reserved += n;
+        true
+    }
+
+    /// Blocks a request could still reserve (capacity minus pinned and reserved blocks).
+    pub fn free(&self) -> usize {
+        self.capacity.saturating_sub(self.pinned + self.reserved)
+    }
+
+    /// Drops every block (pins included: their requests' blocks are gone too). Reservations
+    /// stay: their requests still run.
     pub fn clear(&mut self) {
+        self.pinned = 0;
         self.map.clear();
         self.nodes.clear();
         self.vacant.clear();
@@ -344,5 +393,33 @@ mod tests {
         c.clear();
         c.release(&mut p3);
         assert_eq!(c.lookup(&cb, 2, &mut p3), 0);
+    }
+
+    #[test]
+    fn reservations_bound_pinned_blocks_and_evict_unreferenced_ones() {
+        let mut c = PrefixCache::new(1, 4);
+        let a = [1, 2];
+        let ca = BlockChain::of(&a, 1).values;
+        let (mut p, mut ev) = (Pins::default(), Vec::new());
+        c.insert(&ca, &a, 0, &mut p, &mut ev);
+        c.release(&mut p);
+        // Two unreferenced cached blocks: a reservation of 3 evicts one of them.
+        let (mut r, mut ev) = (Pins::default(), Vec::new());
+        assert!(c.reserve(3, &mut r, &mut ev));
+        assert_eq!(removed(&ev), vec![ca[1]]);
+        assert_eq!(c.free(), 1);
+        let (mut q, mut ev) = (Pins::default(), Vec::new());
+        assert!(!c.reserve(2, &mut q, &mut ev), "3 reserved + 2 > 4");
+        // Caching draws from the reservation: still one block free, nothing evicted.
+        let b = [7, 8];
+        let cb = BlockChain::of(&b, 1).values;
+        let mut ev = Vec::new();
+        c.insert(&cb, &b, 0, &mut r, &mut ev);
+        assert!(removed(&ev).is_empty(), "{ev:?}");
+        assert_eq!(c.free(), 1);
+        c.release(&mut r);
+        assert_eq!(c.free(), 4, "released: every block evictable again");
+        assert!(c.reserve(4, &mut q, &mut ev));
+        assert_eq!(c.len(), 0);
     }
 }

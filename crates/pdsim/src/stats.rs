@@ -54,6 +54,14 @@ pub(crate) struct Counters {
     pub computed_overflow: AtomicU64,
     /// Prefix cache resets (`/reset_prefix_cache`).
     pub cache_resets: AtomicU64,
+    /// Step-loop engines: requests in the running set.
+    pub running: AtomicU64,
+    /// Step-loop engines: steps run.
+    pub steps: AtomicU64,
+    /// Step-loop engines: simulated time spent in steps, microseconds.
+    pub busy_micros: AtomicU64,
+    /// The engine runs the step loop (`running` is its running set, not `in_flight`).
+    pub step_model: bool,
 }
 
 /// Upper bounds of the computed-tokens histogram (vLLM's token-count buckets).
@@ -161,7 +169,7 @@ pub struct RecentRequest {
 }
 
 /// A snapshot of the engine's counters: what `GET /sim/stats` returns.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SimStats {
     /// The engine's role (`prefill`, `decode`, `both`).
     pub role: String,
@@ -236,6 +244,22 @@ pub struct SimStats {
     /// Prefix cache resets.
     #[serde(default)]
     pub prefix_cache_resets: u64,
+    /// Step-loop engines: requests in the running set (the rest of `in_flight` waits).
+    #[serde(default)]
+    pub running: u64,
+    /// Step-loop engines: steps run.
+    #[serde(default)]
+    pub steps: u64,
+    /// Step-loop engines: simulated seconds spent in steps (busy share = this / simulated uptime).
+    #[serde(default)]
+    pub busy_seconds: f64,
+    /// Simulated seconds per wall second.
+    #[serde(default)]
+    pub time_scale: f64,
+    /// KV-cache blocks neither pinned by a request nor reserved for one (step-loop engines:
+    /// what admission can still use).
+    #[serde(default)]
+    pub kv_cache_free_blocks: u64,
 }
 
 impl Counters {
@@ -287,6 +311,11 @@ impl Counters {
             kv_event_batches_dropped: 0,
             kv_events_published: 0,
             prefix_cache_resets: self.cache_resets.load(Relaxed),
+            running: self.running.load(Relaxed),
+            steps: self.steps.load(Relaxed),
+            busy_seconds: self.busy_micros.load(Relaxed) as f64 / 1e6,
+            time_scale: 1.0,
+            kv_cache_free_blocks: 0,
         }
     }
 
@@ -315,7 +344,11 @@ impl Counters {
             "vllm:num_requests_running",
             "gauge",
             "Requests in model execution batches.",
-            self.in_flight.load(Relaxed),
+            if self.step_model {
+                self.running.load(Relaxed)
+            } else {
+                self.in_flight.load(Relaxed)
+            },
         );
         g(
             &mut out,
@@ -410,6 +443,19 @@ impl Counters {
             self.computed_tokens.load(Relaxed)
         );
         let _ = writeln!(out, "{name}_count{{{l}}} {count}");
+        g(
+            &mut out,
+            "pdsim_steps_total",
+            "counter",
+            "Engine steps run (step-loop engine model).",
+            self.steps.load(Relaxed),
+        );
+        let name = "pdsim_busy_seconds_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Simulated seconds spent in engine steps.\n# TYPE {name} counter\n{name}{{{l}}} {}",
+            self.busy_micros.load(Relaxed) as f64 / 1e6
+        );
         g(
             &mut out,
             "pdsim_client_disconnects_total",
