@@ -636,7 +636,9 @@ const PROGRESS_AFTER: Duration = Duration::from_secs(3);
 async fn progress_line(phase: Arc<Phase>, start: Instant) {
     tokio::time::sleep(PROGRESS_AFTER).await;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let (mut last_n, mut last_t) = (0u64, Instant::now());
+    // Rates count from the line's start, not from the run's (the first tick fires at once).
+    let finished = || phase.done.load(Ordering::Relaxed) + phase.failed.load(Ordering::Relaxed);
+    let (mut last_n, mut last_t) = (finished(), Instant::now());
     loop {
         tick.tick().await;
         let ok = phase.done.load(Ordering::Relaxed);
