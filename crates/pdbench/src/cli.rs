@@ -7,7 +7,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::BenchError;
 use crate::dist::Dist;
-use crate::runner::{Config, Load, Target};
+use crate::metrics::EngineRole;
+use crate::runner::{Config, Load, Slo, Target};
 use crate::trace::{Order, TraceSpec, WorkloadKind};
 use crate::workload::{Api, DirectConnector};
 
@@ -25,6 +26,14 @@ use crate::workload::{Api, DirectConnector};
 /// with an infinite cache; with `--oracle-engines E --oracle-cache-blocks C`, also with groups
 /// pinned to E engines (greedy static assignment, largest working set first) each an LRU of C
 /// blocks. Generated tokens are not counted as reusable.
+///
+/// Production traces (`--trace-file FILE`, the Mooncake format: JSON lines of `timestamp` ms,
+/// `input_length`, `output_length`, `hash_ids` of 512-token blocks; gzipped or not) are
+/// replayed open loop at their recorded times divided by `--rate-factor` and `--time-scale`;
+/// each prompt is built from its hash ids (equal ids, equal text) and cut to `input_length`
+/// tokens, `max_tokens` = `output_length` with `ignore_eos`. The report adds SLO attainment and
+/// goodput (`--slo-ttft`, `--slo-itl`), the engines' prefill hit share next to the trace's
+/// oracle, and each role's busy share (max/mean work per engine) with `--fleet`.
 #[derive(Debug, Parser)]
 #[command(name = "pdbench", version, args_conflicts_with_subcommands = true)]
 pub struct Cli {
@@ -146,6 +155,29 @@ pub struct LoadArgs {
     /// Closed loop: start the clients evenly spread over S seconds (part of the measured phase).
     #[arg(long, default_value_t = 0.0)]
     pub ramp: f64,
+    /// Replay this trace file (Mooncake JSONL, gzipped or not) open loop at its recorded times;
+    /// the trace bounds the run (--requests/--duration cut it short).
+    #[arg(long, conflicts_with_all = ["concurrency", "rate"])]
+    pub trace_file: Option<std::path::PathBuf>,
+    /// Replay: send F times as fast as recorded.
+    #[arg(long, default_value_t = 1.0, requires = "trace_file")]
+    pub rate_factor: f64,
+    /// Simulated seconds per wall second of the engines (pdsim --time-scale): replay send
+    /// times are divided by F and every latency, duration and rate is reported in simulated
+    /// time (wall x F).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// SLO on time to first token, milliseconds (needs --stream).
+    #[arg(long)]
+    pub slo_ttft: Option<f64>,
+    /// SLO on each request's mean gap between tokens, milliseconds (needs --stream).
+    #[arg(long)]
+    pub slo_itl: Option<f64>,
+    /// A fleet's ready file (`pdsim fleet --ready-file`: {"prefill":[url...],"decode":[url...]}):
+    /// reads every engine's /metrics with its role, for the prefill hit share and each role's
+    /// busy share; the capacity-limited oracle's engines default to the prefill count.
+    #[arg(long)]
+    pub fleet: Option<std::path::PathBuf>,
     /// Seed for the length distributions and the trace text.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -164,10 +196,41 @@ fn seconds(name: &str, v: f64) -> Result<Duration, BenchError> {
         .ok_or_else(|| BenchError::Config(format!("{name} must be a positive number of seconds")))
 }
 
+/// The engines of a fleet's ready file.
+#[derive(Debug, serde::Deserialize)]
+struct FleetFile {
+    #[serde(default)]
+    prefill: Vec<String>,
+    #[serde(default)]
+    decode: Vec<String>,
+}
+
+fn millis(name: &str, v: Option<f64>) -> Result<Option<Duration>, BenchError> {
+    v.map(|ms| {
+        Duration::try_from_secs_f64(ms / 1000.0)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                BenchError::Config(format!("{name} must be a positive number of milliseconds"))
+            })
+    })
+    .transpose()
+}
+
 impl LoadArgs {
     /// The run configuration for `target`.
     pub fn to_config(&self, target: Target) -> Result<Config, BenchError> {
+        let replay = self
+            .trace_file
+            .as_deref()
+            .map(crate::mooncake::Trace::load)
+            .transpose()?
+            .map(std::sync::Arc::new);
         let load = match (self.concurrency, self.rate) {
+            _ if replay.is_some() => Load::Replay {
+                rate_factor: self.rate_factor,
+                max_in_flight: self.max_in_flight,
+            },
             (_, Some(rate)) => Load::Open {
                 rate,
                 max_in_flight: self.max_in_flight,
@@ -180,7 +243,20 @@ impl LoadArgs {
             .duration
             .map(|d| seconds("--duration", d))
             .transpose()?;
-        let trace = self.workload != WorkloadKind::Synthetic;
+        let trace = self.workload != WorkloadKind::Synthetic || replay.is_some();
+        let mut engine_metrics = self.engine_metrics.clone();
+        let mut engine_roles = vec![None; engine_metrics.len()];
+        let mut fleet_prefills = None;
+        if let Some(path) = &self.fleet {
+            let bad = |why: String| BenchError::Config(format!("fleet {}: {why}", path.display()));
+            let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+            let f: FleetFile = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+            fleet_prefills = Some(f.prefill.len());
+            engine_roles.extend(f.prefill.iter().map(|_| Some(EngineRole::Prefill)));
+            engine_roles.extend(f.decode.iter().map(|_| Some(EngineRole::Decode)));
+            engine_metrics.extend(f.prefill);
+            engine_metrics.extend(f.decode);
+        }
         let requests = match (self.requests, duration) {
             (None, None) if !trace => Some(1000),
             (r, _) => r,
@@ -208,10 +284,20 @@ impl LoadArgs {
                 seed: self.seed,
             },
             oracle_block_size: self.oracle_block_size,
-            oracle_limit: self
-                .oracle_cache_blocks
-                .map(|c| (self.oracle_engines.unwrap_or(1), c)),
-            engine_metrics: self.engine_metrics.clone(),
+            oracle_limit: self.oracle_cache_blocks.map(|c| {
+                (
+                    self.oracle_engines.or(fleet_prefills).unwrap_or(1).max(1),
+                    c,
+                )
+            }),
+            engine_metrics,
+            engine_roles,
+            replay,
+            time_scale: self.time_scale,
+            slo: Slo {
+                ttft: millis("--slo-ttft", self.slo_ttft)?,
+                itl: millis("--slo-itl", self.slo_itl)?,
+            },
             progress: false,
             load,
             requests,
@@ -356,6 +442,74 @@ mod tests {
         assert_eq!(cfg.engine_metrics.len(), 2);
         assert!(cfg.model.is_none(), "asked from the target");
         assert!(parse(&["pdbench", "--url", "u", "--oracle-engines", "2"]).is_err());
+    }
+
+    #[test]
+    fn trace_file_replay_with_fleet_roles() {
+        let dir = std::env::temp_dir().join(format!("pdbench-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let trace = dir.join("t.jsonl");
+        std::fs::write(
+            &trace,
+            "{\"timestamp\":0,\"input_length\":600,\"output_length\":3,\"hash_ids\":[1,2]}\n",
+        )
+        .expect("write");
+        let fleet = dir.join("fleet.json");
+        std::fs::write(
+            &fleet,
+            r#"{"prefill":["http://p:1","http://p:2"],"decode":["http://d:1"],"gateway_config":"x"}"#,
+        )
+        .expect("write");
+        let t = trace.to_str().expect("utf-8");
+        let fl = fleet.to_str().expect("utf-8");
+        let (cfg, _) = parse(&[
+            "pdbench",
+            "--url",
+            "http://g:1",
+            "--trace-file",
+            t,
+            "--rate-factor",
+            "2",
+            "--time-scale",
+            "10",
+            "--stream",
+            "--slo-ttft",
+            "500",
+            "--slo-itl",
+            "50",
+            "--fleet",
+            fl,
+            "--oracle-cache-blocks",
+            "1000",
+        ])
+        .expect("ok");
+        assert_eq!(
+            cfg.load,
+            Load::Replay {
+                rate_factor: 2.0,
+                max_in_flight: 10_000
+            }
+        );
+        assert_eq!(cfg.requests, None, "the trace is the bound");
+        assert_eq!(cfg.replay.as_ref().expect("trace").requests.len(), 1);
+        assert_eq!(cfg.time_scale, 10.0);
+        assert_eq!(cfg.slo.ttft, Some(Duration::from_millis(500)));
+        assert_eq!(cfg.slo.itl, Some(Duration::from_millis(50)));
+        assert_eq!(cfg.engine_metrics.len(), 3);
+        assert_eq!(
+            cfg.engine_roles,
+            [
+                Some(EngineRole::Prefill),
+                Some(EngineRole::Prefill),
+                Some(EngineRole::Decode)
+            ]
+        );
+        assert_eq!(cfg.oracle_limit, Some((2, 1000)), "engines: the prefills");
+        assert!(parse(&["pdbench", "--url", "u", "--trace-file", t, "--rate", "3"]).is_err());
+        assert!(parse(&["pdbench", "--url", "u", "--rate-factor", "3"]).is_err());
+        assert!(parse(&["pdbench", "--url", "u", "--trace-file", "/nonexistent/x"]).is_err());
+        assert!(parse(&["pdbench", "--url", "u", "--slo-ttft", "-5"]).is_err());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]

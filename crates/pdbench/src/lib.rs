@@ -12,7 +12,8 @@
 //! - [`stats`]: sharded HDR histograms and error classes; [`report`]: the result.
 //! - [`sse`]: a bounded incremental SSE event reader.
 //! - [`trace`]: the cache-sensitive workloads and the oracle hit share.
-//! - [`metrics`]: engine prefix-cache counters read before and after a run.
+//! - [`mooncake`]: production traces (Mooncake format) and their oracle.
+//! - [`metrics`]: engine counters read before and after a run (hits, work per engine).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), pdbench::BenchError> {
@@ -30,6 +31,7 @@ pub mod cli;
 pub mod client;
 pub mod dist;
 pub mod metrics;
+pub mod mooncake;
 pub mod report;
 pub mod runner;
 pub mod sse;
@@ -38,7 +40,7 @@ pub mod trace;
 pub mod workload;
 
 pub use report::Report;
-pub use runner::{Config, Load, Target, run};
+pub use runner::{Config, Load, Slo, Target, run};
 pub use trace::{Order, TraceSpec, WorkloadKind};
 pub use workload::{Api, DirectConnector};
 

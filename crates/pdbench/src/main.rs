@@ -45,7 +45,9 @@ fn main() -> ExitCode {
     cfg.progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let sockets = match cfg.load {
         pdbench::Load::Closed { concurrency } => concurrency,
-        pdbench::Load::Open { max_in_flight, .. } => max_in_flight,
+        pdbench::Load::Open { max_in_flight, .. } | pdbench::Load::Replay { max_in_flight, .. } => {
+            max_in_flight
+        }
     };
     let direct = matches!(cfg.target, pdbench::Target::Direct { .. });
     warn_on_fd_limit(if direct { sockets * 2 } else { sockets });

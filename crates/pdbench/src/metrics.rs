@@ -17,6 +17,8 @@ pub struct Counters {
     pub computed: Option<f64>,
     /// `vllm:prompt_tokens_total`.
     pub prompt_tokens: f64,
+    /// `vllm:generation_tokens_total`.
+    pub generation_tokens: f64,
 }
 
 /// Sums every sample of each counter (all label sets) in a Prometheus text exposition.
@@ -37,10 +39,21 @@ pub fn parse(text: &str) -> Counters {
                 *c.computed.get_or_insert(0.0) += v;
             }
             "vllm:prompt_tokens_total" => c.prompt_tokens += v,
+            "vllm:generation_tokens_total" => c.generation_tokens += v,
             _ => {}
         }
     }
     c
+}
+
+/// What an engine serves, when the run knows it (from a fleet file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineRole {
+    /// A prefill engine: its work is the prefill tokens it computed.
+    Prefill,
+    /// A decode engine: its work is the tokens it generated.
+    Decode,
 }
 
 /// What one engine did during the run.
@@ -48,6 +61,8 @@ pub fn parse(text: &str) -> Counters {
 pub struct EngineDelta {
     /// The engine's base URL.
     pub url: String,
+    /// Its role, when known.
+    pub role: Option<EngineRole>,
     /// Prefix-cache hit tokens.
     pub prefix_cache_hits: f64,
     /// Prefix-cache query tokens.
@@ -56,6 +71,56 @@ pub struct EngineDelta {
     pub prefill_computed_tokens: Option<f64>,
     /// Prompt tokens.
     pub prompt_tokens: f64,
+    /// Generated tokens.
+    pub generation_tokens: f64,
+}
+
+impl EngineDelta {
+    /// The work this engine did, in the measure of its role: prefill tokens computed (prompt
+    /// tokens less hits when the engine does not export the histogram), or for a decode
+    /// engine the tokens it generated.
+    pub fn work(&self) -> f64 {
+        match self.role {
+            Some(EngineRole::Decode) => self.generation_tokens,
+            _ => self
+                .prefill_computed_tokens
+                .unwrap_or(self.prompt_tokens - self.prefix_cache_hits),
+        }
+    }
+}
+
+/// How evenly one group of engines shared the work: the busiest engine against the mean.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Balance {
+    /// `prefill`, `decode`, or `all` when roles are unknown.
+    pub role: String,
+    /// What was counted: `prefill_computed_tokens` or `generation_tokens`.
+    pub measure: &'static str,
+    /// Engines in the group.
+    pub engines: usize,
+    /// The busiest engine's work.
+    pub max: f64,
+    /// The mean engine's work.
+    pub mean: f64,
+    /// `max / mean` (1.0 is perfectly even; `engines` is one engine doing everything).
+    pub max_over_mean: Option<f64>,
+}
+
+fn balance(role: &str, measure: &'static str, group: &[&EngineDelta]) -> Option<Balance> {
+    if group.is_empty() {
+        return None;
+    }
+    let work: Vec<f64> = group.iter().map(|e| e.work()).collect();
+    let max = work.iter().copied().fold(0.0, f64::max);
+    let mean = work.iter().sum::<f64>() / work.len() as f64;
+    Some(Balance {
+        role: role.to_owned(),
+        measure,
+        engines: group.len(),
+        max,
+        mean,
+        max_over_mean: (mean > 0.0).then(|| max / mean),
+    })
 }
 
 /// Sum over every engine, with the hit share `hits / queries`.
@@ -71,6 +136,10 @@ pub struct EngineTotals {
     pub hit_share: f64,
     /// Prefill tokens computed, all engines that export it.
     pub prefill_computed_tokens: f64,
+    /// `hits / queries` over the prefill engines only (when roles are known).
+    pub prefill_hit_share: Option<f64>,
+    /// Busy share per role: the busiest engine's work over the mean.
+    pub balance: Vec<Balance>,
 }
 
 fn metrics_uri(base: &str) -> String {
@@ -105,6 +174,7 @@ fn status_text(status: u16, body: &Bytes) -> String {
 /// The per-engine deltas; engines that failed either read become warnings.
 pub fn deltas(
     urls: &[String],
+    roles: &[Option<EngineRole>],
     before: &[Result<Counters, String>],
     after: &[Result<Counters, String>],
     warnings: &mut Vec<String>,
@@ -113,14 +183,16 @@ pub fn deltas(
         return None;
     }
     let mut engines = Vec::new();
-    for ((url, b), a) in urls.iter().zip(before).zip(after) {
+    for (i, ((url, b), a)) in urls.iter().zip(before).zip(after).enumerate() {
         match (b, a) {
             (Ok(b), Ok(a)) => engines.push(EngineDelta {
                 url: url.clone(),
+                role: roles.get(i).copied().flatten(),
                 prefix_cache_hits: a.hits - b.hits,
                 prefix_cache_queries: a.queries - b.queries,
                 prefill_computed_tokens: a.computed.map(|x| x - b.computed.unwrap_or(0.0)),
                 prompt_tokens: a.prompt_tokens - b.prompt_tokens,
+                generation_tokens: a.generation_tokens - b.generation_tokens,
             }),
             (Err(e), _) | (_, Err(e)) => warnings.push(format!("engine metrics {url}: {e}")),
         }
@@ -131,12 +203,35 @@ pub fn deltas(
         .iter()
         .filter_map(|e| e.prefill_computed_tokens)
         .sum();
+    let of = |role: Option<EngineRole>| -> Vec<&EngineDelta> {
+        engines.iter().filter(|e| e.role == role).collect()
+    };
+    let (prefills, decodes, unknown) = (
+        of(Some(EngineRole::Prefill)),
+        of(Some(EngineRole::Decode)),
+        of(None),
+    );
+    let prefill_hit_share = (!prefills.is_empty()).then(|| {
+        let q: f64 = prefills.iter().map(|e| e.prefix_cache_queries).sum();
+        let h: f64 = prefills.iter().map(|e| e.prefix_cache_hits).sum();
+        if q > 0.0 { h / q } else { 0.0 }
+    });
+    let balance = [
+        balance("prefill", "prefill_computed_tokens", &prefills),
+        balance("decode", "generation_tokens", &decodes),
+        balance("all", "prefill_computed_tokens", &unknown),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     Some(EngineTotals {
-        engines,
         prefix_cache_hits: hits,
         prefix_cache_queries: queries,
         hit_share: if queries > 0.0 { hits / queries } else { 0.0 },
         prefill_computed_tokens: computed,
+        prefill_hit_share,
+        balance,
+        engines,
     })
 }
 
@@ -163,6 +258,7 @@ mod tests {
         let zero = Counters::default();
         let t = deltas(
             &urls,
+            &[],
             &[Ok(zero), Ok(zero)],
             &[Ok(c), Err("down".into())],
             &mut w,
@@ -172,6 +268,57 @@ mod tests {
         assert!((t.hit_share - 0.5).abs() < 1e-12);
         assert_eq!(t.prefill_computed_tokens, 104.0);
         assert_eq!(w, ["engine metrics http://e:2: down"]);
+        assert!(t.prefill_hit_share.is_none(), "no roles");
+        assert_eq!(t.balance.len(), 1);
+        assert_eq!(t.balance[0].role, "all");
+        assert_eq!(t.balance[0].max_over_mean, Some(1.0));
         assert_eq!(metrics_uri("http://e:1/"), "http://e:1/metrics");
+    }
+
+    #[test]
+    fn busy_share_per_role() {
+        let c = |hits: f64, queries: f64, computed: f64, generated: f64| Counters {
+            hits,
+            queries,
+            computed: Some(computed),
+            prompt_tokens: queries,
+            generation_tokens: generated,
+        };
+        let urls: Vec<String> = (0..4).map(|i| format!("http://e:{i}")).collect();
+        let roles = [
+            Some(EngineRole::Prefill),
+            Some(EngineRole::Prefill),
+            Some(EngineRole::Decode),
+            Some(EngineRole::Decode),
+        ];
+        let zero = Ok(Counters::default());
+        let before = vec![zero.clone(), zero.clone(), zero.clone(), zero];
+        let after = vec![
+            Ok(c(300.0, 400.0, 100.0, 1.0)),
+            Ok(c(0.0, 300.0, 300.0, 1.0)),
+            Ok(c(0.0, 0.0, 0.0, 90.0)),
+            Ok(c(500.0, 700.0, 200.0, 10.0)),
+        ];
+        let mut w = Vec::new();
+        let t = deltas(&urls, &roles, &before, &after, &mut w).expect("totals");
+        assert!(w.is_empty());
+        // Prefill engines only: 300 of 700 queried tokens.
+        let share = t.prefill_hit_share.expect("roles known");
+        assert!((share - 300.0 / 700.0).abs() < 1e-12);
+        assert!((t.hit_share - 800.0 / 1400.0).abs() < 1e-12, "every engine");
+        let p = &t.balance[0];
+        assert_eq!(
+            (p.role.as_str(), p.measure),
+            ("prefill", "prefill_computed_tokens")
+        );
+        assert_eq!((p.max, p.mean), (300.0, 200.0));
+        assert_eq!(p.max_over_mean, Some(1.5));
+        let d = &t.balance[1];
+        assert_eq!(
+            (d.role.as_str(), d.measure),
+            ("decode", "generation_tokens")
+        );
+        assert_eq!(d.max_over_mean, Some(90.0 / 50.0));
+        assert_eq!(t.balance.len(), 2);
     }
 }

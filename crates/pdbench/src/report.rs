@@ -32,6 +32,36 @@ pub enum TargetInfo {
     },
 }
 
+/// The trace file a replay read.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplayInfo {
+    /// Its path.
+    pub path: String,
+    /// Requests in the file.
+    pub requests_in_file: usize,
+    /// Requests that came due before the run's bound (sent, or counted as overflow).
+    pub requests_due: usize,
+    /// Seconds from the file's first arrival to its last (trace time).
+    pub span_s: f64,
+}
+
+/// SLO attainment: shares of all requests (failed ones count as missing every objective).
+#[derive(Debug, Clone, Serialize)]
+pub struct SloReport {
+    /// TTFT objective (ms), if set.
+    pub ttft_ms: Option<f64>,
+    /// ITL objective (ms) on each request's mean gap between tokens, if set.
+    pub itl_ms: Option<f64>,
+    /// Share of requests within the TTFT objective.
+    pub ttft_attainment: f64,
+    /// Share of requests within the ITL objective.
+    pub itl_attainment: f64,
+    /// Share within both (an unset objective is always met).
+    pub attainment: f64,
+    /// Requests per second within both.
+    pub goodput_rps: f64,
+}
+
 /// Everything a run measured. Times are in milliseconds unless the name says otherwise.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -41,12 +71,17 @@ pub struct Report {
     pub api: Api,
     /// Streamed or not.
     pub stream: bool,
-    /// `"closed"` or `"open"`.
+    /// `"closed"`, `"open"` or `"replay"`.
     pub load: &'static str,
     /// Closed loop: clients.
     pub concurrency: Option<usize>,
     /// Open loop: requests per second offered.
     pub rate: Option<f64>,
+    /// Replay: the speed-up over the recorded times.
+    pub rate_factor: Option<f64>,
+    /// Simulated seconds per wall second: every time, duration and rate below is in simulated
+    /// terms (wall x `time_scale`).
+    pub time_scale: f64,
     /// Prompt length distribution (words).
     pub prompt_len: String,
     /// Output length distribution (`max_tokens`).
@@ -60,8 +95,10 @@ pub struct Report {
     /// Failed requests by class (`connect`, `closed`, `timeout`, `http_4xx`, `http_5xx`, `http_other`,
     /// `stream_error`, `truncated`, `protocol`, `overflow`).
     pub errors_by_class: BTreeMap<String, u64>,
-    /// Wall time of the measured phase, seconds.
+    /// Duration of the measured phase, seconds (simulated: wall x `time_scale`).
     pub elapsed_s: f64,
+    /// Wall time of the measured phase, seconds.
+    pub wall_s: f64,
     /// Successful requests per second.
     pub throughput_rps: f64,
     /// Output tokens of successful requests.
@@ -74,6 +111,9 @@ pub struct Report {
     pub ttft_ms: Option<Percentiles>,
     /// Gaps between token events (streams).
     pub itl_ms: Option<Percentiles>,
+    /// TTFT CDF: (quantile, ms) at every percent (streams).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ttft_cdf_ms: Vec<(f64, f64)>,
     /// Prefill leg (direct mode).
     pub prefill_ms: Option<Percentiles>,
     /// True when the run was interrupted (Ctrl-C) before its bound.
@@ -93,6 +133,10 @@ pub struct Report {
     pub cached_share: Option<f64>,
     /// The trace's oracle hit share (see the README for the definition).
     pub oracle: Option<Oracle>,
+    /// The trace file replayed.
+    pub replay: Option<ReplayInfo>,
+    /// SLO attainment and goodput (`--slo-ttft`, `--slo-itl`).
+    pub slo: Option<SloReport>,
     /// Engine counter deltas (`--engine-metrics`).
     pub engines: Option<EngineTotals>,
     /// The first failed response: status and the first 300 bytes of its body.
@@ -111,9 +155,10 @@ impl Report {
         cancelled: bool,
     ) -> Self {
         let secs = elapsed.as_secs_f64().max(1e-9);
-        let (load, concurrency, rate) = match cfg.load {
-            Load::Closed { concurrency } => ("closed", Some(concurrency), None),
-            Load::Open { rate, .. } => ("open", None, Some(rate)),
+        let (load, concurrency, rate, rate_factor) = match cfg.load {
+            Load::Closed { concurrency } => ("closed", Some(concurrency), None, None),
+            Load::Open { rate, .. } => ("open", None, Some(rate), None),
+            Load::Replay { rate_factor, .. } => ("replay", None, None, Some(rate_factor)),
         };
         Report {
             target,
@@ -122,19 +167,29 @@ impl Report {
             load,
             concurrency,
             rate,
-            prompt_len: cfg.prompt_len.to_string(),
-            output_len: cfg.output_len.to_string(),
+            rate_factor,
+            time_scale: cfg.time_scale,
+            prompt_len: match cfg.replay {
+                Some(_) => "trace".to_owned(),
+                None => cfg.prompt_len.to_string(),
+            },
+            output_len: match cfg.replay {
+                Some(_) => "trace".to_owned(),
+                None => cfg.output_len.to_string(),
+            },
             requests: total.ok() + total.errors_total(),
             ok: total.ok(),
             errors: total.errors_total(),
             errors_by_class: total.errors_by_class(),
             elapsed_s: secs,
+            wall_s: secs / cfg.time_scale,
             throughput_rps: total.ok() as f64 / secs,
             output_tokens: total.output_tokens(),
             output_tokens_per_s: total.output_tokens() as f64 / secs,
             latency_ms: total.latency(),
             ttft_ms: total.ttft(),
             itl_ms: total.itl(),
+            ttft_cdf_ms: total.ttft_cdf(),
             prefill_ms: total.prefill(),
             cancelled,
             model: cfg.model.clone().unwrap_or_default(),
@@ -146,6 +201,8 @@ impl Report {
                 total.usage_cached_tokens().0 as f64 / total.usage_prompt_tokens().max(1) as f64
             }),
             oracle: None,
+            replay: None,
+            slo: None,
             engines: None,
             sample_error: None,
             warnings: Vec::new(),
@@ -219,10 +276,26 @@ impl fmt::Display for Report {
             "workload  api={api} stream={} prompt={} output={} ",
             self.stream, self.prompt_len, self.output_len
         )?;
-        match (self.concurrency, self.rate) {
-            (Some(c), _) => writeln!(f, "closed-loop concurrency={c}")?,
-            (_, Some(r)) => writeln!(f, "open-loop rate={r}/s")?,
+        match (self.concurrency, self.rate, &self.replay) {
+            (Some(c), _, _) => writeln!(f, "closed-loop concurrency={c}")?,
+            (_, Some(r), _) => writeln!(f, "open-loop rate={r}/s")?,
+            (_, _, Some(t)) => writeln!(
+                f,
+                "replay {} ({} of {} requests due, {:.1} s recorded) rate-factor={}",
+                t.path,
+                t.requests_due,
+                t.requests_in_file,
+                t.span_s,
+                self.rate_factor.unwrap_or(1.0)
+            )?,
             _ => writeln!(f)?,
+        }
+        if self.time_scale != 1.0 {
+            writeln!(
+                f,
+                "time      simulated, time-scale {} (wall {:.3} s)",
+                self.time_scale, self.wall_s
+            )?;
         }
         writeln!(
             f,
@@ -252,6 +325,19 @@ impl fmt::Display for Report {
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect();
             writeln!(f, "errors    {}", parts.join(" "))?;
+        }
+        if let Some(s) = &self.slo {
+            let goal = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v} ms"));
+            writeln!(
+                f,
+                "slo       ttft<={} {}, itl<={} {}, both {}: goodput {:.2} req/s",
+                goal(s.ttft_ms),
+                pct(s.ttft_attainment),
+                goal(s.itl_ms),
+                pct(s.itl_attainment),
+                pct(s.attainment),
+                s.goodput_rps
+            )?;
         }
         if let Some(e) = &self.sample_error {
             writeln!(f, "sample    {e}")?;
@@ -303,6 +389,26 @@ impl fmt::Display for Report {
                 e.prefill_computed_tokens,
                 e.engines.len()
             )?;
+            if let Some(p) = e.prefill_hit_share {
+                writeln!(
+                    f,
+                    "prefill   hit share {} (prefill engines' counters)",
+                    pct(p)
+                )?;
+            }
+            for b in &e.balance {
+                writeln!(
+                    f,
+                    "busy      {} x{}: max/mean {} ({:.0} / {:.0} {})",
+                    b.role,
+                    b.engines,
+                    b.max_over_mean
+                        .map_or_else(|| "-".to_owned(), |x| format!("{x:.2}")),
+                    b.max,
+                    b.mean,
+                    b.measure
+                )?;
+            }
         }
         Ok(())
     }

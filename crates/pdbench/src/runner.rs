@@ -17,8 +17,10 @@ use tokio_util::sync::CancellationToken;
 use crate::BenchError;
 use crate::client::{Endpoint, Requester, Route, Scratch, http_client};
 use crate::dist::Dist;
-use crate::report::{Report, TargetInfo};
-use crate::stats::{ErrorClass, Recorder};
+use crate::metrics::EngineRole;
+use crate::mooncake::Trace;
+use crate::report::{ReplayInfo, Report, SloReport, TargetInfo};
+use crate::stats::{ErrorClass, Recorder, Sample};
 use crate::trace::{Oracle, Prompt, TraceQueue, TraceSpec, WorkloadKind, oracle};
 use crate::workload::{Api, Bodies, DirectConnector};
 
@@ -55,6 +57,30 @@ pub enum Load {
         /// Cap on concurrently open requests.
         max_in_flight: usize,
     },
+    /// Requests of a trace file ([`Config::replay`]) start at their recorded times divided by
+    /// `rate_factor` (and by [`Config::time_scale`]), whatever the latency; otherwise as `Open`.
+    Replay {
+        /// 2.0 sends twice as fast as recorded.
+        rate_factor: f64,
+        /// Cap on concurrently open requests.
+        max_in_flight: usize,
+    },
+}
+
+/// Service-level objectives a request is judged by (streams only).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Slo {
+    /// Time to first token at most this.
+    pub ttft: Option<Duration>,
+    /// The request's mean gap between tokens (time per output token) at most this.
+    pub itl: Option<Duration>,
+}
+
+impl Slo {
+    /// True when an objective is set.
+    pub fn is_set(&self) -> bool {
+        self.ttft.is_some() || self.itl.is_some()
+    }
 }
 
 /// A complete run description.
@@ -98,6 +124,16 @@ pub struct Config {
     pub warmup: u64,
     /// Closed loop: client `i` of `n` starts after `ramp * i / n` (measured phase only).
     pub ramp: Duration,
+    /// The trace file replayed by [`Load::Replay`].
+    pub replay: Option<Arc<Trace>>,
+    /// Simulated seconds per wall second of the engines (pdsim `--time-scale`): replay send
+    /// times are divided by it, and every latency, duration and rate is reported in simulated
+    /// time (wall x `time_scale`).
+    pub time_scale: f64,
+    /// Objectives for SLO attainment and goodput.
+    pub slo: Slo,
+    /// Roles of the `engine_metrics` engines, by index (empty: unknown).
+    pub engine_roles: Vec<Option<EngineRole>>,
 }
 
 impl Config {
@@ -123,11 +159,56 @@ impl Config {
             seed: 1,
             warmup: 0,
             ramp: Duration::ZERO,
+            replay: None,
+            time_scale: 1.0,
+            slo: Slo::default(),
+            engine_roles: Vec::new(),
         }
     }
 
     fn validate(&self) -> Result<(), BenchError> {
-        if self.requests.is_none() && self.duration.is_none() && !self.is_trace() {
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(BenchError::Config(
+                "--time-scale must be a positive number".into(),
+            ));
+        }
+        if self.slo.is_set() && !self.stream {
+            return Err(BenchError::Config(
+                "--slo-ttft and --slo-itl need --stream (TTFT and token gaps are measured on streams)"
+                    .into(),
+            ));
+        }
+        match (&self.load, &self.replay) {
+            (Load::Replay { .. }, None) => {
+                return Err(BenchError::Config(
+                    "a replay needs a trace file (--trace-file)".into(),
+                ));
+            }
+            (Load::Replay { .. }, Some(_)) if self.is_trace() => {
+                return Err(BenchError::Config(
+                    "--trace-file replaces --workload: give one of them".into(),
+                ));
+            }
+            (Load::Replay { .. }, Some(_)) if self.api != Api::Completions => {
+                return Err(BenchError::Config(
+                    "a trace file is replayed on the completions API (chat role markers would shift its blocks)"
+                        .into(),
+                ));
+            }
+            (Load::Replay { rate_factor, .. }, Some(_))
+                if !(rate_factor.is_finite() && *rate_factor > 0.0) =>
+            {
+                return Err(BenchError::Config(
+                    "--rate-factor must be a positive number".into(),
+                ));
+            }
+            _ => {}
+        }
+        if self.requests.is_none()
+            && self.duration.is_none()
+            && !self.is_trace()
+            && self.replay.is_none()
+        {
             return Err(BenchError::Config(
                 "unbounded run: give --requests and/or --duration".into(),
             ));
@@ -148,6 +229,9 @@ impl Config {
                 BenchError::Config("--rate must be a positive number".into()),
             ),
             Load::Open {
+                max_in_flight: 0, ..
+            }
+            | Load::Replay {
                 max_in_flight: 0, ..
             } => Err(BenchError::Config(
                 "--max-in-flight must be at least 1".into(),
@@ -207,7 +291,9 @@ impl Config {
     fn peak_connections(&self) -> usize {
         match self.load {
             Load::Closed { concurrency } => concurrency,
-            Load::Open { max_in_flight, .. } => max_in_flight.min(100_000),
+            Load::Open { max_in_flight, .. } | Load::Replay { max_in_flight, .. } => {
+                max_in_flight.min(100_000)
+            }
         }
     }
 }
@@ -227,9 +313,75 @@ struct Phase {
     trace: Option<Arc<TraceQueue>>,
     done: AtomicU64,
     failed: AtomicU64,
+    /// Requests the run will send at most (for the progress line).
+    total: Option<u64>,
+    time_scale: f64,
+    slo: Slo,
+    /// Requests within the TTFT objective, within the ITL objective, within both.
+    slo_met: [AtomicU64; 3],
 }
 
 impl Phase {
+    fn new(
+        cfg: &Config,
+        req: Arc<Requester>,
+        recorder: Recorder,
+        cancel: CancellationToken,
+    ) -> Self {
+        Phase {
+            req,
+            recorder,
+            next_id: AtomicU64::new(0),
+            id_base: 0,
+            limit: cfg.requests,
+            deadline: None,
+            timeout: cfg.timeout,
+            prompt_len: cfg.prompt_len,
+            output_len: cfg.output_len,
+            cancel,
+            trace: None,
+            done: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            total: None,
+            time_scale: cfg.time_scale,
+            slo: cfg.slo,
+            slo_met: Default::default(),
+        }
+    }
+
+    /// Wall time to simulated time (every figure is reported in simulated time).
+    fn scale(&self, s: &mut Sample) {
+        let f = self.time_scale;
+        if f == 1.0 {
+            return;
+        }
+        s.latency = s.latency.mul_f64(f);
+        s.ttft = s.ttft.map(|t| t.mul_f64(f));
+        s.prefill = s.prefill.map(|t| t.mul_f64(f));
+        for g in &mut s.gaps_us {
+            *g = (*g as f64 * f) as u64;
+        }
+    }
+
+    /// Counts a successful request against the objectives.
+    fn judge(&self, s: &Sample) {
+        if !self.slo.is_set() {
+            return;
+        }
+        let ttft = self.slo.ttft.is_none_or(|t| s.ttft.is_some_and(|x| x <= t));
+        let itl = self.slo.itl.is_none_or(|t| {
+            let n = s.gaps_us.len() as u64;
+            n == 0
+                || s.gaps_us.iter().sum::<u64>() / n
+                    <= u64::try_from(t.as_micros()).unwrap_or(u64::MAX)
+        });
+        for (met, counter) in [ttft, itl, ttft && itl].into_iter().zip(&self.slo_met) {
+            if met {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Claims the next request number, or `None` when the phase is over.
     fn claim(&self) -> Option<u64> {
         if self.cancel.is_cancelled() || self.deadline.is_some_and(|d| Instant::now() >= d) {
@@ -262,6 +414,14 @@ impl Phase {
         let outcome = tokio::select! {
             r = fut => r,
             () = self.cancel.cancelled() => return None,
+        };
+        let outcome = match outcome {
+            Ok(Ok(mut sample)) => {
+                self.scale(&mut sample);
+                self.judge(&sample);
+                Ok(Ok(sample))
+            }
+            other => other,
         };
         let ok = matches!(outcome, Ok(Ok(_)));
         if ok {
@@ -351,56 +511,73 @@ pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, Benc
     if cfg.warmup > 0 {
         let concurrency = match cfg.load {
             Load::Closed { concurrency } => concurrency,
-            Load::Open { max_in_flight, .. } => max_in_flight.min(64),
+            Load::Open { max_in_flight, .. } | Load::Replay { max_in_flight, .. } => {
+                max_in_flight.min(64)
+            }
         };
         let warm = Arc::new(Phase {
-            req: requester.clone(),
-            recorder: Recorder::new(1)?,
-            next_id: AtomicU64::new(0),
             id_base: 1 << 40,
             limit: Some(cfg.warmup),
-            deadline: None,
-            timeout: cfg.timeout,
-            prompt_len: cfg.prompt_len,
-            output_len: cfg.output_len,
-            cancel: cancel.child_token(),
-            trace: None,
-            done: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
+            slo: Slo::default(),
+            ..Phase::new(
+                cfg,
+                requester.clone(),
+                Recorder::new(1)?,
+                cancel.child_token(),
+            )
         });
         closed_loop(&warm, concurrency, cfg.seed ^ 0x5eed, Duration::ZERO).await;
     }
 
     let before = crate::metrics::scrape_all(&client, &cfg.engine_metrics).await;
     let start = Instant::now();
+    let replay_len = cfg.replay.as_ref().map(|t| t.requests.len() as u64);
     let phase = Arc::new(Phase {
-        req: requester.clone(),
-        recorder: Recorder::new(shard_count())?,
-        next_id: AtomicU64::new(0),
-        id_base: 0,
-        limit: cfg.requests,
         deadline: cfg.duration.map(|d| start + d),
-        timeout: cfg.timeout,
-        prompt_len: cfg.prompt_len,
-        output_len: cfg.output_len,
-        cancel: cancel.child_token(),
         trace: trace.clone(),
-        done: AtomicU64::new(0),
-        failed: AtomicU64::new(0),
+        total: match (
+            cfg.requests,
+            replay_len.or(trace.as_ref().map(|t| t.len() as u64)),
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        },
+        ..Phase::new(
+            cfg,
+            requester.clone(),
+            Recorder::new(shard_count())?,
+            cancel.child_token(),
+        )
     });
     let progress = cfg
         .progress
         .then(|| tokio::spawn(progress_line(phase.clone(), start)));
-    match cfg.load {
-        Load::Closed { concurrency } => {
+    let mut due = 0;
+    match (cfg.load, &cfg.replay) {
+        (Load::Closed { concurrency }, _) => {
             closed_loop(&phase, concurrency, cfg.seed, cfg.ramp).await;
         }
-        Load::Open {
-            rate,
-            max_in_flight,
-        } => open_loop(&phase, rate, max_in_flight, cfg.seed).await,
+        (
+            Load::Open {
+                rate,
+                max_in_flight,
+            },
+            _,
+        ) => open_loop(&phase, rate, max_in_flight, cfg.seed).await,
+        (
+            Load::Replay {
+                rate_factor,
+                max_in_flight,
+            },
+            Some(replay),
+        ) => {
+            let speed = rate_factor * cfg.time_scale;
+            due = replay_loop(&phase, replay, speed, max_in_flight, cfg.seed).await;
+        }
+        (Load::Replay { .. }, None) => {}
     }
-    let elapsed = start.elapsed();
+    let wall = start.elapsed();
+    let elapsed = wall.mul_f64(cfg.time_scale);
     if let Some(p) = progress {
         p.abort();
         // Clear the progress line so the report starts on a clean line.
@@ -408,13 +585,46 @@ pub async fn run(cfg: &Config, cancel: CancellationToken) -> Result<Report, Benc
     }
     let after = crate::metrics::scrape_all(&client, &cfg.engine_metrics).await;
     let total = phase.recorder.total()?;
-    let oracle: Option<Oracle> = trace
-        .as_ref()
-        .map(|t| oracle(&t.sent(), cfg.oracle_block_size, cfg.oracle_limit));
+    let oracle: Option<Oracle> = match (&trace, &cfg.replay) {
+        (Some(t), _) => Some(oracle(&t.sent(), cfg.oracle_block_size, cfg.oracle_limit)),
+        (None, Some(r)) => Some(crate::mooncake::oracle(
+            &r.requests[..due.min(r.requests.len())],
+            cfg.oracle_block_size,
+            cfg.oracle_limit,
+        )),
+        (None, None) => None,
+    };
     let mut report = Report::new(cfg, target_info, &total, elapsed, cancel.is_cancelled());
+    report.wall_s = wall.as_secs_f64();
     report.model = model;
     report.oracle = oracle;
-    report.engines = crate::metrics::deltas(&cfg.engine_metrics, &before, &after, &mut warnings);
+    if let Some(r) = &cfg.replay {
+        report.replay = Some(ReplayInfo {
+            path: r.path.clone(),
+            requests_in_file: r.requests.len(),
+            requests_due: due,
+            span_s: r.span_s(),
+        });
+    }
+    if cfg.slo.is_set() {
+        let n = report.requests.max(1) as f64;
+        let met = |i: usize| phase.slo_met[i].load(Ordering::Relaxed);
+        report.slo = Some(SloReport {
+            ttft_ms: cfg.slo.ttft.map(|d| d.as_secs_f64() * 1000.0),
+            itl_ms: cfg.slo.itl.map(|d| d.as_secs_f64() * 1000.0),
+            ttft_attainment: met(0) as f64 / n,
+            itl_attainment: met(1) as f64 / n,
+            attainment: met(2) as f64 / n,
+            goodput_rps: met(2) as f64 / report.elapsed_s,
+        });
+    }
+    report.engines = crate::metrics::deltas(
+        &cfg.engine_metrics,
+        &cfg.engine_roles,
+        &before,
+        &after,
+        &mut warnings,
+    );
     report.sample_error = requester.first_error.get().cloned();
     report.warnings = warnings;
     Ok(report)
@@ -426,7 +636,9 @@ const PROGRESS_AFTER: Duration = Duration::from_secs(3);
 async fn progress_line(phase: Arc<Phase>, start: Instant) {
     tokio::time::sleep(PROGRESS_AFTER).await;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let (mut last_n, mut last_t) = (0u64, Instant::now());
+    // Rates count from the line's start, not from the run's (the first tick fires at once).
+    let finished = || phase.done.load(Ordering::Relaxed) + phase.failed.load(Ordering::Relaxed);
+    let (mut last_n, mut last_t) = (finished(), Instant::now());
     loop {
         tick.tick().await;
         let ok = phase.done.load(Ordering::Relaxed);
@@ -434,12 +646,18 @@ async fn progress_line(phase: Arc<Phase>, start: Instant) {
         let now = Instant::now();
         let rate = (ok + err - last_n) as f64 / now.duration_since(last_t).as_secs_f64().max(1e-3);
         (last_n, last_t) = (ok + err, now);
+        let of = phase.total.map(|t| format!("/{t}")).unwrap_or_default();
+        let open = phase
+            .next_id
+            .load(Ordering::Relaxed)
+            .min(phase.total.unwrap_or(u64::MAX))
+            .saturating_sub(ok + err);
         eprint!(
-            "\r\x1b[K{:>6.1} s  {} requests  {} errors  {:.0} req/s",
-            start.elapsed().as_secs_f64(),
+            "\r\x1b[K{:>6.1} s  {}{of} requests  {open} open  {} errors  {:.1} req/s",
+            start.elapsed().as_secs_f64() * phase.time_scale,
             ok + err,
             err,
-            rate
+            rate * phase.time_scale
         );
     }
 }
@@ -526,4 +744,58 @@ async fn open_loop(phase: &Arc<Phase>, rate: f64, max_in_flight: usize, seed: u6
         t.close();
     }
     while set.join_next().await.is_some() {}
+}
+
+/// Sends the requests of `trace` at their recorded times divided by `speed`, each measured from
+/// its due time (no coordinated omission); requests due while `max_in_flight` are open are not
+/// sent and count as `overflow`. Returns how many requests came due (sent or not).
+async fn replay_loop(
+    phase: &Arc<Phase>,
+    trace: &Arc<Trace>,
+    speed: f64,
+    max_in_flight: usize,
+    seed: u64,
+) -> usize {
+    let mut set = JoinSet::new();
+    let start = Instant::now();
+    let t0 = trace.requests.first().map_or(0, |r| r.timestamp);
+    let mut due_count = 0;
+    for (i, r) in trace.requests.iter().enumerate() {
+        let offset = r.timestamp.saturating_sub(t0) as f64 / 1000.0 / speed;
+        // Beyond any run's bound; keeps `start + offset` representable.
+        let far = Duration::from_secs(10 * 365 * 86_400);
+        let due = start + Duration::try_from_secs_f64(offset).map_or(far, |d| d.min(far));
+        tokio::select! {
+            () = tokio::time::sleep_until(due) => {}
+            () = phase.cancel.cancelled() => break,
+        }
+        let Some(n) = phase.claim() else { break };
+        due_count = i + 1;
+        while set.try_join_next().is_some() {}
+        if set.len() >= max_in_flight {
+            phase
+                .recorder
+                .with_shard(n, |s| s.record_err(ErrorClass::Overflow));
+            continue;
+        }
+        let phase = phase.clone();
+        let trace = trace.clone();
+        set.spawn(async move {
+            let r = &trace.requests[i];
+            let prompt = Prompt::Text(r.prompt(seed, i));
+            let mut scratch = Scratch::default();
+            phase
+                .one(
+                    n,
+                    0,
+                    Some(&prompt),
+                    r.output_length.max(1),
+                    due,
+                    &mut scratch,
+                )
+                .await;
+        });
+    }
+    while set.join_next().await.is_some() {}
+    due_count
 }

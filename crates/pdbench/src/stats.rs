@@ -240,6 +240,20 @@ impl Shard {
         Percentiles::of(&self.ttft)
     }
 
+    /// The TTFT distribution as (quantile, ms) pairs at every percent, 0.01 to 1.0 (streams
+    /// only; empty otherwise): enough to draw its CDF.
+    pub fn ttft_cdf(&self) -> Vec<(f64, f64)> {
+        if self.ttft.is_empty() {
+            return Vec::new();
+        }
+        (1..=100)
+            .map(|i| {
+                let q = f64::from(i) / 100.0;
+                (q, self.ttft.value_at_quantile(q) as f64 / 1000.0)
+            })
+            .collect()
+    }
+
     /// Inter-token gap percentiles (streams only).
     pub fn itl(&self) -> Option<Percentiles> {
         Percentiles::of(&self.itl)
@@ -422,6 +436,11 @@ mod tests {
         assert_eq!(itl.count, 270);
         assert!(close(itl.p50, 0.2), "itl p50 {}", itl.p50);
         assert_eq!(t.ttft().expect("ttft").count, 90);
+        let cdf = t.ttft_cdf();
+        assert_eq!(cdf.len(), 100);
+        assert_eq!(cdf[99].0, 1.0);
+        assert!(cdf.iter().all(|&(_, ms)| close(ms, 1.0)), "{cdf:?}");
+        assert!(Shard::new().expect("shard").ttft_cdf().is_empty());
     }
 
     #[test]

@@ -88,7 +88,7 @@ impl TraceSpec {
 }
 
 /// Short common words: one token each in usual BPE vocabularies (with their leading space).
-const WORDS: &[&str] = &[
+pub(crate) const WORDS: &[&str] = &[
     "the", "of", "and", "to", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are",
     "with", "as", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by",
     "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when",
@@ -495,16 +495,41 @@ fn limited_oracle(
     engines: usize,
     cache_blocks: usize,
 ) -> u64 {
+    let groups: Vec<u64> = trace.iter().map(|r| r.group as u64).collect();
+    pinned_lru_reuse(
+        &groups,
+        hashes,
+        engines,
+        cache_blocks,
+        |i| max_hit_blocks(trace[i].tokens.len(), block).min(hashes[i].len()),
+        |_, k| (k * block) as u64,
+    )
+}
+
+/// Reusable tokens when requests are pinned to `engines` by group (greedy static assignment:
+/// groups by working set, largest first, each onto the engine with the fewest blocks so far)
+/// and each engine is an LRU of `cache_blocks` blocks. Request `i` may hit at most `cap(i)` of
+/// its leading blocks; `reuse(i, k)` is what `k` hit blocks are worth in tokens. A request's
+/// blocks are touched deepest first, so the deepest are evicted first, as in vLLM's free queue.
+pub(crate) fn pinned_lru_reuse(
+    groups: &[u64],
+    hashes: &[Vec<u64>],
+    engines: usize,
+    cache_blocks: usize,
+    cap: impl Fn(usize) -> usize,
+    reuse: impl Fn(usize, usize) -> u64,
+) -> u64 {
+    let engines = engines.max(1);
     // Working set of each group: its distinct blocks.
-    let mut sets: HashMap<usize, HashSet<u64>> = HashMap::new();
-    for (r, h) in trace.iter().zip(hashes) {
-        sets.entry(r.group).or_default().extend(h.iter().copied());
+    let mut sets: HashMap<u64, HashSet<u64>> = HashMap::new();
+    for (g, h) in groups.iter().zip(hashes) {
+        sets.entry(*g).or_default().extend(h.iter().copied());
     }
-    let mut groups: Vec<(usize, usize)> = sets.iter().map(|(g, s)| (*g, s.len())).collect();
-    groups.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut by_size: Vec<(u64, usize)> = sets.iter().map(|(g, s)| (*g, s.len())).collect();
+    by_size.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let mut load = vec![0usize; engines];
     let mut engine_of = HashMap::new();
-    for (g, size) in groups {
+    for (g, size) in by_size {
         let (e, _) = load
             .iter()
             .enumerate()
@@ -515,11 +540,11 @@ fn limited_oracle(
     }
     let mut caches: Vec<Lru> = (0..engines).map(|_| Lru::default()).collect();
     let mut reusable = 0u64;
-    for (r, h) in trace.iter().zip(hashes) {
-        let cache = &mut caches[engine_of.get(&r.group).copied().unwrap_or(0)];
-        let cap = max_hit_blocks(r.tokens.len(), block).min(h.len());
+    for (i, (g, h)) in groups.iter().zip(hashes).enumerate() {
+        let cache = &mut caches[engine_of.get(g).copied().unwrap_or(0)];
+        let cap = cap(i).min(h.len());
         let k = h[..cap].iter().take_while(|x| cache.contains(**x)).count();
-        reusable += (k * block) as u64;
+        reusable += reuse(i, k);
         for &x in h.iter().rev() {
             cache.touch(x);
         }

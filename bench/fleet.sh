@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# bench/fleet.sh: routing policies on a fleet of pdsim engines replaying a production trace
+# (on demand, not in CI).
+#
+# Builds release pdsim, pdgate and pdbench (unless BENCH_SKIP_BUILD=1), then for every rate
+# factor, every arm in turn (interleaved: factor by factor, arm by arm, so slow drifts of the
+# machine hit every policy alike):
+#   1. starts a fresh fleet: `pdsim fleet --prefill N --decode M --connector shfs ...
+#      --gateway-config gw.toml --ready-file ready.json` (its own process group), and waits
+#      for the ready file;
+#   2. starts pdgate with that config and the arm's policy flags, waits for /ready;
+#   3. replays the trace with pdbench (open loop at the recorded times / rate factor / time
+#      scale, streamed, SLOs, the fleet's engines read with their roles), JSON to the results;
+#   4. stops pdgate and the fleet (TERM to each process group, then waits for every process
+#      of the group to exit; KILL after 15 s), so the next arm starts on fresh engines.
+# While an arm runs, the CPU time of the gateway, the fleet and pdbench and the machine's busy
+# share are read from /proc (proc.tsv): the gateway must not be what limits the measurement.
+# Then bench/fleet_charts.py draws SLO attainment vs request rate per policy and the TTFT CDF
+# (matplotlib, installed into $PDGATE_CACHE/bench-venv), and prints the table.
+#
+# Arms (BENCH_ARMS):
+#   round_robin         --prefill-policy round_robin   --decode-policy round_robin
+#   least_request       --prefill-policy least_request --decode-policy least_request
+#   ca_approx           cache_aware on both roles, approximate keys (fleet without KV events)
+#   ca_precise          cache_aware on both roles, the fleet publishes KV events (`--kv-events`;
+#                       the gateway config it writes subscribes to them)
+#   ca_precise_do       ca_precise, and a request with at most BENCH_DECODE_ONLY_BELOW uncached
+#                       tokens on its decode is served there alone (--decode-only-below-tokens)
+#
+# Environment (all optional):
+#   PDGATE_CACHE        cache root (bench-venv/ for matplotlib)                  [~/.cache/pdgate]
+#   CARGO_TARGET_DIR    where the release binaries are built/found               [<repo>/target]
+#   BENCH_SKIP_BUILD=1  use the binaries already in $CARGO_TARGET_DIR/release
+#   BENCH_OUT           results dir                                  [<repo>/bench/out/fleet-<utc>]
+#   BENCH_TRACE         trace file (Mooncake JSONL, gzipped or not)
+#                       [<repo>/../shared/fixtures/traces/mooncake-synthetic.jsonl.gz]
+#   BENCH_PREFILL, BENCH_DECODE   engines per role                                   [8, 8]
+#   BENCH_PROFILE       pdsim fleet --profile (empty: pdsim's default)                   []
+#   BENCH_KV_CACHE_BLOCKS  KV-cache blocks per engine (empty: the profile's); also the
+#                       capacity-bounded oracle's cache                                  []
+#   BENCH_BLOCK_SIZE    the engines' block size, for the oracle                          [16]
+#   BENCH_TIME_SCALE    simulated seconds per wall second                                [10]
+#   BENCH_RATE_FACTORS  replay speed-ups over the recorded times               ["0.5 1 2"]
+#   BENCH_REQUESTS      replay only the first N requests of the trace (empty: all)       []
+#   BENCH_SLO_TTFT, BENCH_SLO_ITL  objectives in simulated ms                    [2000, 100]
+#   BENCH_ARMS          see above                                           [all five]
+#   BENCH_DECODE_ONLY_BELOW  ca_precise_do's threshold (tokens)                          [512]
+#   BENCH_ARM_TIMEOUT   seconds per pdbench run                                         [1800]
+#   BENCH_NICE          niceness of everything started here                              [0]
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=lib.sh
+source "$ROOT/bench/lib.sh"
+
+CACHE="${PDGATE_CACHE:-$HOME/.cache/pdgate}"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+BIN="$TARGET/release"
+OUT="${BENCH_OUT:-$ROOT/bench/out/fleet-$(date -u +%Y%m%dT%H%M%SZ)}"
+TRACE="${BENCH_TRACE:-$ROOT/../shared/fixtures/traces/mooncake-synthetic.jsonl.gz}"
+PREFILL="${BENCH_PREFILL:-8}"
+DECODE="${BENCH_DECODE:-8}"
+PROFILE="${BENCH_PROFILE:-}"
+KV_BLOCKS="${BENCH_KV_CACHE_BLOCKS:-}"
+BLOCK_SIZE="${BENCH_BLOCK_SIZE:-16}"
+TIME_SCALE="${BENCH_TIME_SCALE:-10}"
+RATE_FACTORS="${BENCH_RATE_FACTORS:-0.5 1 2}"
+REQUESTS="${BENCH_REQUESTS:-}"
+SLO_TTFT="${BENCH_SLO_TTFT:-2000}"
+SLO_ITL="${BENCH_SLO_ITL:-100}"
+ARMS="${BENCH_ARMS:-round_robin least_request ca_approx ca_precise ca_precise_do}"
+DECODE_ONLY_BELOW="${BENCH_DECODE_ONLY_BELOW:-512}"
+ARM_TIMEOUT="${BENCH_ARM_TIMEOUT:-1800}"
+NICE=(nice -n "${BENCH_NICE:-0}")
+BENCH_VENV="$CACHE/bench-venv"
+LOGS="$OUT/logs"
+mkdir -p "$OUT" "$LOGS"
+
+log() { printf '%s fleet.sh: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+
+[[ -f "$TRACE" ]] || { log "no trace at $TRACE (set BENCH_TRACE)"; exit 2; }
+
+# ---- processes: each in its own session, stopped by its process-group id ---------------------
+PGIDS=()
+stop_pg() {
+  local pg=$1 i
+  kill -TERM -- "-$pg" 2>/dev/null || return 0
+  # Every process of the group must be gone (the fleet's engines hold ports and memory).
+  for i in $(seq 1 30); do
+    kill -0 -- "-$pg" 2>/dev/null || return 0
+    sleep 0.5
+  done
+  log "process group $pg still running after 15 s: KILL"
+  kill -KILL -- "-$pg" 2>/dev/null || true
+  for i in $(seq 1 20); do
+    kill -0 -- "-$pg" 2>/dev/null || return 0
+    sleep 0.25
+  done
+}
+cleanup() {
+  local pg
+  for pg in "${PGIDS[@]}"; do stop_pg "$pg"; done
+  log "stopped everything; results in $OUT"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# spawn LOGNAME CMD...: runs CMD in a new session (its own process group); sets LAST_PG.
+spawn() {
+  local name=$1
+  shift
+  setsid "${NICE[@]}" "$@" </dev/null >"$LOGS/$name.log" 2>&1 &
+  LAST_PG=$!
+  disown "$LAST_PG"
+  PGIDS+=("$LAST_PG")
+}
+
+forget_pg() {
+  local pg=$1 kept=() p
+  for p in "${PGIDS[@]}"; do [[ $p == "$pg" ]] || kept+=("$p"); done
+  PGIDS=("${kept[@]}")
+}
+
+# cpu_ticks PGID: utime+stime (clock ticks) of every live process of a session.
+cpu_ticks() {
+  local pid total=0 t
+  for pid in $(ps -o pid= --sid "$1" 2>/dev/null); do
+    t=$(awk '{print $14 + $15}' "/proc/$pid/stat" 2>/dev/null || echo 0)
+    total=$((total + t))
+  done
+  echo "$total"
+}
+# machine_ticks: "busy total" clock ticks of all CPUs from /proc/stat.
+machine_ticks() { awk '/^cpu / {b = $2 + $3 + $4 + $7 + $8 + $9; t = b + $5 + $6; print b, t}' /proc/stat; }
+CLK_TCK=$(getconf CLK_TCK)
+CORES=$(nproc)
+
+# ---- build --------------------------------------------------------------------------------
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+if [[ "${BENCH_SKIP_BUILD:-0}" != 1 ]]; then
+  log "building release pdsim, pdgate, pdbench (log: $LOGS/build.log)"
+  (cd "$ROOT" && CARGO_TARGET_DIR="$TARGET" timeout 3600 "${NICE[@]}" \
+    cargo build --release -p pdsim -p pdgate -p pdbench --bins) >"$LOGS/build.log" 2>&1 ||
+    { log "build failed"; tail -n 30 "$LOGS/build.log" >&2; exit 1; }
+fi
+for b in pdsim pdgate pdbench; do
+  [[ -x "$BIN/$b" ]] || { log "missing $BIN/$b"; exit 1; }
+done
+"$BIN/pdsim" fleet --help >/dev/null 2>&1 || { log "$BIN/pdsim has no 'fleet' subcommand"; exit 1; }
+
+# matplotlib draws the charts; without it (no registry) the run still prints its table.
+if ! [[ -x "$BENCH_VENV/bin/python" ]] || ! "$BENCH_VENV/bin/python" -c 'import matplotlib' 2>/dev/null; then
+  log "installing matplotlib into $BENCH_VENV (charts)"
+  (timeout 900 python3 -m venv "$BENCH_VENV" && timeout 900 "$BENCH_VENV/bin/pip" install -q matplotlib) \
+    >"$LOGS/pip-matplotlib.log" 2>&1 || log "matplotlib install failed: no charts (see $LOGS/pip-matplotlib.log)"
+fi
+
+{
+  echo "# bench/fleet.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "trace=$TRACE prefill=$PREFILL decode=$DECODE profile=${PROFILE:-default} kv_cache_blocks=${KV_BLOCKS:-default}"
+  echo "time_scale=$TIME_SCALE rate_factors=$RATE_FACTORS requests=${REQUESTS:-all} slo_ttft=$SLO_TTFT slo_itl=$SLO_ITL"
+  echo "arms=$ARMS decode_only_below=$DECODE_ONLY_BELOW machine: $CORES CPUs, $(uname -r)"
+} >"$OUT/params.txt"
+printf 'arm\trate_factor\twall_s\tgateway_cpu_s\tfleet_cpu_s\tpdbench_cpu_s\tmachine_busy\n' >"$OUT/proc.tsv"
+
+# ---- one arm ------------------------------------------------------------------------------
+# start_fleet DIR EVENTS(0|1): a fresh fleet; sets FLEET_PG.
+start_fleet() {
+  local dir=$1 events=$2 args=(--prefill "$PREFILL" --decode "$DECODE" --connector shfs
+    --time-scale "$TIME_SCALE" --gateway-config "$dir/gw.toml" --ready-file "$dir/ready.json")
+  [[ -n $PROFILE ]] && args+=(--profile "$PROFILE")
+  [[ -n $KV_BLOCKS ]] && args+=(--kv-cache-blocks "$KV_BLOCKS")
+  ((events)) && args+=(--kv-events)
+  rm -f "$dir/ready.json"
+  spawn "$(basename "$dir")-fleet" env RUST_LOG=warn "$BIN/pdsim" fleet "${args[@]}"
+  FLEET_PG=$LAST_PG
+  local deadline=$((SECONDS + 120))
+  until [[ -s "$dir/ready.json" ]]; do
+    if ! kill -0 "$FLEET_PG" 2>/dev/null || ((SECONDS > deadline)); then
+      log "the fleet did not become ready (see $LOGS/$(basename "$dir")-fleet.log)"
+      tail -n 15 "$LOGS/$(basename "$dir")-fleet.log" >&2
+      return 1
+    fi
+    sleep 0.2
+  done
+}
+
+# run_arm ARM FACTOR: fleet, gateway, replay, stop; results in $OUT/ARM-rFACTOR.json.
+run_arm() {
+  local arm=$1 factor=$2 name="$1-r$2" dir="$OUT/$1-r$2" events=0 port policy flags=()
+  mkdir -p "$dir"
+  case "$arm" in
+    round_robin | least_request) policy=$arm ;;
+    ca_approx) policy=cache_aware ;;
+    ca_precise) policy=cache_aware events=1 ;;
+    ca_precise_do)
+      policy=cache_aware events=1
+      flags+=(--decode-only-below-tokens "$DECODE_ONLY_BELOW")
+      ;;
+    *) log "unknown arm $arm"; return 1 ;;
+  esac
+  start_fleet "$dir" "$events" || return 1
+  port=$(free_port)
+  spawn "$name-pdgate" env RUST_LOG=warn "$BIN/pdgate" --config "$dir/gw.toml" \
+    --listen "127.0.0.1:$port" --prefill-policy "$policy" --decode-policy "$policy" "${flags[@]}"
+  local gw_pg=$LAST_PG
+  if ! wait_http "http://127.0.0.1:$port/ready" 60; then
+    tail -n 15 "$LOGS/$name-pdgate.log" >&2
+    stop_pg "$gw_pg"; forget_pg "$gw_pg"; stop_pg "$FLEET_PG"; forget_pg "$FLEET_PG"
+    return 1
+  fi
+  local bench=(--url "http://127.0.0.1:$port" --trace-file "$TRACE" --rate-factor "$factor"
+    --time-scale "$TIME_SCALE" --stream --slo-ttft "$SLO_TTFT" --slo-itl "$SLO_ITL"
+    --fleet "$dir/ready.json" --oracle-block-size "$BLOCK_SIZE" --timeout 600 --json)
+  [[ -n $KV_BLOCKS ]] && bench+=(--oracle-cache-blocks "$KV_BLOCKS")
+  [[ -n $REQUESTS ]] && bench+=(--requests "$REQUESTS")
+  log "$name: replaying (${factor}x recorded, time scale $TIME_SCALE)"
+  local g0 f0 m0 t0 g1 f1 m1 rc=0
+  g0=$(cpu_ticks "$gw_pg") f0=$(cpu_ticks "$FLEET_PG") m0=$(machine_ticks) t0=$(date +%s.%N)
+  local b0
+  b0=$(awk '{print $16 + $17}' "/proc/$$/stat")
+  # pdbench runs in the foreground; its CPU is this shell's waited-for children's (cutime+cstime).
+  timeout "$ARM_TIMEOUT" "${NICE[@]}" "$BIN/pdbench" "${bench[@]}" >"$OUT/$name.json" 2>"$LOGS/$name-pdbench.log" || rc=$?
+  g1=$(cpu_ticks "$gw_pg") f1=$(cpu_ticks "$FLEET_PG") m1=$(machine_ticks)
+  local wall b1
+  wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.3f", b - a }')
+  b1=$(awk '{print $16 + $17}' "/proc/$$/stat")
+  awk -v arm="$arm" -v f="$factor" -v w="$wall" -v g="$((g1 - g0))" -v fl="$((f1 - f0))" \
+    -v b="$((b1 - b0))" -v h="$CLK_TCK" -v m0="$m0" -v m1="$m1" 'BEGIN {
+      split(m0, a, " "); split(m1, c, " ");
+      busy = (c[2] > a[2]) ? (c[1] - a[1]) / (c[2] - a[2]) : 0;
+      printf "%s\t%s\t%s\t%.2f\t%.2f\t%.2f\t%.3f\n", arm, f, w, g / h, fl / h, b / h, busy }' >>"$OUT/proc.tsv"
+  ((rc == 0)) || log "$name: pdbench exited $rc (see $LOGS/$name-pdbench.log)"
+  stop_pg "$gw_pg"; forget_pg "$gw_pg"
+  stop_pg "$FLEET_PG"; forget_pg "$FLEET_PG"
+}
+
+T0=$SECONDS
+for factor in $RATE_FACTORS; do
+  for arm in $ARMS; do
+    run_arm "$arm" "$factor" || log "$arm at ${factor}x failed; going on"
+  done
+done
+log "all arms done in $((SECONDS - T0)) s"
+
+PY=python3
+[[ -x "$BENCH_VENV/bin/python" ]] && PY="$BENCH_VENV/bin/python"
+"$PY" "$ROOT/bench/fleet_charts.py" "$OUT" | tee "$OUT/table.md" || log "charts failed (no matplotlib?)"
