@@ -1,6 +1,8 @@
 //! The hostile-input suite (tests/security/README.md has the checklist): pdgate in front of pdsim
-//! and, where a Python with `uvicorn` and `starlette` is available (env `PDGATE_SECURITY_PYTHON`),
-//! the ASGI stand-in engine served the way vLLM and SGLang are. Every case asserts pdgate's
+//! and the ASGI stand-in engine served the way vLLM and SGLang are. The ASGI cases need a Python
+//! with `uvicorn` and `starlette` (env `PDGATE_SECURITY_PYTHON`), so they are `#[ignore]`d: plain
+//! `cargo test` reports them ignored, `.ci/run` runs them with `--include-ignored`, and run
+//! without that Python they fail. Every case asserts pdgate's
 //! status, that pdgate is still up, that nothing forbidden reached an engine, and that the
 //! admission gauges are back to 0.
 
@@ -135,13 +137,11 @@ async fn after_case(fleet: &Fleet) {
     assert_eq!(r.status(), 200, "pdgate is up");
     for _ in 0..40 {
         let text = fleet.metrics().await;
-        let busy = text.lines().any(|l| {
-            (l.starts_with("pdgate_admission_in_flight")
-                || l.starts_with("pdgate_admission_queued")
-                || l.starts_with("pdgate_endpoint_in_flight"))
-                && !l.ends_with(" 0")
-        });
-        if !busy {
+        // `metric` fails on a gauge that is not exposed, rather than reading it as 0.
+        let busy = metric(&text, "pdgate_admission_in_flight")
+            + metric(&text, "pdgate_admission_queued")
+            + metric(&text, "pdgate_endpoint_in_flight");
+        if busy == 0.0 {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -408,23 +408,24 @@ struct Asgi {
     addr: std::net::SocketAddr,
 }
 
-fn python() -> Option<PathBuf> {
+const NEEDS_PYTHON: &str =
+    "set PDGATE_SECURITY_PYTHON to a python with tests/security/requirements.txt";
+
+/// The Python that serves the ASGI engine. A case that runs without one fails: it was asked to
+/// run (`--include-ignored`), so reporting it passed would hide that nothing was checked.
+fn python() -> PathBuf {
     if let Some(p) = std::env::var_os("PDGATE_SECURITY_PYTHON") {
-        return Some(PathBuf::from(p));
+        return PathBuf::from(p);
     }
-    let cache = std::env::var_os("PDGATE_CACHE")?;
-    let p = PathBuf::from(cache).join("py-venv/bin/python");
-    p.exists().then_some(p)
+    let from_cache = std::env::var_os("PDGATE_CACHE")
+        .map(|cache| PathBuf::from(cache).join("py-venv/bin/python"))
+        .filter(|p| p.exists());
+    from_cache.unwrap_or_else(|| panic!("no Python for the ASGI engine: {NEEDS_PYTHON}"))
 }
 
 impl Asgi {
-    async fn start(extra: &[&str]) -> Option<Asgi> {
-        let Some(py) = python() else {
-            println!(
-                "skipped: no PDGATE_SECURITY_PYTHON (a python with tests/security/requirements.txt)"
-            );
-            return None;
-        };
+    async fn start(extra: &[&str]) -> Asgi {
+        let py = python();
         let script =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/security/asgi_engine.py");
         let mut child = tokio::process::Command::new(py)
@@ -452,7 +453,7 @@ impl Asgi {
             if let Ok(r) = http.get(format!("http://{addr}/health")).send().await
                 && r.status() == 200
             {
-                return Some(Asgi { child, addr });
+                return Asgi { child, addr };
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -507,10 +508,9 @@ fn asgi_fleet_config(asgi: &Asgi) -> impl FnOnce(&mut Config) + '_ {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the ASGI engine's Python: PDGATE_SECURITY_PYTHON (.ci/run sets it)"]
 async fn asgi_engine_gets_no_escaped_path_and_no_transfer_field() {
-    let Some(asgi) = Asgi::start(&[]).await else {
-        return;
-    };
+    let asgi = Asgi::start(&[]).await;
     let fleet = pair(Connector::Shfs, asgi_fleet_config(&asgi)).await;
     let addr = fleet.gateway.addr();
     for path in ["/v1/%63ompletions", "/v1/completions/", "/v1/%65mbeddings"] {
@@ -571,10 +571,9 @@ async fn asgi_engine_gets_no_escaped_path_and_no_transfer_field() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the ASGI engine's Python: PDGATE_SECURITY_PYTHON (.ci/run sets it)"]
 async fn asgi_engine_redirect_is_a_502_without_location() {
-    let Some(asgi) = Asgi::start(&["--redirect", "/v1/embeddings"]).await else {
-        return;
-    };
+    let asgi = Asgi::start(&["--redirect", "/v1/embeddings"]).await;
     let fleet = pair(Connector::Shfs, asgi_fleet_config(&asgi)).await;
     let a = raw(
         fleet.gateway.addr(),
@@ -711,6 +710,129 @@ fn uuid_like() -> String {
             .map(|d| d.as_nanos())
             .unwrap_or(0)
     )
+}
+
+/// HTTP/2 written frame by frame: a client that ignores the server's stream limit, as a hostile
+/// one would (hyper's and h2's clients queue streams beyond it themselves).
+mod raw_h2 {
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    pub const HEADERS: u8 = 0x1;
+    pub const RST_STREAM: u8 = 0x3;
+    const SETTINGS: u8 = 0x4;
+    const PING: u8 = 0x6;
+    const ACK: u8 = 0x1;
+    const END_HEADERS: u8 = 0x4;
+    pub const REFUSED_STREAM: u32 = 0x7;
+
+    pub struct Frame {
+        pub kind: u8,
+        pub flags: u8,
+        pub stream: u32,
+        pub payload: Vec<u8>,
+    }
+
+    pub async fn write(tcp: &mut TcpStream, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+        let mut frame = vec![len[1], len[2], len[3], kind, flags];
+        frame.extend_from_slice(&stream.to_be_bytes());
+        frame.extend_from_slice(payload);
+        tcp.write_all(&frame).await.unwrap();
+    }
+
+    /// The next frame, within 10 s.
+    pub async fn read(tcp: &mut TcpStream) -> Frame {
+        let work = async {
+            let mut head = [0u8; 9];
+            tcp.read_exact(&mut head).await.expect("a frame head");
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            tcp.read_exact(&mut payload).await.expect("a frame payload");
+            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+            Frame {
+                kind: head[3],
+                flags: head[4],
+                stream,
+                payload,
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), work)
+            .await
+            .expect("a frame within 10 s")
+    }
+
+    /// The preface and the settings exchange; returns once a PING sent after our ACK of the
+    /// server's SETTINGS has come back, so the server has applied its own settings.
+    pub async fn connect(addr: std::net::SocketAddr) -> TcpStream {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .unwrap();
+        write(&mut tcp, SETTINGS, 0, 0, &[]).await;
+        loop {
+            let f = read(&mut tcp).await;
+            if f.kind == SETTINGS && f.flags & ACK == 0 {
+                write(&mut tcp, SETTINGS, ACK, 0, &[]).await;
+                write(&mut tcp, PING, 0, 0, b"pdgate!!").await;
+            }
+            if f.kind == PING && f.flags & ACK != 0 {
+                return tcp;
+            }
+        }
+    }
+
+    /// A `POST /v1/completions` head with no END_STREAM: its body never comes.
+    pub async fn open_stream(tcp: &mut TcpStream, stream: u32) {
+        // HPACK: :method POST and :scheme http from the static table, then :path, :authority and
+        // content-type as literals with their names from the static table (4, 1 and 31).
+        let mut block = vec![0x83, 0x86, 0x04, 15];
+        block.extend_from_slice(b"/v1/completions");
+        block.extend_from_slice(&[0x01, 1, b'x', 0x0f, 0x10, 16]);
+        block.extend_from_slice(b"application/json");
+        write(tcp, HEADERS, END_HEADERS, stream, &block).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_streams_beyond_the_limit_are_refused() {
+    let fleet = pair(Connector::Shfs, |c| {
+        c.security.request_body_timeout = Duration::from_secs(1);
+        c.security.max_streams_per_connection = 4;
+    })
+    .await;
+    let mut tcp = raw_h2::connect(fleet.gateway.addr()).await;
+    // Ten streams at once, whose bodies never come: four are held (until the body timeout
+    // answers them), the other six are refused.
+    let ids: Vec<u32> = (0..10).map(|i| 2 * i + 1).collect();
+    for &id in &ids {
+        raw_h2::open_stream(&mut tcp, id).await;
+    }
+    let (mut answered, mut refused) = (BTreeSet::new(), BTreeSet::new());
+    while answered.len() + refused.len() < ids.len() {
+        let f = raw_h2::read(&mut tcp).await;
+        match f.kind {
+            raw_h2::HEADERS => {
+                answered.insert(f.stream);
+            }
+            raw_h2::RST_STREAM => {
+                let code = u32::from_be_bytes(f.payload[..4].try_into().unwrap());
+                assert_eq!(code, raw_h2::REFUSED_STREAM, "stream {}", f.stream);
+                refused.insert(f.stream);
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(
+        answered.len(),
+        4,
+        "held: {answered:?}, refused: {refused:?}"
+    );
+    assert_eq!(refused.len(), 6, "held: {answered:?}, refused: {refused:?}");
+    drop(tcp);
+    assert_eq!(pdsim_requests(&fleet), 0, "no body ever came");
+    after_case(&fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -992,10 +1114,9 @@ async fn named_clients_get_429_beyond_their_limits_and_are_counted_by_name() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the ASGI engine's Python: PDGATE_SECURITY_PYTHON (.ci/run sets it)"]
 async fn engines_get_their_own_key_and_never_the_clients() {
-    let Some(asgi) = Asgi::start(&[]).await else {
-        return;
-    };
+    let asgi = Asgi::start(&[]).await;
     let fleet = pair(Connector::Shfs, |c| {
         c.health.health_checks = false;
         let mut decode = asgi.endpoint("asgi-decode");
