@@ -239,6 +239,15 @@ impl Metrics {
             retries_refused.clone(),
         );
         let reloads = Family::<ReloadLabels, Counter>::default();
+        // Every series from the start, at 0: a rejected reload shows as a change, not a new line.
+        for file in [Reloaded::Config, Reloaded::Tls, Reloaded::ApiKeys] {
+            for result in ["applied", "rejected"] {
+                let _ = reloads.get_or_create(&ReloadLabels {
+                    file: file.label(),
+                    result,
+                });
+            }
+        }
         registry.register(
             "reloads",
             "Watched files re-read after a change, by file (config, tls, api_keys) and result (applied, rejected: the previous contents keep serving)",
