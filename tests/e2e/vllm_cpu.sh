@@ -17,7 +17,7 @@
 #   PDGATE_E2E_DIRECT=1    no pdgate: the checker plays the gateway (proves engines + handoff)
 #   PDGATE_E2E_START_TIMEOUT  seconds to wait for all engines to be ready (default 900)
 #   PDGATE_E2E_KEEP_LOGS=1 keep the work dir with all logs
-# Exit: 0 all checks passed (or SKIP when the package registry is unreachable).
+# Exit: 0 all checks passed; 77 (SKIP) only where vLLM cannot run (not x86_64 Linux).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,7 +31,7 @@ E2E_NAME=vllm_cpu
 source "$HERE/lib.sh"
 declare -A PG # engine name -> process group id
 
-# ---- 1-2. engines installed (or SKIP), tiny model (cached): lib.sh ---------------
+# ---- 1-2. engines installed (or exit 77 where vLLM cannot run), tiny model (cached): lib.sh ---------------
 e2e_prepare vllm_cpu
 
 # ---- 3. pdgate binary ---------------------------------------------------------------

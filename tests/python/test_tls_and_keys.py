@@ -81,6 +81,17 @@ def test_wrong_or_missing_key_is_401(gateway):
         client(base, cert, key="sk-wrong").models.list()
     assert e.value.status_code == 401
     assert e.value.body["type"] == "invalid_request_error"
+    # No Authorization header at all (the openai client always sends one), and a key sent
+    # under another scheme: both 401 with the same OpenAI-shaped error, nothing served.
+    with http_client_lib.Client(verify=ssl.create_default_context(cafile=cert), timeout=30) as http:
+        for headers in ({}, {"Authorization": f"Basic {KEY}"}):
+            for method, path, body in (("GET", "/v1/models", None),
+                                       ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})):
+                r = http.request(method, f"{base}{path}", headers=headers, json=body)
+                assert r.status_code == 401, (headers, path, r.text)
+                error = r.json()["error"]
+                assert error["type"] == "invalid_request_error" and error["code"] == 401, error
+                assert "choices" not in r.json() and "data" not in r.json()
 
 
 @pytest.mark.parametrize("version,flag", [("2", "--http2"), ("1.1", "--http1.1")])

@@ -185,7 +185,7 @@ async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
     } else {
         None
     };
-    let gateway = Gateway::new(config, registry.clone())?;
+    let gateway = Gateway::new(config, registry)?;
     let mut running = RunningGateway::bind(gateway.clone()).await?;
     info!(
         listen = %running.addr(),
@@ -211,7 +211,7 @@ async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
         let cancel = running.cancel_token();
         running.spawn_owned(pdgate::watch_config_file(
             args.clone(),
-            registry,
+            gateway.clone(),
             tx,
             cancel,
             Duration::from_secs(1),

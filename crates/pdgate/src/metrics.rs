@@ -62,6 +62,33 @@ struct EjectionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReloadLabels {
+    file: &'static str,
+    result: &'static str,
+}
+
+/// The files pdgate re-reads while it runs (`pdgate_reloads_total{file}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reloaded {
+    /// The config file's endpoint set (`--config`).
+    Config,
+    /// The listener's TLS certificate and key.
+    Tls,
+    /// The client API key file.
+    ApiKeys,
+}
+
+impl Reloaded {
+    fn label(self) -> &'static str {
+        match self {
+            Reloaded::Config => "config",
+            Reloaded::Tls => "tls",
+            Reloaded::ApiKeys => "api_keys",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClientLabels {
     client: String,
     result: &'static str,
@@ -103,6 +130,7 @@ pub struct Metrics {
     retry_budget: Gauge<f64, std::sync::atomic::AtomicU64>,
     retry_budget_capacity: Gauge<f64, std::sync::atomic::AtomicU64>,
     retries_refused: Family<LegLabels, Counter>,
+    reloads: Family<ReloadLabels, Counter>,
     /// Requests holding an admission slot.
     pub admitted: Gauge,
     /// Requests waiting for an admission slot.
@@ -210,6 +238,21 @@ impl Metrics {
             "Retries not made because the retry budget was exhausted, by leg",
             retries_refused.clone(),
         );
+        let reloads = Family::<ReloadLabels, Counter>::default();
+        // Every series from the start, at 0: a rejected reload shows as a change, not a new line.
+        for file in [Reloaded::Config, Reloaded::Tls, Reloaded::ApiKeys] {
+            for result in ["applied", "rejected"] {
+                let _ = reloads.get_or_create(&ReloadLabels {
+                    file: file.label(),
+                    result,
+                });
+            }
+        }
+        registry.register(
+            "reloads",
+            "Watched files re-read after a change, by file (config, tls, api_keys) and result (applied, rejected: the previous contents keep serving)",
+            reloads.clone(),
+        );
         registry.register(
             "client_requests",
             "Requests of named clients ([[security.clients]]) by result at their limits",
@@ -270,6 +313,7 @@ impl Metrics {
             retry_budget,
             retry_budget_capacity,
             retries_refused,
+            reloads,
             admitted,
             queued,
             hot: handles::Hot::default(),
@@ -285,6 +329,16 @@ impl Metrics {
             computing,
             endpoints,
         }
+    }
+
+    /// Counts a re-read of a watched file: `applied`, or rejected (the previous contents stay).
+    pub fn count_reload(&self, file: Reloaded, applied: bool) {
+        self.reloads
+            .get_or_create(&ReloadLabels {
+                file: file.label(),
+                result: if applied { "applied" } else { "rejected" },
+            })
+            .inc();
     }
 
     /// Counts a decode that will recompute the prompt.

@@ -67,12 +67,11 @@ impl RunningGateway {
             gateway.config.health.clone(),
             cancel.clone(),
         ));
-        tasks.spawn(
-            gateway
-                .client_keys
-                .clone()
-                .watch(gateway.config.security.reload_interval, cancel.clone()),
-        );
+        tasks.spawn(gateway.client_keys.clone().watch(
+            gateway.config.security.reload_interval,
+            gateway.metrics.clone(),
+            cancel.clone(),
+        ));
         let app = crate::http::router(gateway.clone());
         let limits = crate::http::listener::ConnectionLimits::of(&gateway.config);
         let mut admin_addr = None;
@@ -89,10 +88,11 @@ impl RunningGateway {
         }
         let tls = gateway.server_tls.clone();
         if let Some(tls) = &tls {
-            tasks.spawn(
-                tls.clone()
-                    .watch(gateway.config.security.reload_interval, cancel.clone()),
-            );
+            tasks.spawn(tls.clone().watch(
+                gateway.config.security.reload_interval,
+                gateway.metrics.clone(),
+                cancel.clone(),
+            ));
         }
         tasks.spawn(crate::http::listener::serve(
             listener,

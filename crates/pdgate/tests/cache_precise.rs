@@ -256,9 +256,23 @@ async fn a_cleared_engine_cache_is_forgotten() {
         .to_string();
     r.text().await.unwrap();
     wait_events(&fleet, "prefill", 18).await;
+    // The prefill that served the prompt holds its blocks, the other none: what the index
+    // learned came from `first`, and the clear below has something to forget.
+    let holding = |e: &pdsim::SimHandle| e.stats().cached_blocks > 0;
+    let (served, other): (Vec<_>, Vec<_>) = fleet
+        .prefill
+        .iter()
+        .partition(|e| e.base_url().trim_start_matches("http://") == first);
+    assert_eq!(served.len(), 1, "{first} is none of the prefills");
+    assert!(holding(served[0]), "{first} cached nothing");
+    assert!(
+        !other.iter().any(|e| holding(e)),
+        "the other prefill cached the prompt"
+    );
     for e in fleet.prefill.iter().chain(fleet.decode.iter()) {
         e.reset_prefix_cache();
     }
+    assert!(!holding(served[0]), "{first} kept its blocks");
     // Bounded wait until the gateway applied the clears; then nothing is predicted cached.
     let mut predicted = u64::MAX;
     for _ in 0..100 {
@@ -275,7 +289,6 @@ async fn a_cleared_engine_cache_is_forgotten() {
     assert_eq!(r.headers()["x-pdgate-predicted-cached-tokens"], "0");
     r.text().await.unwrap();
     assert_eq!(prefill_hits(&fleet) - before, 0);
-    let _ = first;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -303,8 +303,18 @@ async fn malformed_and_hostile_bodies_get_clear_400s() {
     let big = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(100 * 1024));
     let (got, _) = error_of(fleet.post_raw("/v1/completions", big).await).await;
     assert_eq!(got, 413);
-    // None of it reached an engine; the fleet still serves.
-    assert_eq!(fleet.prefill[0].stats().requests.completions, 0);
+    // None of it reached an engine (neither the prefill nor the decode, on any route); the
+    // fleet still serves.
+    for engine in fleet.prefill.iter().chain(fleet.decode.iter()) {
+        let s = engine.stats();
+        assert_eq!(
+            s.requests.completions + s.requests.chat_completions,
+            0,
+            "{}: {:?}",
+            s.role,
+            s.requests
+        );
+    }
     assert_eq!(
         fleet
             .post("/v1/completions", &completion(false))

@@ -192,13 +192,6 @@ fn rss_bytes() -> u64 {
         .map_or(0, |pages| pages * 4096)
 }
 
-fn metric(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
-}
-
 /// What one scenario measured.
 struct Report {
     share: f64,

@@ -51,7 +51,7 @@ async fn editing_the_config_file_swaps_endpoints_without_dropping_requests() {
         ..RunArgs::default()
     };
     let registry = kvtransfer::Registry::with_builtins();
-    let gw = Gateway::new(args.load().unwrap(), registry.clone()).unwrap();
+    let gw = Gateway::new(args.load().unwrap(), registry).unwrap();
     let pods = gw.config.pods().unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut running = RunningGateway::start(gw, listener, pods).await.unwrap();
@@ -59,7 +59,7 @@ async fn editing_the_config_file_swaps_endpoints_without_dropping_requests() {
     let cancel = running.cancel_token();
     running.spawn_owned(pdgate::watch_config_file(
         args,
-        registry,
+        running.gateway().clone(),
         tx,
         cancel,
         Duration::from_millis(50),
@@ -75,9 +75,29 @@ async fn editing_the_config_file_swaps_endpoints_without_dropping_requests() {
     let first = inflight.chunk().await.unwrap().unwrap();
     assert!(first.starts_with(b"data: "));
 
-    // A bad edit is rejected and the last good set keeps serving.
+    // A bad edit is rejected (pdgate read it: the rejection is counted) and the last good set
+    // keeps serving.
+    let config_reloads = |result: &'static str| {
+        let http = http.clone();
+        let url = format!("{}/metrics", running.base_url());
+        async move {
+            let text = http.get(url).send().await.unwrap().text().await.unwrap();
+            metric(
+                &text,
+                &format!("pdgate_reloads_total{{file=\"config\",result=\"{result}\"}}"),
+            )
+        }
+    };
     std::fs::write(&file, "kv_connector = \"bogus\"\n").unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut rejected = false;
+    for _ in 0..200 {
+        if config_reloads("rejected").await >= 1.0 {
+            rejected = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rejected, "the bad edit was not read within 10 s");
     let r = http
         .post(&url)
         .json(&completion(false))
@@ -105,6 +125,7 @@ async fn editing_the_config_file_swaps_endpoints_without_dropping_requests() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(moved, "traffic moved to the new decode");
+    assert!(config_reloads("applied").await >= 1.0);
     // The stream that started before the reload completes intact.
     let mut rest = first.to_vec();
     while let Some(c) = inflight.chunk().await.unwrap() {

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Fleet, completion, sim, start_unready, text_of};
+use common::{Fleet, completion, metric, sim, start_unready, text_of};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use pdsim::{Connector, Role};
@@ -141,6 +141,8 @@ async fn https_fleet(pem: &Pem, reload: Duration) -> Fleet {
             c.security.tls_cert = Some(cert);
             c.security.tls_key = Some(key);
             c.security.reload_interval = reload;
+            // Plain HTTP for /metrics, which the tests read beside the TLS listener.
+            c.security.admin_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
         },
     )
     .await
@@ -181,6 +183,21 @@ async fn the_listener_serves_https_with_http1_and_http2_by_alpn() {
     assert_eq!(status, 200);
 }
 
+/// `pdgate_reloads_total{file="tls",result}`, read from the admin listener.
+async fn tls_reloads(fleet: &Fleet, result: &str) -> f64 {
+    let admin = fleet.gateway.admin_addr().expect("admin listener");
+    let text = reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metric(
+        &text,
+        &format!("pdgate_reloads_total{{file=\"tls\",result=\"{result}\"}}"),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_is_not() {
     let pem = Pem::new("renew");
@@ -207,11 +224,26 @@ async fn a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_is_n
             .is_err(),
         "the old certificate is still served"
     );
-    // A half-written renewal: the certificate that was loaded stays.
+    assert!(tls_reloads(&fleet, "applied").await >= 1.0);
+    // A half-written renewal: once pdgate has read and rejected it, the loaded certificate stays.
     std::fs::write(&pem.cert, "-----BEGIN CERTIFICATE-----\nAAAA\n").unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut rejected = false;
+    for _ in 0..200 {
+        if tls_reloads(&fleet, "rejected").await >= 1.0 {
+            rejected = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rejected, "the broken certificate was not read within 10 s");
     let (status, _, _) = completion_over_tls(&fleet, &renewed).await.unwrap();
     assert_eq!(status, 200);
+    assert!(
+        completion_over_tls(&fleet, &client(&old, b"h2"))
+            .await
+            .is_err(),
+        "a rejected reload brought back no other certificate"
+    );
 }
 
 /// Terminates TLS for the engine at `upstream`, requiring a client certificate issued by

@@ -503,7 +503,10 @@ async fn decode_without_params_recomputes_for_every_connector() {
     }
     // A combined engine computing its own prompt is not a recompute.
     let b = engine(Role::Both, Connector::Shfs).await;
-    let _ = post(completions(&b), &json!({"prompt":PROMPT})).await;
+    let (s, _, v) = post(completions(&b), &json!({"prompt":PROMPT})).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 7, "{v}");
+    assert_eq!(b.stats().responses_ok, 1);
     assert_eq!(b.stats().recomputed, 0);
     b.shutdown().await;
 }

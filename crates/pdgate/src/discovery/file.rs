@@ -5,13 +5,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtransfer::Registry;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::RunArgs;
-use crate::state::PodSet;
+use crate::metrics::Reloaded;
+use crate::state::{Gateway, PodSet};
 
 /// Keys a reload applies to the running gateway: the endpoint set.
 const LIVE_KEYS: [&str; 2] = ["prefill", "decode"];
@@ -20,10 +20,11 @@ const LIVE_KEYS: [&str; 2] = ["prefill", "decode"];
 const SETTLE: Duration = Duration::from_millis(100);
 
 /// Polls the config file and publishes its endpoint set whenever it changes and validates.
-/// A bad edit is logged and ignored: the last good set keeps serving. Ends on `cancel`.
+/// A bad edit is logged, counted (`pdgate_reloads_total{file="config",result="rejected"}`) and
+/// ignored: the last good set keeps serving. Validates with `gateway`'s registry. Ends on `cancel`.
 pub async fn watch_config_file(
     args: RunArgs,
-    registry: Registry,
+    gateway: Arc<Gateway>,
     tx: watch::Sender<PodSet>,
     cancel: CancellationToken,
     interval: Duration,
@@ -55,7 +56,7 @@ pub async fn watch_config_file(
         last = now;
         let loaded = args
             .load()
-            .and_then(|c| c.validate(&registry).map(|_| c))
+            .and_then(|c| c.validate(&gateway.registry).map(|_| c))
             .and_then(|c| c.pods().map(|pods| (c, pods)));
         match loaded {
             Ok((config, pods)) => {
@@ -70,6 +71,7 @@ pub async fn watch_config_file(
                     }
                 }
                 running = Some(config);
+                gateway.metrics.count_reload(Reloaded::Config, true);
                 let changed = tx.send_if_modified(|current| {
                     if current.as_slice() == pods.as_slice() {
                         false
@@ -83,7 +85,8 @@ pub async fn watch_config_file(
                 }
             }
             Err(e) => {
-                warn!(file = %path.display(), error = %e, "config reload rejected; keeping the last good endpoint set")
+                warn!(file = %path.display(), error = %e, "config reload rejected; keeping the last good endpoint set");
+                gateway.metrics.count_reload(Reloaded::Config, false);
             }
         }
     }

@@ -23,7 +23,7 @@ use tracing::{info, warn};
 
 use crate::engine::guarded::{GuardedBody, OnEnd};
 use crate::error::GatewayError;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Reloaded};
 
 /// A secret string: never printed by `Debug`. (It serializes as itself: the configuration is
 /// serialized only internally, to merge flags into the file and to compare reloads.)
@@ -290,7 +290,12 @@ impl ClientKeys {
 
     /// Re-reads the key file whenever its modification time or size changes (polled every
     /// `interval`), until `shutdown`. A file that cannot be read keeps the keys it had.
-    pub(crate) async fn watch(self: Arc<Self>, interval: Duration, shutdown: CancellationToken) {
+    pub(crate) async fn watch(
+        self: Arc<Self>,
+        interval: Duration,
+        metrics: Arc<Metrics>,
+        shutdown: CancellationToken,
+    ) {
         let Some(path) = self.file.clone() else {
             return;
         };
@@ -299,10 +304,12 @@ impl ClientKeys {
             Ok(keys) => {
                 info!(file = %path.display(), keys = keys.len(), "API key file reloaded");
                 self.from_file.store(Arc::new(keys));
+                metrics.count_reload(Reloaded::ApiKeys, true);
                 true
             }
             Err(e) => {
                 warn!(file = %path.display(), error = %e, "API key file unreadable; keeping the previous keys");
+                metrics.count_reload(Reloaded::ApiKeys, false);
                 false
             }
         })

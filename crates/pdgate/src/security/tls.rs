@@ -22,6 +22,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::metrics::{Metrics, Reloaded};
 use crate::security::guard::SecurityConfig;
 
 /// Why TLS settings could not be loaded; names the file.
@@ -155,7 +156,12 @@ impl ServerTls {
 
     /// Re-reads the certificate and key whenever either file changes (polled every
     /// `interval`), until `shutdown`. A pair that does not load keeps the previous one.
-    pub(crate) async fn watch(self, interval: Duration, shutdown: CancellationToken) {
+    pub(crate) async fn watch(
+        self,
+        interval: Duration,
+        metrics: Arc<Metrics>,
+        shutdown: CancellationToken,
+    ) {
         let cert = self.cert;
         let files = [cert.cert.clone(), cert.key.clone()];
         crate::watch::on_change(&files, interval, shutdown, || {
@@ -163,10 +169,12 @@ impl ServerTls {
                 Ok(loaded) => {
                     info!(cert = %cert.cert.display(), "TLS certificate reloaded");
                     cert.current.store(Arc::new(loaded));
+                    metrics.count_reload(Reloaded::Tls, true);
                     true
                 }
                 Err(e) => {
                     warn!(error = %e, "TLS certificate not reloaded; keeping the previous one");
+                    metrics.count_reload(Reloaded::Tls, false);
                     false
                 }
             }

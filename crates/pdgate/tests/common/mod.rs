@@ -335,3 +335,20 @@ pub async fn restart(engine: SimHandle, gone: Duration) -> SimHandle {
     }
     panic!("engine could not bind its ports again");
 }
+
+/// The sum of the series in Prometheus text `text` that start with `series` (a name, or a name
+/// with the start of its labels). The metric must be exposed (its `# TYPE` line is there): a
+/// misspelt or renamed metric fails the test instead of reading 0.
+pub fn metric(text: &str, series: &str) -> f64 {
+    let name = series.split('{').next().unwrap_or(series);
+    let exposed = text.lines().any(|l| {
+        l.strip_prefix("# TYPE ")
+            .and_then(|l| l.split(' ').next())
+            .is_some_and(|family| family == name || format!("{family}_total") == name)
+    });
+    assert!(exposed, "metric {name} is not exposed:\n{text}");
+    text.lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
