@@ -31,7 +31,8 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
-pub mod config;
+mod addressed;
+mod config;
 mod engine;
 mod error;
 mod http;
