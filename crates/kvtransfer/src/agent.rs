@@ -100,6 +100,15 @@ pub enum AgentError {
         /// Prefill pod name.
         pod: String,
     },
+    /// The prefill's answer says the transfer cannot go on (e.g. TensorRT-LLM's context phase
+    /// answered without the parameters its generation phase needs).
+    #[error("prefill pod {pod:?} answered without {what}")]
+    MissingHandoff {
+        /// Prefill pod name.
+        pod: String,
+        /// What was missing.
+        what: &'static str,
+    },
     /// Merge was called without the state augment leaves behind.
     #[error("merge called before augment: {0}")]
     MissingState(&'static str),
@@ -171,6 +180,28 @@ pub trait KvTransferAgent: Send + Sync + std::fmt::Debug {
         endpoint: checks::Endpoint,
     ) -> Result<(), EngineReject> {
         checks::check_request(body, endpoint, &checks::Limits::default())
+    }
+
+    /// Whether a prefill of this connector can hand the KV of a `/v1/responses` or
+    /// `/v1/messages` request to a decode. `false` (the default): those routes' decodes serve
+    /// them alone. A connector says `true` only when its engines take its transfer fields on
+    /// those routes too (vLLM's `kv_transfer_params` does).
+    fn carries_responses_and_messages(&self) -> bool {
+        false
+    }
+
+    /// Records what the prefill leg must know about the decode the gateway chose for it, before
+    /// [`augment_prefill_request`](KvTransferAgent::augment_prefill_request). The default does
+    /// nothing: most connectors let the decode find the prefill. A connector whose prefill
+    /// addresses its decode (P2pNccl's request ids, MoRIIO's write mode) keeps the decode pod in
+    /// [`TransferState::decode_pod`](crate::TransferState::decode_pod); the gateway calls this
+    /// again whenever the request moves to another decode.
+    ///
+    /// # Errors
+    /// [`AgentError`] when the decode pod lacks what the connector needs (its IP).
+    fn bind_decode(&self, ctx: &mut RoutingContext, decode_pod: &Pod) -> Result<(), AgentError> {
+        let _ = (ctx, decode_pod);
+        Ok(())
     }
 
     /// Whether a prefill pod needs bootstrap facts looked up by discovery

@@ -3,6 +3,7 @@
 use bytes::Bytes;
 
 use crate::body::{BodyError, JsonBody};
+use crate::pod::Pod;
 
 /// Protocol state an agent's `augment_prefill_request` leaves for its
 /// `merge_prefill_response` (and for the gateway's logs and aborts).
@@ -19,6 +20,14 @@ pub struct TransferState {
     pub bootstrap_room_is_array: bool,
     /// Mooncake data-parallel rank of the prefill engine serving this request.
     pub dp_rank: Option<u32>,
+    /// The decode pod the prefill leg addresses, for connectors whose prefill names its decode
+    /// (set by [`KvTransferAgent::bind_decode`](crate::KvTransferAgent::bind_decode)).
+    pub decode_pod: Option<Pod>,
+    /// The `X-Request-Id` both legs must carry instead of the request's own id, for connectors
+    /// that route KV by addresses written into the id (P2pNccl, MoRIIO). `None`: the request id.
+    pub leg_request_id: Option<String>,
+    /// TensorRT-LLM `disagg_request_id` shared by the context and generation phases.
+    pub disagg_request_id: Option<u64>,
 }
 
 /// Per-request routing context.

@@ -26,7 +26,9 @@
 //!   [`KvTransferAgent::needs_bootstrap_lookup`]), [`Dispatch`],
 //!   [`MergeOutcome`], [`EngineCall`], [`AgentError`].
 //! - [`agents`]: built-ins [`ShfsAgent`] (default, vLLM NixlConnector wire
-//!   format), [`NixlAgent`] (Neuron), [`MooncakeAgent`], [`SglangAgent`].
+//!   format), [`NixlAgent`] (Neuron), [`MooncakeAgent`], [`SglangAgent`], [`P2pNcclAgent`]
+//!   (vLLM P2pNcclConnector), [`MoriioAgent`] (vLLM MoRIIOConnector, write and read mode),
+//!   [`TrtllmAgent`] (TensorRT-LLM disaggregated serving).
 //! - [`registry`]: [`Registry`], agents by connector name. Owned by whoever
 //!   uses it (a gateway builds one at start-up); there is no process-wide one.
 //!
@@ -78,9 +80,7 @@ pub use agent::{
     AgentError, DATA_PARALLEL_RANK_HEADER, Dispatch, EngineCall, KvTransferAgent, MergeOutcome,
     PrefillRequest,
 };
-pub use agents::{
-    MooncakeAgent, NixlAgent, SHFS_PREFILL_KV_TRANSFER_PARAMS, SglangAgent, ShfsAgent,
-};
+pub use agents::*;
 pub use body::{BodyError, JsonBody};
 pub use checks::{
     EngineReject, Refused, check_depth, check_model, check_request, parse_bounded,

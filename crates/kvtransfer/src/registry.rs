@@ -7,7 +7,11 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::agent::KvTransferAgent;
-use crate::agents::{MooncakeAgent, NixlAgent, SglangAgent, ShfsAgent};
+use crate::agents::{
+    CONNECTOR_TYPE_MORIIO, CONNECTOR_TYPE_MORIIO_READ, CONNECTOR_TYPE_P2P_NCCL,
+    CONNECTOR_TYPE_TRTLLM, MooncakeAgent, MoriioAgent, NixlAgent, P2pNcclAgent, SglangAgent,
+    ShfsAgent, TrtllmAgent,
+};
 use crate::pod::Pod;
 use crate::{
     CONNECTOR_TYPE_IDENTIFIER, CONNECTOR_TYPE_MOONCAKE, CONNECTOR_TYPE_NIXL, CONNECTOR_TYPE_SGLANG,
@@ -64,7 +68,8 @@ impl Registry {
         Registry::default()
     }
 
-    /// A registry with the built-in agents: `mooncake`, `nixl`, `sglang`, `shfs`.
+    /// A registry with the built-in agents: `mooncake`, `moriio`, `moriio-read`, `nixl`,
+    /// `p2pnccl`, `sglang`, `shfs`, `trtllm`.
     pub fn with_builtins() -> Self {
         let mut r = Registry::empty();
         r.register(CONNECTOR_TYPE_SHFS, shared_factory(Arc::new(ShfsAgent)));
@@ -74,6 +79,16 @@ impl Registry {
             shared_factory(Arc::new(MooncakeAgent)),
         );
         r.register(CONNECTOR_TYPE_SGLANG, shared_factory(Arc::new(SglangAgent)));
+        r.register(CONNECTOR_TYPE_P2P_NCCL, shared_factory(Arc::new(P2pNcclAgent)));
+        r.register(
+            CONNECTOR_TYPE_MORIIO,
+            shared_factory(Arc::new(MoriioAgent::write())),
+        );
+        r.register(
+            CONNECTOR_TYPE_MORIIO_READ,
+            shared_factory(Arc::new(MoriioAgent::read())),
+        );
+        r.register(CONNECTOR_TYPE_TRTLLM, shared_factory(Arc::new(TrtllmAgent)));
         r
     }
 
@@ -88,7 +103,7 @@ impl Registry {
     ///
     /// # Errors
     /// [`RegistryError::Unknown`], displayed as
-    /// `unknown KV transfer connector type "foo" (valid: [mooncake nixl sglang shfs])`.
+    /// `unknown KV transfer connector type "foo" (valid: [mooncake moriio moriio-read nixl p2pnccl sglang shfs trtllm])`.
     pub fn resolve(&self, connector_type: &str) -> Result<Arc<dyn KvTransferAgent>, RegistryError> {
         match self
             .factories

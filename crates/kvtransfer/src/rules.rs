@@ -12,9 +12,14 @@ pub const CLIENT_FORBIDDEN_HEADERS: &[&str] = &["x-data-parallel-rank"];
 
 /// Top-level keys a client may not supply, compared case-insensitively (see
 /// [`strip_client_transfer_fields`]). `ec_transfer_params` is vLLM's
-/// encoder-cache twin of `kv_transfer_params`: an engine trusts it the same way.
-pub const CLIENT_FORBIDDEN_KEYS: &[&str] =
-    &[KV_TRANSFER_PARAMS, "ec_transfer_params", "transfer_id"];
+/// encoder-cache twin of `kv_transfer_params`: an engine trusts it the same way, and
+/// TensorRT-LLM's `disaggregated_params` carry the opaque state its generation servers dial.
+pub const CLIENT_FORBIDDEN_KEYS: &[&str] = &[
+    KV_TRANSFER_PARAMS,
+    "ec_transfer_params",
+    "transfer_id",
+    "disaggregated_params",
+];
 
 /// Key prefixes a client may not supply, compared case-insensitively: bootstrap
 /// servers (SGLang, Mooncake), the `remote_*` and `do_remote_*` fields of the

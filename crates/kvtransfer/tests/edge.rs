@@ -81,7 +81,7 @@ fn bad_default_fails_validation_and_resolution() {
     let err = r.validate_default("nope").unwrap_err();
     assert!(
         err.to_string()
-            .contains("(valid: [mooncake nixl sglang shfs])"),
+            .contains("(valid: [mooncake moriio moriio-read nixl p2pnccl sglang shfs trtllm])"),
         "{err}"
     );
     let pod = Pod::new("p", "1.1.1.1", 8000);

@@ -74,7 +74,16 @@ fn upstream_resolve_connector_type_cases() {
 fn upstream_valid_agent_names_sorted() {
     assert_eq!(
         Registry::with_builtins().valid_agent_names(),
-        ["mooncake", "nixl", "sglang", "shfs"]
+        [
+            "mooncake",
+            "moriio",
+            "moriio-read",
+            "nixl",
+            "p2pnccl",
+            "sglang",
+            "shfs",
+            "trtllm"
+        ]
     );
     let names = Registry::with_builtins().valid_agent_names();
     let mut sorted = names.clone();
@@ -90,7 +99,7 @@ fn upstream_resolve_unknown_type_error_text() {
     let err = Registry::with_builtins().resolve("foo").unwrap_err();
     assert_eq!(
         err.to_string(),
-        r#"unknown KV transfer connector type "foo" (valid: [mooncake nixl sglang shfs])"#
+        r#"unknown KV transfer connector type "foo" (valid: [mooncake moriio moriio-read nixl p2pnccl sglang shfs trtllm])"#
     );
 }
 

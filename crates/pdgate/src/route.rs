@@ -1,5 +1,7 @@
 //! The OpenAI routes that go through the PD flow (below `cache` and `pd`, which both use it).
 
+use kvtransfer::KvTransferAgent;
+
 /// The OpenAI routes that go through the PD flow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Route {
@@ -43,18 +45,15 @@ impl Route {
         }
     }
 
-    /// Whether a prefill of `connector` can hand this route's KV to a decode. vLLM 0.32 takes
-    /// `kv_transfer_params` on `/v1/responses` and `/v1/messages` too (NixlConnector checked on
-    /// real engines; MooncakeConnector carries its parameters the same way); Neuron's
-    /// `disagg_prefill_resp` and SGLang's bootstrap fields are only known on completions and
-    /// chat, so those connectors' decodes serve the other routes alone.
-    pub fn disaggregates(self, connector: &str) -> bool {
+    /// Whether a prefill of `agent`'s connector can hand this route's KV to a decode: every
+    /// connector on completions and chat; on `/v1/responses` and `/v1/messages` only those whose
+    /// engines take their transfer fields there too
+    /// ([`KvTransferAgent::carries_responses_and_messages`]), so the other connectors' decodes
+    /// serve those routes alone.
+    pub fn disaggregates(self, agent: &dyn KvTransferAgent) -> bool {
         match self {
             Route::Completions | Route::Chat => true,
-            Route::Responses | Route::Messages => matches!(
-                connector,
-                kvtransfer::CONNECTOR_TYPE_SHFS | kvtransfer::CONNECTOR_TYPE_MOONCAKE
-            ),
+            Route::Responses | Route::Messages => agent.carries_responses_and_messages(),
         }
     }
 

@@ -20,6 +20,14 @@ pub const CONNECTOR_TYPE_NIXL: &str = "nixl";
 pub const CONNECTOR_TYPE_MOONCAKE: &str = "mooncake";
 /// Connector label value for SGLang's bootstrap handoff.
 pub const CONNECTOR_TYPE_SGLANG: &str = "sglang";
+/// Connector label value for vLLM's P2pNcclConnector.
+pub const CONNECTOR_TYPE_P2P_NCCL: &str = "p2pnccl";
+/// Connector label value for vLLM's MoRIIOConnector in write mode.
+pub const CONNECTOR_TYPE_MORIIO: &str = "moriio";
+/// Connector label value for vLLM's MoRIIOConnector in read mode.
+pub const CONNECTOR_TYPE_MORIIO_READ: &str = "moriio-read";
+/// Connector label value for TensorRT-LLM disaggregated serving.
+pub const CONNECTOR_TYPE_TRTLLM: &str = "trtllm";
 /// Connector label value for an engine without KV transfer.
 pub const CONNECTOR_TYPE_NONE: &str = "none";
 
@@ -99,6 +107,19 @@ pub enum Connector {
     Mooncake,
     /// SGLang: shared `bootstrap_host`/`bootstrap_port`/`bootstrap_room` on both legs.
     Sglang,
+    /// vLLM P2pNcclConnector (in `GET` mode): both engines' addresses in the request id; the
+    /// decode pulls from the prefill address the id names.
+    #[serde(rename = "p2pnccl")]
+    P2pNccl,
+    /// vLLM MoRIIOConnector, write mode: each leg's `kv_transfer_params` name the other engine;
+    /// concurrent legs.
+    Moriio,
+    /// vLLM MoRIIOConnector, read mode: the decode also needs the prefill's
+    /// `remote_engine_id` and `remote_block_ids`; sequential legs.
+    #[serde(rename = "moriio-read")]
+    MoriioRead,
+    /// TensorRT-LLM: `disaggregated_params` with `context_only` / `generation_only` phases.
+    Trtllm,
     /// No KV transfer at all.
     None,
 }
@@ -111,6 +132,10 @@ impl Connector {
             Connector::Nixl => CONNECTOR_TYPE_NIXL,
             Connector::Mooncake => CONNECTOR_TYPE_MOONCAKE,
             Connector::Sglang => CONNECTOR_TYPE_SGLANG,
+            Connector::P2pNccl => CONNECTOR_TYPE_P2P_NCCL,
+            Connector::Moriio => CONNECTOR_TYPE_MORIIO,
+            Connector::MoriioRead => CONNECTOR_TYPE_MORIIO_READ,
+            Connector::Trtllm => CONNECTOR_TYPE_TRTLLM,
             Connector::None => CONNECTOR_TYPE_NONE,
         }
     }
@@ -119,7 +144,13 @@ impl Connector {
     pub(crate) fn has_side_channel(self) -> bool {
         matches!(
             self,
-            Connector::Shfs | Connector::Nixl | Connector::Mooncake
+            Connector::Shfs
+                | Connector::Nixl
+                | Connector::Mooncake
+                | Connector::P2pNccl
+                | Connector::Moriio
+                | Connector::MoriioRead
+                | Connector::Trtllm
         )
     }
 
@@ -143,11 +174,15 @@ impl FromStr for Connector {
             CONNECTOR_TYPE_NIXL => Ok(Connector::Nixl),
             CONNECTOR_TYPE_MOONCAKE => Ok(Connector::Mooncake),
             CONNECTOR_TYPE_SGLANG => Ok(Connector::Sglang),
+            CONNECTOR_TYPE_P2P_NCCL => Ok(Connector::P2pNccl),
+            CONNECTOR_TYPE_MORIIO => Ok(Connector::Moriio),
+            CONNECTOR_TYPE_MORIIO_READ => Ok(Connector::MoriioRead),
+            CONNECTOR_TYPE_TRTLLM => Ok(Connector::Trtllm),
             CONNECTOR_TYPE_NONE => Ok(Connector::None),
             _ => Err(ParseEnumError {
                 what: "connector",
                 value: s.to_owned(),
-                valid: "shfs, nixl, mooncake, sglang, none",
+                valid: "shfs, nixl, mooncake, sglang, p2pnccl, moriio, moriio-read, trtllm, none",
             }),
         }
     }

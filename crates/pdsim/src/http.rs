@@ -203,7 +203,7 @@ async fn run(
                 param: Some("input_tokens"),
             });
         }
-        let p = plan(engine.plan_input(), &req, dp_rank)?;
+        let p = plan(engine.plan_input(), &req, dp_rank, base_id)?;
         Ok((req, p))
     });
     let (req, plan) = match prepared {
@@ -287,12 +287,16 @@ async fn run_full(job: &mut Job) -> Result<String, ApiError> {
         job.tokens(steps - 1).await?;
     }
     let kv = job.finish(&choices);
-    Ok(respond::full_body(
+    let body = respond::full_body(
         &head(job),
         &choices,
         usage(job, &choices),
         kv.as_deref(),
-    ))
+    );
+    Ok(match &job.trtllm_context {
+        Some(params) => crate::addressed::trtllm_context_body(&body, params, &job.req.prompt.ids),
+        None => body,
+    })
 }
 
 enum Phase {

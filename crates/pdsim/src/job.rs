@@ -15,6 +15,7 @@ use crate::engine::Engine;
 use crate::error::ApiError;
 use crate::kv_pull::{PullError, mooncake_worker, seg};
 use crate::kv_store::KvWire;
+use crate::addressed::Answer;
 use crate::plan::{Consume, Plan, Produce, kv_fail};
 use crate::prefix_cache::{BlockChain, Pins};
 use crate::request::{Endpoint, GenRequest};
@@ -133,6 +134,8 @@ pub(crate) struct Job {
     ticks: Option<mpsc::UnboundedReceiver<Tick>>,
     /// Choices generated before they are asked for (the step loop needs their length).
     generated: Option<Vec<ChoiceOut>>,
+    /// TensorRT-LLM context phase: the `disaggregated_params` its answer carries.
+    pub trtllm_context: Option<serde_json::Value>,
 }
 
 impl Job {
@@ -184,6 +187,7 @@ impl Job {
             pins: Pins::default(),
             ticks: None,
             generated: None,
+            trtllm_context: None,
         }
     }
 
@@ -310,6 +314,12 @@ impl Job {
         }
         match std::mem::replace(&mut self.plan.produce, Produce::Nothing) {
             Produce::Fail(e) => return Err(e),
+            // A key still holding another request's KV: the engines would mix the two transfers.
+            Produce::Keep { key, .. } if engine.kv.transfer_pending(&key) => {
+                return Err(kv_fail(format!(
+                    "request id {key} is already in use by a transfer in flight"
+                )));
+            }
             Produce::Sglang(room) => {
                 let deadline = Instant::now() + engine.cfg.handoff_timeout;
                 let r = self
@@ -405,7 +415,7 @@ impl Job {
         }
         let timeout = engine.cfg.handoff_timeout + Duration::from_secs(1);
         let body = match consume {
-            Consume::Pull(url) | Consume::Sglang(url) => self
+            Consume::Pull(url) | Consume::Sglang(url) | Consume::Wait(url) => self
                 .guarded(engine.client.get(url, timeout))
                 .await?
                 .map_err(|e| fail(e.to_string()))?,
@@ -566,6 +576,46 @@ impl Job {
                 self.sglang_published = true;
                 c.transfers_stored.fetch_add(1, Relaxed);
                 None
+            }
+            Produce::Keep { key, answer } => {
+                engine.kv.put_transfer(key.clone(), entry());
+                c.transfers_stored.fetch_add(1, Relaxed);
+                let side = engine.side_channel_port.unwrap_or(0);
+                match answer {
+                    Answer::Nothing => None,
+                    Answer::MoriioRead => {
+                        let blocks = prompt.count.div_ceil(engine.block_size);
+                        let first = engine
+                            .next_block
+                            .fetch_add(u64::from(blocks), Ordering::Relaxed);
+                        let ids: Vec<u64> = (first..first + u64::from(blocks)).collect();
+                        let params = serde_json::json!({
+                            "do_remote_prefill": true,
+                            "do_remote_decode": false,
+                            "remote_engine_id": engine.engine_id,
+                            "remote_block_ids": ids,
+                            "remote_host": engine.cfg.advertise_host,
+                            "remote_handshake_port": side,
+                        });
+                        serde_json::to_string(&params).ok()
+                    }
+                    Answer::Trtllm { disagg_request_id } => {
+                        let first = choices
+                            .first()
+                            .and_then(|ch| ch.words.first())
+                            .map(|w| engine.tok.generated_ids(std::slice::from_ref(w)))
+                            .unwrap_or_default();
+                        self.trtllm_context = Some(serde_json::json!({
+                            "request_type": "context_only",
+                            "first_gen_tokens": first,
+                            "ctx_request_id": key.parse::<u64>().unwrap_or(0),
+                            "opaque_state": crate::addressed::opaque_state(&engine.cfg.advertise_host, side),
+                            "draft_tokens": null,
+                            "disagg_request_id": disagg_request_id,
+                        }));
+                        None
+                    }
+                }
             }
             Produce::Nothing | Produce::Fail(_) => None,
         }

@@ -21,6 +21,7 @@ pub(crate) fn side_channel_router(engine: Arc<Engine>) -> Router {
     Router::new()
         .route("/kv/{engine_id}/{request_id}", get(kv_pull))
         .route("/mooncake/{transfer_id}", get(mooncake_pull))
+        .route("/p2p/{key}", get(addressed_pull))
         .with_state(engine)
 }
 
@@ -99,6 +100,24 @@ async fn mooncake_pull(
                 .await
         }
         Err(e) => Err(e),
+    };
+    served(&engine, r)
+}
+
+/// p2pnccl / moriio / trtllm: the KV kept under `key` (the request id, or TensorRT-LLM's
+/// `ctx_request_id`), waited for within the query's bound; served once.
+async fn addressed_pull(
+    State(engine): State<Arc<Engine>>,
+    Path(key): Path<String>,
+    Query(q): Query<WaitQuery>,
+) -> Response {
+    let r = if engine.faults.load().refuse_kv {
+        Err(LookupError::Refused)
+    } else {
+        engine
+            .kv
+            .transfer_wait(&engine.shutdown, &key, q.deadline(&engine))
+            .await
     };
     served(&engine, r)
 }

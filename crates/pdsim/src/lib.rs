@@ -31,6 +31,7 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod addressed;
 mod clock;
 pub mod config;
 mod engine;

@@ -38,6 +38,9 @@ pub(crate) enum Consume {
     },
     /// sglang: join the room on the prefill's bootstrap server.
     Sglang(String),
+    /// p2pnccl / moriio / trtllm: wait for the KV on the side channel of the address the
+    /// request named ([`crate::addressed`]).
+    Wait(String),
     /// The params are unusable; the request fails like a KV load failure.
     Fail(ApiError),
     /// The params are unusable and the `crash_on_bad_kv_params` fault is on: the engine dies.
@@ -53,6 +56,12 @@ pub(crate) enum Produce {
     Mooncake(String),
     /// sglang: rendezvous with the decode for this room, then publish.
     Sglang(u64),
+    /// p2pnccl / moriio / trtllm: keep it under `key` for the decode's wait, and answer as the
+    /// connector does ([`crate::addressed`]).
+    Keep {
+        key: String,
+        answer: crate::addressed::Answer,
+    },
     Fail(ApiError),
 }
 
@@ -145,6 +154,7 @@ pub(crate) fn plan(
     input: PlanInput,
     req: &GenRequest,
     dp_rank: Option<&str>,
+    request_id: &str,
 ) -> Result<Plan, ApiError> {
     let role = input.role;
     let kvp = req.kv_transfer_params.as_ref();
@@ -187,6 +197,9 @@ pub(crate) fn plan(
                 Consume::Sglang(sglang_url(req, input.handoff_timeout)?)
             }
             Connector::Sglang | Connector::None => Consume::Recompute,
+            Connector::P2pNccl | Connector::Moriio | Connector::MoriioRead | Connector::Trtllm => {
+                crate::addressed::consume(input, req, request_id)
+            }
         }
     };
     // A combined engine computing its own prompt is not a "recompute".
@@ -230,6 +243,9 @@ pub(crate) fn plan(
                     }
                 }
             }
+            Connector::P2pNccl | Connector::Moriio | Connector::MoriioRead | Connector::Trtllm => {
+                crate::addressed::produce(input, req, request_id)?
+            }
             _ => Produce::Nothing,
         }
     };
@@ -255,7 +271,7 @@ fn mooncake_consume(p: &Map<String, Value>) -> Consume {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn obj(v: Value) -> Map<String, Value> {
@@ -307,13 +323,14 @@ mod tests {
     }
 
     /// What a plan decides, by name, so a table can state it.
-    fn kinds(p: &Plan) -> (&'static str, &'static str) {
+    pub(crate) fn kinds(p: &Plan) -> (&'static str, &'static str) {
         let c = match &p.consume {
             Consume::Local => "local",
             Consume::Recompute => "recompute",
             Consume::Pull(_) => "pull",
             Consume::Mooncake { .. } => "mooncake",
             Consume::Sglang(_) => "sglang",
+            Consume::Wait(_) => "wait",
             Consume::Fail(_) => "fail",
             Consume::Crash(_) => "crash",
         };
@@ -322,12 +339,13 @@ mod tests {
             Produce::Params => "params",
             Produce::Mooncake(_) => "mooncake",
             Produce::Sglang(_) => "sglang",
+            Produce::Keep { .. } => "keep",
             Produce::Fail(_) => "fail",
         };
         (c, d)
     }
 
-    fn input(role: Role, connector: Connector, crash: bool) -> PlanInput {
+    pub(crate) fn input(role: Role, connector: Connector, crash: bool) -> PlanInput {
         PlanInput {
             role,
             connector,
@@ -566,7 +584,7 @@ mod tests {
             let req =
                 crate::request::parse(crate::request::Endpoint::Completions, body.as_bytes(), "m")
                     .unwrap();
-            let got = plan(input(role, connector, crash), &req, rank);
+            let got = plan(input(role, connector, crash), &req, rank, "r");
             match (got, want) {
                 (Ok(p), Ok(w)) => assert_eq!(kinds(&p), w, "case {i}: {connector} {role} {body}"),
                 (Err(e), Err(status)) => assert_eq!(e.status(), status, "case {i}"),
@@ -586,7 +604,7 @@ mod tests {
         .unwrap();
         let mut i = input(Role::Decode, Connector::Sglang, false);
         i.handoff_timeout = Duration::from_millis(1500);
-        match plan(i, &req, None).unwrap().consume {
+        match plan(i, &req, None, "r").unwrap().consume {
             Consume::Sglang(url) => assert_eq!(url, "http://[::1]:8998/room/42?timeout_ms=1500"),
             _ => panic!("expected an sglang join"),
         }

@@ -98,6 +98,8 @@ struct Wire<'a> {
     bootstrap_room: Option<Value>,
     #[serde(default)]
     rid: Option<String>,
+    #[serde(default)]
+    disaggregated_params: Option<Map<String, Value>>,
 }
 
 /// A validated generation request.
@@ -115,6 +117,8 @@ pub(crate) struct GenRequest {
     pub disagg_prefill_resp: Option<Box<RawValue>>,
     pub bootstrap: Bootstrap,
     pub rid: Option<String>,
+    /// TensorRT-LLM `disaggregated_params` (phase and transfer state).
+    pub disaggregated_params: Option<Map<String, Value>>,
 }
 
 /// SGLang bootstrap fields as received (any of them may be missing or mistyped).
@@ -267,6 +271,7 @@ pub(crate) fn parse_with(
             room: w.bootstrap_room,
         },
         rid: w.rid,
+        disaggregated_params: w.disaggregated_params,
     })
 }
 

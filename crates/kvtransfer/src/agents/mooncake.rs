@@ -75,6 +75,12 @@ impl KvTransferAgent for MooncakeAgent {
         crate::CONNECTOR_TYPE_MOONCAKE
     }
 
+    /// vLLM takes `kv_transfer_params` on `/v1/responses` and `/v1/messages` too, and Mooncake
+    /// carries its parameters the same way.
+    fn carries_responses_and_messages(&self) -> bool {
+        true
+    }
+
     fn dispatch(&self) -> Dispatch {
         Dispatch::Concurrent
     }

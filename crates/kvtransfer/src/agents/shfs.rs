@@ -24,6 +24,12 @@ impl KvTransferAgent for ShfsAgent {
         crate::CONNECTOR_TYPE_SHFS
     }
 
+    /// vLLM 0.32 takes `kv_transfer_params` on `/v1/responses` and `/v1/messages` too
+    /// (NixlConnector checked on real engines).
+    fn carries_responses_and_messages(&self) -> bool {
+        true
+    }
+
     fn augment_prefill_request(
         &self,
         _ctx: &mut RoutingContext,

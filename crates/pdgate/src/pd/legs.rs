@@ -53,7 +53,10 @@ impl PrefillJob {
             tokens: pd.prefill_tokens,
             endpoint: pd.prefill.clone(),
             path: pd.route.path(),
-            request_id: request_id.to_string(),
+            // A connector that addresses its engines through the request id chose the legs' id.
+            request_id: (pd.ctx.transfer.leg_request_id.as_deref())
+                .unwrap_or(request_id)
+                .to_string(),
             forwarded: pd.forwarded.clone(),
             body: request.body,
             extra: request.headers,
@@ -149,6 +152,7 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
     let gw = ex.gw.clone();
     let mut tried = vec![pd.prefill.name.clone()];
     let collected = loop {
+        pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
         let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
         let prefill_request =
             pd.agent
@@ -219,10 +223,13 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
         }
         Err(err) => match gw.config.legs.on_prefill_failure {
             PrefillFailurePolicy::Fail => return Err(err),
+            PrefillFailurePolicy::Fallback if !pd.agent.allows_decode_only() => return Err(err),
             PrefillFailurePolicy::Fallback => {
                 warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
                 gw.metrics.count_fallback(pd.served.connector);
                 pd.served.fallback = true;
+                // A plain request: no transfer state (an id naming the failed prefill) goes with it.
+                pd.restart(&ex.request_id);
                 pd.clean.to_bytes()
             }
         },
@@ -299,6 +306,7 @@ pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     let mut requeried = false;
     let mut moved = false;
     loop {
+        pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
         let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
         let prefill_request =
             pd.agent

@@ -227,7 +227,7 @@ pub(crate) async fn serve(
     // to the decode alone, as a plain request.
     let alone = if decode_only {
         Some("cache-hit")
-    } else if !route.disaggregates(connector)
+    } else if !route.disaggregates(agent.as_ref())
         || (route == Route::Responses && crate::route::responses_state(&clean))
     {
         Some("route")

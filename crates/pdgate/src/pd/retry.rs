@@ -145,6 +145,8 @@ pub(crate) async fn fall_back(
     gw.metrics.count_fallback(pd.served.connector);
     pd.served.fallback = true;
     pd.prefill_cached = None;
+    // A plain request: no transfer state (an id naming the failed prefill) goes with it.
+    pd.restart(&ex.request_id);
     let body = pd.clean.to_bytes();
     decode_last(ex, pd, body, false).await
 }
