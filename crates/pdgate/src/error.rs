@@ -40,6 +40,10 @@ pub enum UpstreamKind {
     Broken,
     /// A relayed stream sent nothing for longer than the idle timeout.
     Silent,
+    /// The gateway gave the leg up because its endpoint was taken out of rotation while the
+    /// request waited (`reliability.retry_on_ejection`): the engine did not fail this request,
+    /// another endpoint may take it.
+    Released,
 }
 
 /// Where a failure came from. Decides the status class, the outcome label and whether a retry
@@ -255,6 +259,18 @@ impl GatewayError {
         )
     }
 
+    /// Whether the gateway gave the leg up because its endpoint was taken out of rotation (the
+    /// engine did not fail this request).
+    pub fn is_release(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::Upstream {
+                kind: UpstreamKind::Released,
+                ..
+            }
+        )
+    }
+
     /// Whether the failed work may be retried on another endpoint (nothing reached the client).
     pub fn retryable(&self) -> bool {
         match self {
@@ -287,7 +303,9 @@ impl GatewayError {
             }
             GatewayError::Upstream { kind, .. } => match kind {
                 UpstreamKind::Timeout | UpstreamKind::Silent => StatusCode::GATEWAY_TIMEOUT,
-                UpstreamKind::Connect | UpstreamKind::Broken => StatusCode::BAD_GATEWAY,
+                UpstreamKind::Connect | UpstreamKind::Broken | UpstreamKind::Released => {
+                    StatusCode::BAD_GATEWAY
+                }
             },
             GatewayError::UpstreamStatus { status, .. } => *status,
             GatewayError::Agent(_) => StatusCode::BAD_GATEWAY,

@@ -21,12 +21,9 @@ use crate::state::Gateway;
 /// A decode's response head with the endpoint that sent it and the load it holds.
 pub(crate) type DecodeHead = (Response<EngineBody>, Arc<Endpoint>, LoadGuard);
 
-/// Why a decode leg was given up at once ([`released`]).
-const RELEASED: &str = "was taken out of rotation while the request waited for its answer";
-
 /// Whether `err` is a decode leg given up because its endpoint went down meanwhile.
 fn released(err: &GatewayError) -> bool {
-    matches!(err, GatewayError::Upstream { leg: Leg::Decode, detail, .. } if detail == RELEASED)
+    err.is_release() && err.source_of() == crate::error::Source::Engine(Leg::Decode)
 }
 
 /// The span of the decode leg up to its response head (`retries`: connect failures retried).
@@ -67,6 +64,7 @@ pub(crate) async fn send(
             abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
             pd.restart(&ex.request_id);
             pd.switch_decode(next);
+            ex.touched(pd);
             Ok(None)
         }
         head => head.map(Some),
@@ -126,7 +124,7 @@ async fn decode_head(
         let head = tokio::select! {
             head = client::send_within(&gw.client, leg, gw.config.legs.decode_timeout) => head,
             // Already counted (that is why it is down): not observed again.
-            () = went_down(gw, &endpoint.name) => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Broken, RELEASED.into())),
+            () = went_down(gw, &endpoint.name) => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Released, "was taken out of rotation while the request waited for its answer".into())),
         };
         match head {
             // A decode's success is counted when its body ends cleanly (the relay), not at the

@@ -104,7 +104,7 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
             return Err(client::upstream(
                 Leg::Prefill,
                 job.endpoint.target(),
-                UpstreamKind::Broken,
+                UpstreamKind::Released,
                 "was taken out of rotation while the request waited for it".into(),
             ));
         }
@@ -178,12 +178,17 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
                 &tried,
             )
         {
-            warn!(id = %ex.request_id, from = %pd.prefill.name, to = %next.name, "prefill failed; retrying on another prefill");
+            let why = collected
+                .as_ref()
+                .err()
+                .map_or("prefill failed", retry::why_moved);
+            warn!(id = %ex.request_id, from = %pd.prefill.name, to = %next.name, "{why}; retrying on another prefill");
             if let Some(r) = ex.record() {
                 r.trace().retried();
             }
             tried.push(next.name.clone());
             pd.switch_prefill(&ex.request_id, next)?;
+            ex.touched(pd);
             continue;
         }
         break collected;
@@ -220,7 +225,8 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
         Err(err) => match gw.config.legs.on_prefill_failure {
             PrefillFailurePolicy::Fail => return Err(err),
             PrefillFailurePolicy::Fallback => {
-                warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
+                let why = retry::why_moved(&err);
+                warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "{why}; decode serves the request alone");
                 gw.metrics.count_fallback(pd.served.connector);
                 pd.served.fallback = true;
                 pd.clean.to_bytes()

@@ -78,6 +78,13 @@ impl Exchange {
             .map_or_else(tracing::Span::none, |r| r.trace_span().clone())
     }
 
+    /// Names `pd`'s current engines in the record (after a move to another endpoint).
+    pub(crate) fn touched(&mut self, pd: &Pd) {
+        if let Some(record) = self.record.as_mut() {
+            record.touched(&pd.prefill.name, &pd.decode.name);
+        }
+    }
+
     /// Hands the record to the relayed body (which records the outcome from then on).
     pub(crate) fn take_record(&mut self) -> Result<RequestRecord, GatewayError> {
         self.record
@@ -238,6 +245,7 @@ pub(crate) async fn serve(
     let ctx = context(&ex.request_id, clean.clone());
     if let Some(record) = ex.record() {
         record.set_connector(connector);
+        record.touched(if decode_only { "" } else { &prefill.name }, &decode.name);
         if let Some(m) = view.model.as_deref()
             && snapshot.models.iter().any(|known| known == m)
         {
