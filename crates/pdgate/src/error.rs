@@ -223,6 +223,17 @@ impl GatewayError {
         }
     }
 
+    /// A body the gateway cannot read (not JSON, not an object, repeated keys, too deep):
+    /// refused as the engine would refuse it, on every route (the one mapping of it).
+    pub fn refused_body(refused: kvtransfer::Refused) -> Self {
+        match refused {
+            kvtransfer::Refused::TooDeep(reject) => GatewayError::Rejected(reject),
+            kvtransfer::Refused::Body(e) => {
+                GatewayError::Rejected(kvtransfer::reject_body_error(&e))
+            }
+        }
+    }
+
     /// Where the failure came from.
     pub fn source_of(&self) -> Source {
         match self {

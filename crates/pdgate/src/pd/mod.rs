@@ -157,10 +157,6 @@ fn context(request_id: &str, clean: JsonBody) -> RoutingContext {
     ctx
 }
 
-fn body_error(e: kvtransfer::BodyError) -> GatewayError {
-    GatewayError::bad_request(format!("invalid request body: {e}"), None)
-}
-
 /// Serves one request on a PD route: view, select, legs, relay.
 pub(crate) async fn serve(
     ex: &mut Exchange,
@@ -169,13 +165,8 @@ pub(crate) async fn serve(
     body: Bytes,
 ) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
-    let mut clean =
-        kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH).map_err(|refused| {
-            match refused {
-                kvtransfer::Refused::TooDeep(reject) => GatewayError::Rejected(reject),
-                kvtransfer::Refused::Body(e) => body_error(e),
-            }
-        })?;
+    let mut clean = kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH)
+        .map_err(GatewayError::refused_body)?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut clean);
     if !stripped.is_empty() {
         debug!(id = %ex.request_id, ?stripped, "removed client-supplied transfer fields");
