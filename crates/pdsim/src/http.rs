@@ -286,12 +286,16 @@ async fn run_full(job: &mut Job) -> Result<String, ApiError> {
         job.delay(job.engine.cfg.latency.itl * (steps - 1)).await?;
     }
     let kv = job.finish(&choices);
-    Ok(respond::full_body(
-        &head(job),
-        &choices,
-        usage(job, &choices),
-        kv.as_deref(),
-    ))
+    let (head, usage) = (head(job), usage(job, &choices));
+    if let (Endpoint::Responses | Endpoint::Messages, Some(c)) = (head.endpoint, choices.first()) {
+        return Ok(respond_api::full_body(
+            &head,
+            c,
+            usage,
+            kv.as_deref().unwrap_or("null"),
+        ));
+    }
+    Ok(respond::full_body(&head, &choices, usage, kv.as_deref()))
 }
 
 enum Phase {
