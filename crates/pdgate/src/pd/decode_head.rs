@@ -1,7 +1,9 @@
 //! The decode leg up to its response head, shared by every flow (sequential, concurrent,
 //! decode-only and the fallback): connect failures retried on another decode, and a decode taken
 //! out of rotation while the request waits (nothing reached the client) given up at once and the
-//! request moved, once, to another decode ([`send`]).
+//! request moved, once, to another decode ([`send`]). The flows that end with the decode alone
+//! (by choice, or after a failed prefill) send it here ([`decode_last`]), and every flow relays
+//! a head that no prefill still runs beside through [`relay_head`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +17,7 @@ use crate::engine::EngineBody;
 use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
-use crate::pd::{Exchange, Pd, abort, select};
+use crate::pd::{Answer, Exchange, Pd, abort, relay, select};
 use crate::state::Gateway;
 
 /// A decode's response head with the endpoint that sent it and the load it holds.
@@ -153,4 +155,53 @@ async fn decode_head(
             }
         }
     }
+}
+
+/// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
+/// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
+pub(crate) async fn decode_only(ex: &mut Exchange, pd: Pd) -> Result<Answer, GatewayError> {
+    let body = pd.clean.to_bytes();
+    decode_last(ex, pd, body, true).await
+}
+
+/// Sends `body` as the decode leg (no prefill leg left running) and relays its response; a
+/// decode taken out of rotation before its head hands the same body to another decode (once).
+pub(crate) async fn decode_last(
+    ex: &mut Exchange,
+    mut pd: Pd,
+    body: Bytes,
+    decode_only: bool,
+) -> Result<Answer, GatewayError> {
+    let mut moved = false;
+    loop {
+        let sent = send(ex, &mut pd, body.clone(), &mut moved, decode_only);
+        if let Some((head, _)) = sent.await? {
+            return relay_head(ex, pd, head);
+        }
+    }
+}
+
+/// Relays the decode's response (no prefill leg left running).
+pub(crate) fn relay_head(
+    ex: &mut Exchange,
+    mut pd: Pd,
+    head: DecodeHead,
+) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
+    let (head, decode, decode_load) = head;
+    if head.status().is_server_error() {
+        gw.health.observe(&decode.name, Err(Cause::ServerError));
+    }
+    pd.switch_decode(decode);
+    let record = ex.take_record()?;
+    Ok(relay::respond(
+        &gw,
+        &ex.request_id,
+        head,
+        pd,
+        decode_load,
+        None,
+        None,
+        record,
+    ))
 }

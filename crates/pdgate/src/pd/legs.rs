@@ -134,7 +134,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         // box (`pd::serve`) copies no more than the request's state.
         let sent = decode_head::send(ex, &mut pd, body.clone(), &mut moved, false);
         match Box::pin(sent).await? {
-            Some((head, _)) => return relay_head(ex, pd, head),
+            Some((head, _)) => return decode_head::relay_head(ex, pd, head),
             // Moved: the KV went to the old decode, so the prefill runs again; a fallback
             // sends the same plain request.
             None if !pd.served.fallback => body = prefill_and_merge(ex, &mut pd).await?,
@@ -234,51 +234,6 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
         },
     };
     Ok(decode_body)
-}
-
-/// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
-/// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
-pub(crate) async fn decode_only(ex: &mut Exchange, pd: Pd) -> Result<Answer, GatewayError> {
-    let body = pd.clean.to_bytes();
-    decode_last(ex, pd, body, true).await
-}
-
-/// Sends `body` as the decode leg (no prefill leg left running) and relays its response; a
-/// decode taken out of rotation before its head hands the same body to another decode (once).
-pub(crate) async fn decode_last(
-    ex: &mut Exchange,
-    mut pd: Pd,
-    body: Bytes,
-    decode_only: bool,
-) -> Result<Answer, GatewayError> {
-    let mut moved = false;
-    loop {
-        let sent = decode_head::send(ex, &mut pd, body.clone(), &mut moved, decode_only);
-        if let Some((head, _)) = sent.await? {
-            return relay_head(ex, pd, head);
-        }
-    }
-}
-
-/// Relays the decode's response (no prefill leg left running).
-fn relay_head(ex: &mut Exchange, mut pd: Pd, head: DecodeHead) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
-    let (head, decode, decode_load) = head;
-    if head.status().is_server_error() {
-        gw.health.observe(&decode.name, Err(Cause::ServerError));
-    }
-    pd.switch_decode(decode);
-    let record = ex.take_record()?;
-    Ok(relay::respond(
-        &gw,
-        &ex.request_id,
-        head,
-        pd,
-        decode_load,
-        None,
-        None,
-        record,
-    ))
 }
 
 /// Both legs at once. The response head is held until the decode's first byte or the

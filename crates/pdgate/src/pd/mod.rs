@@ -294,7 +294,7 @@ pub(crate) async fn serve(
     // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
     // would otherwise hold (and move) that much inline.
     if decode_only {
-        return Box::pin(legs::decode_only(ex, pd)).await;
+        return Box::pin(decode_head::decode_only(ex, pd)).await;
     }
     match pd.agent.dispatch() {
         Dispatch::Sequential => Box::pin(legs::sequential(ex, pd)).await,

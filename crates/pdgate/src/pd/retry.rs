@@ -12,7 +12,7 @@ use crate::endpoints::Endpoint;
 use crate::engine::client;
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
-use crate::pd::legs::decode_last;
+use crate::pd::decode_head::decode_last;
 use crate::pd::{Answer, Exchange, Pd, abort, select};
 use crate::state::Gateway;
 
