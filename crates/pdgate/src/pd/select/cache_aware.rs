@@ -17,8 +17,8 @@ use crate::state::Gateway;
 /// One role's candidates for a decision.
 enum Candidates<'a> {
     /// The snapshot's whole list: every endpoint in it qualifies (the usual fleet, see
-    /// [`Snapshot::all_serve`]). Copying the references out of a 500-endpoint list cost about
-    /// 35 instructions per endpoint, as much as scoring it.
+    /// [`Snapshot::all_serve`]). Copying the references out of a large list cost as much as
+    /// scoring it.
     Whole(&'a [Arc<Endpoint>]),
     /// The endpoints that qualify.
     Chosen(Vec<&'a Arc<Endpoint>>),
