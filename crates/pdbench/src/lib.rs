@@ -6,7 +6,8 @@
 //!
 //! Modules:
 //! - [`cli`]: the `pdbench` command line.
-//! - [`runner`]: [`Config`], the closed- and open-loop drivers, [`run`].
+//! - [`config`]: [`Config`], [`Load`], [`Target`]: a run's description.
+//! - [`runner`]: the closed- and open-loop drivers, [`run`].
 //! - [`client`]: one request end to end (pooled hyper client, SSE timing, direct PD legs).
 //! - [`workload`]: request bodies; [`dist`]: length distributions.
 //! - [`stats`]: sharded HDR histograms and error classes; [`report`]: the result.
@@ -27,8 +28,10 @@
 //! # Ok(()) }
 //! ```
 
+mod api;
 pub mod cli;
 pub mod client;
+pub mod config;
 pub mod dist;
 pub mod metrics;
 pub mod mooncake;

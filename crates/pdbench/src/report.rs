@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::config::{Config, Load};
 use crate::metrics::EngineTotals;
-use crate::runner::{Config, Load};
 use crate::stats::{Percentiles, Shard};
 use crate::trace::{Oracle, WorkloadKind};
 use crate::workload::{Api, DirectConnector};

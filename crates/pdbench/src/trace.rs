@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokio::sync::Notify;
 
-use crate::workload::Api;
+use crate::api::Api;
 
 /// Which trace a run replays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]

@@ -9,6 +9,7 @@ use std::fmt::Write as _;
 use bytes::Bytes;
 use serde::Serialize;
 
+pub use crate::api::Api;
 use crate::trace::Prompt;
 
 /// What a request's prompt is: the synthetic words, or a trace prompt.
@@ -27,26 +28,6 @@ fn push_json_str(out: &mut String, s: &str) {
         out.push('"');
     } else {
         out.push_str(&serde_json::to_string(s).unwrap_or_else(|_| String::from("\"\"")));
-    }
-}
-
-/// Which OpenAI API to call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Api {
-    /// `POST /v1/completions` with a `prompt`.
-    Completions,
-    /// `POST /v1/chat/completions` with one user message.
-    Chat,
-}
-
-impl Api {
-    /// The request path.
-    pub fn path(self) -> &'static str {
-        match self {
-            Api::Completions => "/v1/completions",
-            Api::Chat => "/v1/chat/completions",
-        }
     }
 }
 

@@ -16,6 +16,7 @@
 //! without a default always present (nil when `None`), fields with a default omitted when
 //! `None` (`omit_defaults`), and the batch's trailing `data_parallel_rank` omitted when `None`.
 
+pub use crate::msgpack::DecodeError;
 use crate::msgpack::{Head, Reader, write};
 
 /// Sequence number of the end-of-replay marker (vLLM sends `-1` as 8 signed big-endian bytes).
@@ -26,47 +27,6 @@ pub const MEDIUM_GPU: &str = "GPU";
 
 /// What vLLM reports as `kv_cache_spec_kind` for ordinary attention layers.
 pub const SPEC_FULL_ATTENTION: &str = "full_attention";
-
-/// Why a payload or frame could not be decoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum DecodeError {
-    /// The bytes end inside a value (or a length prefix points past the end).
-    #[error("payload truncated")]
-    Truncated,
-    /// `0xc1`, the one byte MessagePack never uses.
-    #[error("invalid MessagePack marker 0x{0:02x}")]
-    BadMarker(u8),
-    /// A value of the wrong type where the format expects another.
-    #[error("{field}: expected {expected}, found {found}")]
-    Type {
-        /// Which field (or structural position) held it.
-        field: &'static str,
-        /// What the format allows there.
-        expected: &'static str,
-        /// What the payload held.
-        found: &'static str,
-    },
-    /// A field the event cannot do without is absent.
-    #[error("{event}: missing field {field}")]
-    Missing {
-        /// The event type.
-        event: &'static str,
-        /// The absent field.
-        field: &'static str,
-    },
-    /// A number outside the range the field allows (a token id above `u32::MAX`, say).
-    #[error("{0}: number out of range")]
-    Range(&'static str),
-    /// A string that is not UTF-8.
-    #[error("{0}: string is not UTF-8")]
-    Utf8(&'static str),
-    /// Bytes after the payload's one value.
-    #[error("{0} trailing bytes after the payload")]
-    Trailing(usize),
-    /// A sequence frame that is not 8 bytes.
-    #[error("sequence frame of {0} bytes, expected 8")]
-    SeqLen(usize),
-}
 
 /// One block's hash as the engine sent it. vLLM sends the low 8 bytes of its 32-byte digest as
 /// an unsigned int by default, the whole digest as bytes with

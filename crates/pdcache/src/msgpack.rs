@@ -6,7 +6,46 @@
 //! node per token id), and ingest has to reach millions of blocks per second; the reader here
 //! walks the bytes once and allocates only the vectors the caller keeps.
 
-use crate::events::DecodeError;
+/// Why a payload or frame could not be decoded (re-exported as `events::DecodeError`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The bytes end inside a value (or a length prefix points past the end).
+    #[error("payload truncated")]
+    Truncated,
+    /// `0xc1`, the one byte MessagePack never uses.
+    #[error("invalid MessagePack marker 0x{0:02x}")]
+    BadMarker(u8),
+    /// A value of the wrong type where the format expects another.
+    #[error("{field}: expected {expected}, found {found}")]
+    Type {
+        /// Which field (or structural position) held it.
+        field: &'static str,
+        /// What the format allows there.
+        expected: &'static str,
+        /// What the payload held.
+        found: &'static str,
+    },
+    /// A field the event cannot do without is absent.
+    #[error("{event}: missing field {field}")]
+    Missing {
+        /// The event type.
+        event: &'static str,
+        /// The absent field.
+        field: &'static str,
+    },
+    /// A number outside the range the field allows (a token id above `u32::MAX`, say).
+    #[error("{0}: number out of range")]
+    Range(&'static str),
+    /// A string that is not UTF-8.
+    #[error("{0}: string is not UTF-8")]
+    Utf8(&'static str),
+    /// Bytes after the payload's one value.
+    #[error("{0} trailing bytes after the payload")]
+    Trailing(usize),
+    /// A sequence frame that is not 8 bytes.
+    #[error("sequence frame of {0} bytes, expected 8")]
+    SeqLen(usize),
+}
 
 /// One MessagePack value's head; strings, binaries and extensions carry their bytes, arrays and
 /// maps their element count (the elements follow in the stream).

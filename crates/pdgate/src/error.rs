@@ -1,8 +1,16 @@
-//! The gateway's one error type, rendered once at the edge as an OpenAI-shaped JSON error.
+//! The gateway's one request error type and its classification (where it came from, whether a
+//! retry is safe, its status class). Its OpenAI-shaped presentation is [`openai`]'s; the HTTP
+//! edge renders it (`http::edge::render`), once. Configuration errors are [`ConfigError`]
+//! (`error::config`, re-exported by `config`), apart from request errors.
 
-use axum::response::{IntoResponse, Response};
+mod config;
+mod openai;
+
+pub use config::ConfigError;
+pub(crate) use config::field_error;
+
 use bytes::Bytes;
-use http::{HeaderValue, StatusCode, header};
+use http::{HeaderValue, StatusCode};
 
 /// One of the two engine requests of a PD request (a pass-through request has only a decode leg).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -40,6 +48,10 @@ pub enum UpstreamKind {
     Broken,
     /// A relayed stream sent nothing for longer than the idle timeout.
     Silent,
+    /// The gateway gave the leg up because its endpoint was taken out of rotation while the
+    /// request waited (`reliability.retry_on_ejection`): the engine did not fail this request,
+    /// another endpoint may take it.
+    Released,
 }
 
 /// Where a failure came from. Decides the status class, the outcome label and whether a retry
@@ -195,13 +207,6 @@ pub enum GatewayError {
     Internal(String),
 }
 
-/// Whether an endpoint name is an address (`host:port`, `[v6]:port`): pod names and configured
-/// names have no `:port` tail.
-fn is_address(name: &str) -> bool {
-    name.rsplit_once(':')
-        .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
-}
-
 fn unauthorized_message(missing: &bool) -> &'static str {
     if *missing {
         "You didn't provide an API key. Send it as `Authorization: Bearer KEY`."
@@ -216,6 +221,17 @@ impl GatewayError {
         GatewayError::BadRequest {
             message: message.into(),
             param,
+        }
+    }
+
+    /// A body the gateway cannot read (not JSON, not an object, repeated keys, too deep):
+    /// refused as the engine would refuse it, on every route (the one mapping of it).
+    pub fn refused_body(refused: kvtransfer::Refused) -> Self {
+        match refused {
+            kvtransfer::Refused::TooDeep(reject) => GatewayError::Rejected(reject),
+            kvtransfer::Refused::Body(e) => {
+                GatewayError::Rejected(kvtransfer::reject_body_error(&e))
+            }
         }
     }
 
@@ -255,6 +271,18 @@ impl GatewayError {
         )
     }
 
+    /// Whether the gateway gave the leg up because its endpoint was taken out of rotation (the
+    /// engine did not fail this request).
+    pub fn is_release(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::Upstream {
+                kind: UpstreamKind::Released,
+                ..
+            }
+        )
+    }
+
     /// Whether the failed work may be retried on another endpoint (nothing reached the client).
     pub fn retryable(&self) -> bool {
         match self {
@@ -287,221 +315,20 @@ impl GatewayError {
             }
             GatewayError::Upstream { kind, .. } => match kind {
                 UpstreamKind::Timeout | UpstreamKind::Silent => StatusCode::GATEWAY_TIMEOUT,
-                UpstreamKind::Connect | UpstreamKind::Broken => StatusCode::BAD_GATEWAY,
+                UpstreamKind::Connect | UpstreamKind::Broken | UpstreamKind::Released => {
+                    StatusCode::BAD_GATEWAY
+                }
             },
             GatewayError::UpstreamStatus { status, .. } => *status,
             GatewayError::Agent(_) => StatusCode::BAD_GATEWAY,
             GatewayError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
-
-    fn error_type(&self) -> &'static str {
-        match self {
-            GatewayError::BadRequest { .. }
-            | GatewayError::PayloadTooLarge { .. }
-            | GatewayError::MethodNotAllowed { .. }
-            | GatewayError::HeadersTooLarge { .. }
-            | GatewayError::BodyTimeout { .. }
-            | GatewayError::Unauthorized { .. } => "invalid_request_error",
-            GatewayError::Rejected(r) => r.error_type(),
-            GatewayError::ClientLimit { .. } => "rate_limit_error",
-            GatewayError::ModelNotFound { .. } | GatewayError::NotFound { .. } => "NotFoundError",
-            GatewayError::NoEndpoint { .. }
-            | GatewayError::Overloaded { .. }
-            | GatewayError::Busy { .. } => "overloaded_error",
-            GatewayError::Upstream { .. }
-            | GatewayError::UpstreamStatus { .. }
-            | GatewayError::Agent(_) => "upstream_error",
-            GatewayError::Internal(_) => "internal_error",
-        }
-    }
-
-    /// The message for the client: as `Display` (which the log gets), except that an endpoint
-    /// named by its address (`host:port`, the default name of an unnamed static endpoint) is
-    /// not shown: internal addresses stay inside.
-    fn client_message(&self) -> String {
-        match self {
-            GatewayError::Upstream {
-                leg,
-                endpoint,
-                detail,
-                ..
-            } if is_address(endpoint) => format!("{leg} engine {detail}"),
-            _ => self.to_string(),
-        }
-    }
-
-    /// The OpenAI-shaped JSON body `{"error":{message,type,param,code}}`.
-    pub fn to_json(&self) -> Bytes {
-        let param = match self {
-            GatewayError::BadRequest { param, .. } => *param,
-            GatewayError::Rejected(r) => r.param,
-            _ => None,
-        };
-        // Field order as vLLM and OpenAI write it: message, type, param, code.
-        #[derive(serde::Serialize)]
-        struct Inner<'a> {
-            message: String,
-            #[serde(rename = "type")]
-            kind: &'a str,
-            param: Option<&'a str>,
-            code: u16,
-        }
-        #[derive(serde::Serialize)]
-        struct Outer<'a> {
-            error: Inner<'a>,
-        }
-        let body = Outer {
-            error: Inner {
-                message: self.client_message(),
-                kind: self.error_type(),
-                param,
-                code: self.status().as_u16(),
-            },
-        };
-        serde_json::to_vec(&body)
-            .map(Bytes::from)
-            .unwrap_or_else(|_| Bytes::from_static(br#"{"error":{"message":"internal error","type":"internal_error","param":null,"code":500}}"#))
-    }
-
-    /// One SSE event carrying this error, for failures after a stream has started.
-    pub fn to_sse_event(&self) -> Bytes {
-        let mut out = Vec::with_capacity(128);
-        out.extend_from_slice(b"data: ");
-        out.extend_from_slice(&self.to_json());
-        out.extend_from_slice(b"\n\n");
-        Bytes::from(out)
-    }
-}
-
-impl GatewayError {
-    /// The whole answer for this error. Called by the HTTP edge only (which adds the request id
-    /// and records the outcome), so every error is rendered in one place.
-    pub(crate) fn render(self) -> Response {
-        if let GatewayError::UpstreamStatus {
-            status,
-            body,
-            content_type,
-            ..
-        } = self
-        {
-            let mut response = (status, body).into_response();
-            if let Some(ct) = content_type {
-                response.headers_mut().insert(header::CONTENT_TYPE, ct);
-            }
-            return response;
-        }
-        let status = self.status();
-        let mut response = (status, self.to_json()).into_response();
-        let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        match self {
-            // The unread body is still on the wire: the connection cannot carry another request.
-            GatewayError::PayloadTooLarge { .. }
-            | GatewayError::HeadersTooLarge { .. }
-            | GatewayError::BodyTimeout { .. } => {
-                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
-            }
-            GatewayError::Overloaded { retry_after_secs } => {
-                headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
-            }
-            GatewayError::Unauthorized { .. } => {
-                headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-                // The body was not read: the connection cannot carry another request.
-                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
-            }
-            GatewayError::Busy { retry_after_secs }
-            | GatewayError::ClientLimit {
-                retry_after_secs, ..
-            } => {
-                headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
-                // The unread body is still on the wire.
-                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
-            }
-            _ => {}
-        }
-        response
-    }
-}
-
-/// A configuration problem, naming the field at fault.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for this schema (the message names the key and line).
-    #[error("invalid config file {path}: {message}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// toml's message, naming the key.
-        message: String,
-    },
-    /// A field has an invalid value.
-    #[error("invalid `{field}`: {message}")]
-    Field {
-        /// Dotted path of the field, e.g. `prefill[1].url`.
-        field: String,
-        /// What is wrong.
-        message: String,
-    },
-}
-
-impl ConfigError {
-    /// The same error, naming `path` as the file parsed.
-    pub(crate) fn in_file(self, path: &str) -> ConfigError {
-        match self {
-            ConfigError::Parse { message, .. } => ConfigError::Parse {
-                path: path.to_string(),
-                message,
-            },
-            other => other,
-        }
-    }
-}
-
-pub(crate) fn field_error(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Field {
-        field: field.into(),
-        message: message.into(),
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn renders_openai_shape_with_matching_code() {
-        let err = GatewayError::bad_request("`n` must be 1 for connector shfs", Some("n"));
-        let v: serde_json::Value = serde_json::from_slice(&err.to_json()).unwrap();
-        assert_eq!(v["error"]["code"], 400);
-        assert_eq!(v["error"]["param"], "n");
-        assert_eq!(v["error"]["type"], "invalid_request_error");
-        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
-    }
-
-    #[test]
-    fn fields_come_in_openai_order() {
-        let text =
-            String::from_utf8(GatewayError::Internal("x".into()).to_json().to_vec()).unwrap();
-        let at = |k: &str| text.find(k).unwrap();
-        assert!(
-            at("\"message\"") < at("\"type\"")
-                && at("\"type\"") < at("\"param\"")
-                && at("\"param\"") < at("\"code\""),
-            "{text}"
-        );
-    }
 
     #[test]
     fn timeouts_are_504_and_retryable() {
@@ -537,37 +364,5 @@ mod tests {
             }
             .retryable()
         );
-    }
-
-    #[test]
-    fn clients_see_endpoint_names_but_not_addresses() {
-        let failed = |endpoint: &str| GatewayError::Upstream {
-            leg: Leg::Decode,
-            endpoint: endpoint.into(),
-            kind: UpstreamKind::Connect,
-            detail: "refused the connection".into(),
-        };
-        for address in ["10.0.0.2:8000", "[fd00::2]:8001", "decode.svc:80"] {
-            let err = failed(address);
-            let body = String::from_utf8(err.to_json().to_vec()).unwrap();
-            assert!(!body.contains(address), "{body}");
-            assert!(
-                body.contains("decode engine refused the connection"),
-                "{body}"
-            );
-            // The log (Display) keeps the address.
-            assert!(err.to_string().contains(address));
-        }
-        let named = String::from_utf8(failed("decode-7").to_json().to_vec()).unwrap();
-        assert!(named.contains("decode engine decode-7 refused"), "{named}");
-    }
-
-    #[test]
-    fn sse_event_is_one_data_line() {
-        let ev = GatewayError::Internal("x".into()).to_sse_event();
-        let s = std::str::from_utf8(&ev).unwrap();
-        assert!(s.starts_with("data: {"));
-        assert!(s.ends_with("}\n\n"));
-        assert_eq!(s.matches('\n').count(), 2);
     }
 }

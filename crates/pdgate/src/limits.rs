@@ -219,18 +219,36 @@ impl RetryBudget {
         }
     }
 
-    /// Counts one request in the window; a window that is over sets the capacity.
+    /// Counts one request in the window; a window that is over sets the capacity. Within a
+    /// window, once a tenth of it has passed, the capacity is at least the current rate's share
+    /// projected over a whole window: a cold gateway (no window closed yet) or a surge earns its
+    /// retries as the traffic comes, not only when the window closes.
     fn count(&self) -> i64 {
         let now = tokio::time::Instant::now();
         let mut rate = self.rate.lock().unwrap_or_else(|p| p.into_inner());
         rate.1 += 1;
-        if now.duration_since(rate.0) >= self.window {
-            let requests = i64::try_from(rate.1).unwrap_or(i64::MAX);
+        let elapsed = now.duration_since(rate.0);
+        let requests = i64::try_from(rate.1).unwrap_or(i64::MAX);
+        if elapsed >= self.window {
             let cap = self.per_request.saturating_mul(requests).max(self.floor);
-            self.cap.store(cap, Ordering::Release);
+            self.set_cap(cap);
             *rate = (now, 0);
+        } else if elapsed >= self.window / 10 {
+            let projected = self.per_request.saturating_mul(requests) as f64
+                * (self.window.as_secs_f64() / elapsed.as_secs_f64());
+            let projected = projected.min(i64::MAX as f64) as i64;
+            if projected > self.cap.load(Ordering::Acquire) {
+                self.set_cap(projected);
+            }
         }
         self.cap.load(Ordering::Acquire)
+    }
+
+    /// Sets the capacity; tokens above a lowered capacity are given up with it (the bucket
+    /// never holds more than it can).
+    fn set_cap(&self, cap: i64) {
+        self.cap.store(cap, Ordering::Release);
+        self.milli_tokens.fetch_min(cap, Ordering::AcqRel);
     }
 
     /// One request arrived.
@@ -243,12 +261,15 @@ impl RetryBudget {
             });
     }
 
-    /// Retry tokens available now.
-    pub fn tokens(&self) -> f64 {
-        self.milli_tokens.load(Ordering::Acquire) as f64 / 1000.0
+    /// The tokens and the capacity, read together for the gauges (tokens never above capacity).
+    pub fn levels(&self) -> (f64, f64) {
+        let cap = self.cap.load(Ordering::Acquire);
+        let tokens = self.milli_tokens.load(Ordering::Acquire).min(cap);
+        (tokens as f64 / 1000.0, cap as f64 / 1000.0)
     }
 
     /// The bucket's capacity now, in tokens.
+    #[cfg(test)]
     pub fn capacity(&self) -> f64 {
         self.cap.load(Ordering::Acquire) as f64 / 1000.0
     }
@@ -369,5 +390,67 @@ mod budget_tests {
         tokio::time::advance(Duration::from_secs(10)).await;
         b.deposit();
         assert_eq!(b.capacity(), 2.0);
+    }
+
+    /// A new gateway under steady traffic: before its first window closes it may already retry
+    /// a share of the requests it has seen, not only `retry_budget_min`.
+    #[tokio::test(start_paused = true)]
+    async fn a_cold_gateway_earns_retries_before_its_first_window_closes() {
+        let config = LimitsConfig {
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 2,
+            retry_budget_window: Duration::from_secs(10),
+            ..LimitsConfig::default()
+        };
+        let b = RetryBudget::new(&config);
+        // 100 requests a second for 2 s: 200 requests, a fifth of the first window.
+        for _ in 0..200 {
+            b.deposit();
+            tokio::time::advance(Duration::from_millis(10)).await;
+        }
+        let mut retries = 0;
+        while b.try_withdraw() {
+            retries += 1;
+        }
+        // The deposits earned 0.2 per request (the first second's beyond the floor capped).
+        assert!(
+            retries >= 20,
+            "a cold gateway allowed only {retries} retries"
+        );
+        assert!(b.capacity() >= 200.0, "capacity {}", b.capacity());
+    }
+
+    /// The gauges' pair never shows more tokens than capacity, also when a busy window is
+    /// followed by a quiet one that lowers the capacity.
+    #[tokio::test(start_paused = true)]
+    async fn tokens_never_exceed_the_capacity() {
+        let config = LimitsConfig {
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 2,
+            retry_budget_window: Duration::from_secs(10),
+            ..LimitsConfig::default()
+        };
+        let b = RetryBudget::new(&config);
+        for _ in 0..1000 {
+            b.deposit();
+        }
+        tokio::time::advance(Duration::from_secs(10)).await;
+        for _ in 0..1000 {
+            b.deposit();
+        }
+        let (tokens, capacity) = b.levels();
+        assert!(
+            tokens > 100.0 && tokens <= capacity,
+            "{tokens} of {capacity}"
+        );
+        // Two quiet windows: the capacity falls to its floor, and the tokens with it.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        b.deposit();
+        tokio::time::advance(Duration::from_secs(10)).await;
+        b.deposit();
+        let (tokens, capacity) = b.levels();
+        assert_eq!(capacity, 2.0);
+        assert!(tokens <= capacity, "{tokens} of {capacity}");
+        assert!(b.milli_tokens.load(Ordering::Acquire) <= 2000);
     }
 }

@@ -8,9 +8,9 @@ use pdgate::config::DiscoveryKind;
 use pdgate::{Config, Gateway, RunArgs, RunningGateway, TelemetryConfig};
 use tracing::{error, info};
 
-/// jemalloc: glibc malloc/free took about a fifth of the gateway's user-space instructions per
-/// request; with jemalloc callgrind counts 16% fewer instructions per PD request. mimalloc saved as
-/// much but held 355 MiB instead of ~220 MiB with 5,000 open streams (docs/benchmarks.md).
+/// jemalloc: glibc malloc/free took a large share of the gateway's user-space instructions per
+/// request, and jemalloc cuts it; mimalloc saved as much but held more memory with thousands of
+/// open streams (the figures: docs/benchmarks.md).
 /// Feature `system-allocator` keeps glibc's, which heap profilers (valgrind massif) can see into.
 #[cfg(not(feature = "system-allocator"))]
 #[global_allocator]

@@ -109,6 +109,8 @@ fn latency_histogram() -> Histogram {
 pub struct Metrics {
     /// Whether each finished request writes an access-log line (`access_log`).
     pub access_log: AtomicBool,
+    /// The access log's queue to its writer task.
+    pub(crate) access: access::AccessLog,
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     duration: Histograms<RouteLabels>,
@@ -301,8 +303,15 @@ impl Metrics {
             "Finished spans not exported (OpenTelemetry), by reason: queue_full, export_failed",
             crate::telemetry::spans_dropped(),
         );
+        let access_dropped = Counter::default();
+        registry.register(
+            "access_log_dropped",
+            "Access-log lines dropped because the writer fell behind",
+            access_dropped.clone(),
+        );
         Metrics {
             access_log: AtomicBool::new(false),
+            access: access::AccessLog::new(access::ACCESS_LOG_QUEUE, access_dropped),
             registry,
             ejections,
             endpoint_ejections,
@@ -510,6 +519,7 @@ impl Metrics {
     }
 }
 
+pub(crate) mod access;
 mod ejections;
 mod handles;
 mod record;

@@ -39,6 +39,8 @@ pub struct RunningGateway {
     tasks: JoinSet<()>,
     pods: watch::Sender<PodSet>,
     admin_addr: Option<SocketAddr>,
+    /// The access log's writer: outlives the request tasks, so their last lines are written.
+    access: Option<crate::metrics::access::AccessWriter>,
 }
 
 impl RunningGateway {
@@ -53,6 +55,7 @@ impl RunningGateway {
         let cancel = CancellationToken::new();
         let (tx, rx) = watch::channel(Arc::new(pods));
         let mut tasks = JoinSet::new();
+        let access = gateway.metrics.access.start_writer();
         // Publish the first snapshot before accepting traffic (static pods need no lookups).
         let initial: Vec<Pod> = rx.borrow().iter().cloned().collect();
         gateway.publish(&initial, &BTreeSet::new());
@@ -108,6 +111,7 @@ impl RunningGateway {
             cancel,
             tasks,
             pods: tx,
+            access,
         })
     }
 
@@ -175,10 +179,16 @@ impl RunningGateway {
             self.gateway.tasks.close();
             self.gateway.tasks.wait().await;
         };
+        let started = tokio::time::Instant::now();
         if tokio::time::timeout(deadline, drain).await.is_err() {
             warn!("shutdown deadline reached; aborting remaining work");
         }
         self.tasks.abort_all();
+        if let Some(access) = self.access.take() {
+            access
+                .finish(deadline.saturating_sub(started.elapsed()))
+                .await;
+        }
         if let Some(cache) = &self.gateway.cache {
             cache.stop();
         }

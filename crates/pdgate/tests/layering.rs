@@ -81,3 +81,137 @@ fn no_import_cycle_among_pdgate_modules() {
         "modules on an import cycle: {cyclic:?} (edges: {edges:?})"
     );
 }
+
+/// A file's module path below its crate's `src` (`pd/select.rs` -> `["pd", "select"]`).
+fn module_path(src: &Path, file: &Path) -> Vec<String> {
+    let rel = file.strip_prefix(src).unwrap().with_extension("");
+    let mut parts: Vec<String> = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().to_string())
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod") {
+        parts.pop();
+    }
+    if parts.len() == 1 && (parts[0] == "lib" || parts[0] == "main") {
+        parts.clear();
+    }
+    parts
+}
+
+/// The file that defines the longest prefix of `path` that is a module of the crate.
+fn module_file(src: &Path, path: &[String]) -> Option<std::path::PathBuf> {
+    for n in (0..=path.len()).rev() {
+        if n == 0 {
+            return ["lib.rs", "main.rs"]
+                .iter()
+                .map(|f| src.join(f))
+                .find(|f| f.exists());
+        }
+        let dir = path[..n].iter().fold(src.to_path_buf(), |d, p| d.join(p));
+        for candidate in [dir.with_extension("rs"), dir.join("mod.rs")] {
+            if candidate.exists() {
+                return Some(candidate);
+            }
+        }
+    }
+    None
+}
+
+/// The files one source file reaches through `crate::` and `super::` paths (outside comments and
+/// its inline tests).
+fn file_edges(src: &Path, file: &Path) -> BTreeSet<std::path::PathBuf> {
+    let text = std::fs::read_to_string(file).unwrap();
+    let text = match text.find("#[cfg(test)]\nmod tests {") {
+        Some(i) => &text[..i],
+        None => &text[..],
+    };
+    let here = module_path(src, file);
+    let mut out = BTreeSet::new();
+    for line in text.lines() {
+        let code = line.split("//").next().unwrap_or_default();
+        for head in ["crate::", "super::"] {
+            for (i, _) in code.match_indices(head) {
+                let before = code[..i].chars().next_back();
+                if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                    continue;
+                }
+                let rest: Vec<String> = code[i + head.len()..]
+                    .split("::")
+                    .map(|s| {
+                        s.chars()
+                            .take_while(|c| c.is_alphanumeric() || *c == '_')
+                            .collect::<String>()
+                    })
+                    .take_while(|s| !s.is_empty())
+                    .collect();
+                let mut path = if head == "crate::" {
+                    Vec::new()
+                } else {
+                    here[..here.len().saturating_sub(1)].to_vec()
+                };
+                let mut rest = rest.as_slice();
+                while rest.first().is_some_and(|s| s == "super") {
+                    path.pop();
+                    rest = &rest[1..];
+                }
+                path.extend(rest.iter().cloned());
+                if let Some(target) = module_file(src, &path)
+                    && target != file
+                {
+                    out.insert(target);
+                }
+            }
+        }
+    }
+    out
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            if name != "tests.rs" && !name.ends_with("_tests.rs") {
+                out.push(path);
+            }
+        }
+    }
+}
+
+/// No import circle between two files of any crate of the workspace (issue 36): following the
+/// `crate::`/`super::` paths of each file (outside its tests), no file reaches itself. A circle
+/// between files is a knot a reader must hold in mind at once; breaking it names which of the
+/// two is the lower layer.
+#[test]
+fn no_import_circle_between_files_in_any_crate() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut checked = 0;
+    let mut circles = Vec::new();
+    for entry in std::fs::read_dir(&crates).unwrap() {
+        let src = entry.unwrap().path().join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let edges: BTreeMap<String, BTreeSet<String>> = files
+            .iter()
+            .map(|f| {
+                let name = |p: &Path| p.strip_prefix(&crates).unwrap().display().to_string();
+                let to = file_edges(&src, f).iter().map(|t| name(t)).collect();
+                (name(f), to)
+            })
+            .collect();
+        checked += edges.len();
+        circles.extend(
+            edges
+                .keys()
+                .filter(|f| reachable(&edges, f).contains(*f))
+                .cloned(),
+        );
+    }
+    assert!(checked > 100, "files checked: {checked}");
+    assert!(circles.is_empty(), "files on an import circle: {circles:?}");
+}

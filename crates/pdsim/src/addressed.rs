@@ -279,7 +279,10 @@ mod tests {
         assert_eq!(address_in_id(id, true), Some(("10.0.0.1", 14579)));
         assert_eq!(address_in_id(id, false), Some(("fd00::2", 14580)));
         assert_eq!(address_in_id("plain", true), None);
-        assert_eq!(address_in_id("___prefill_addr_x___decode_addr_y_z", true), None);
+        assert_eq!(
+            address_in_id("___prefill_addr_x___decode_addr_y_z", true),
+            None
+        );
     }
 
     /// connector, role, X-Request-Id, body -> (consume, produce), or the status answered
@@ -305,7 +308,13 @@ mod tests {
             r#"{{"prompt":"x","disaggregated_params":{{"request_type":"generation_only","opaque_state":"{state}"}}}}"#
         );
         let plain = r#"{"prompt":"x"}"#;
-        type Case<'a> = (Connector, Role, &'a str, &'a str, Result<(&'static str, &'static str), u16>);
+        type Case<'a> = (
+            Connector,
+            Role,
+            &'a str,
+            &'a str,
+            Result<(&'static str, &'static str), u16>,
+        );
         let cases: Vec<Case<'_>> = vec![
             (P2pNccl, Prefill, id, plain, Ok(("local", "keep"))),
             (P2pNccl, Decode, id, plain, Ok(("wait", "nothing"))),
@@ -322,7 +331,13 @@ mod tests {
             (Moriio, Decode, id, &no_host, Ok(("fail", "nothing"))),
             // Read mode needs what the prefill answered.
             (MoriioRead, Decode, id, moriio_d, Ok(("fail", "nothing"))),
-            (MoriioRead, Decode, id, moriio_d_read, Ok(("wait", "nothing"))),
+            (
+                MoriioRead,
+                Decode,
+                id,
+                moriio_d_read,
+                Ok(("wait", "nothing")),
+            ),
             (Trtllm, Prefill, "r", ctx, Ok(("local", "keep"))),
             (Trtllm, Decode, "r", &gen_ok, Ok(("wait", "nothing"))),
             (Trtllm, Decode, "r", plain, Ok(("recompute", "nothing"))),

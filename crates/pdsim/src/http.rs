@@ -287,12 +287,16 @@ async fn run_full(job: &mut Job) -> Result<String, ApiError> {
         job.tokens(steps - 1).await?;
     }
     let kv = job.finish(&choices);
-    let body = respond::full_body(
-        &head(job),
-        &choices,
-        usage(job, &choices),
-        kv.as_deref(),
-    );
+    let (head, usage) = (head(job), usage(job, &choices));
+    if let (Endpoint::Responses | Endpoint::Messages, Some(c)) = (head.endpoint, choices.first()) {
+        return Ok(respond_api::full_body(
+            &head,
+            c,
+            usage,
+            kv.as_deref().unwrap_or("null"),
+        ));
+    }
+    let body = respond::full_body(&head, &choices, usage, kv.as_deref());
     Ok(match &job.trtllm_context {
         Some(params) => crate::addressed::trtllm_context_body(&body, params, &job.req.prompt.ids),
         None => body,

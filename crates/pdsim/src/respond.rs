@@ -64,16 +64,14 @@ fn push_text(out: &mut String, words: &[&str]) {
     }
 }
 
-/// A complete non-streaming body.
+/// A complete non-streaming body of completions or chat (`respond_api` writes the Responses
+/// and Messages ones).
 pub(crate) fn full_body(
     head: &Head<'_>,
     choices: &[ChoiceOut],
     usage: Usage,
     kv: Option<&str>,
 ) -> String {
-    if let (Endpoint::Responses | Endpoint::Messages, Some(c)) = (head.endpoint, choices.first()) {
-        return crate::respond_api::full_body(head, c, usage, kv.unwrap_or("null"));
-    }
     let mut out = String::with_capacity(512 + choices.len() * 128);
     let object = match head.endpoint {
         Endpoint::Completions => "text_completion",

@@ -48,8 +48,8 @@ pub(super) struct Written {
 }
 
 /// The keys of `keys` that end each checkpoint of `step` keys, into `out` (as many as fit).
-/// (A digest chained over every key cost a multiply per key, one after the other: 256 keys
-/// took about 0.5 us per endpoint, which a key chained by construction makes unnecessary.)
+/// (A digest chained over every key cost a multiply per key, one after the other, which a key
+/// chained by construction makes unnecessary.)
 fn checkpoints(keys: &[BlockKey], step: usize, out: &mut [u64]) -> usize {
     let mut n = 0;
     for (chunk, o) in keys.chunks(step.max(1)).zip(out.iter_mut()) {

@@ -50,10 +50,10 @@ impl CacheIndex {
         }
         let mut depth = 1u32;
         // Probe a few keys ahead before walking them: the probes are independent, so their
-        // cache misses overlap instead of queueing (the difference between ~3 and ~1 DRAM
-        // latencies per block on a cold index). At most AHEAD - 1 probes are wasted.
+        // cache misses overlap instead of queueing (about one DRAM latency per block on a
+        // cold index instead of several). At most AHEAD - 1 probes are wasted.
         // (The stored values, not the postings: moving an array of those through an iterator
-        // cost about 20 instructions per key.)
+        // cost more per key.)
         const AHEAD: usize = 8;
         'walk: for chunk in rest.chunks(AHEAD) {
             let mut found = [None; AHEAD];
@@ -223,7 +223,7 @@ impl Emit for Dense<'_> {
     }
 
     /// A full word (a prefix every endpoint holds, as a shared system prompt) is one fill of
-    /// 64 entries: one endpoint at a time took about 12 instructions each.
+    /// 64 entries, far cheaper than one endpoint at a time.
     fn word(&mut self, wi: usize, word: u64, blocks: u32) {
         let base = wi * 64;
         if word == u64::MAX

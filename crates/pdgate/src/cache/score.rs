@@ -94,7 +94,7 @@ fn fewest_entries(
 /// with everything per view (the cap on predicted hits) computed once. `facts` is walked
 /// again only where the guard overrides or several tie (then their entry counts are read and
 /// one of the cheapest is taken at random). (Writing the facts out and then making a pass for
-/// the spread and one for the cheapest took 71 instructions per candidate against 29.)
+/// the spread and one for the cheapest cost more than twice as much: docs/benchmarks.md.)
 pub(crate) fn choose<F>(
     facts: F,
     view: &PrefixView,
@@ -119,8 +119,8 @@ where
     );
     // Whole weights up to 2^20 (the defaults are 1, 1 and 256) make every cost a whole number
     // (each term below 2^52), computed exactly in integers: the same order as the float sum
-    // below wherever that sum is exact (below 2^53, far above any real fleet's costs), for 6
-    // instructions per candidate fewer than converting the terms to floats.
+    // below wherever that sum is exact (below 2^53, far above any real fleet's costs), and
+    // cheaper than converting the terms to floats.
     let whole = |w: f64| (w.fract() == 0.0 && (0.0..=1_048_576.0).contains(&w)).then_some(w as u64);
     if let (Some(cache_weight), Some(queued_weight), Some(load_weight)) = (
         whole(cache_weight),
@@ -137,7 +137,7 @@ where
     }
     // The cost's bits: it is finite and not negative (the weights are validated so, and a
     // candidate never caches more than the prompt), and such floats order as their bits do.
-    // (Compared as floats, the cheapest took 13 instructions per candidate against 3.)
+    // (Cheaper than comparing them as floats.)
     let cost = move |f: &Facts| {
         let c = cache_weight * (prompt - f64::from(cached(f)))
             + queued_weight * f64::from(f.computing)

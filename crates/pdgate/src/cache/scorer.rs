@@ -21,8 +21,8 @@ pub(super) struct IndexState {
     pub(super) ids: HashMap<String, EndpointId>,
     /// The same ids by the slot of the endpoint's [`Load`] (one per name, shared across
     /// snapshots): a decision resolves each candidate with one vector read and one pointer
-    /// compare instead of hashing its name (about 49 k of a 1,000-candidate decision's 366 k
-    /// instructions went to a pointer hash). Holding the `Load` keeps its slot and address
+    /// compare instead of hashing its name (a pointer hash was a large share of a big
+    /// decision: docs/benchmarks.md). Holding the `Load` keeps its slot and address
     /// from being reused; [`ModelCache::retain`] clears this.
     pub(super) by_slot: Vec<Option<(Arc<Load>, EndpointId)>>,
     /// By endpoint id: whether its KV events feed the index (precise), so a decision inserts
@@ -63,8 +63,8 @@ impl IndexState {
         self.known_id(ep).or_else(|| self.id_by_name(&ep.name))
     }
 
-    /// Kept out of line: with the name lookup inlined, the decision bench measured 11.8 against
-    /// 9.9 us (hot prompt), though a decision with a unique cheapest candidate never calls it.
+    /// Kept out of line: inlined, the name lookup slowed every decision in the decision bench
+    /// (docs/benchmarks.md), though a decision with a unique cheapest candidate never calls it.
     #[cold]
     #[inline(never)]
     fn id_by_name(&self, name: &str) -> Option<EndpointId> {

@@ -104,9 +104,8 @@ impl PrefixView {
     ) -> Option<Self> {
         let raw = body.get_raw_slice("prompt")?.trim_ascii();
         // A string prompt's keys without a tokenizer: its bytes as received, escapes included
-        // (as chat contents are keyed), so no unescaped copy and no UTF-8 pass (measured:
-        // ~1,000 instructions for a 128-token prompt, 12% of the cache's cost per request).
-        // Deterministic, which is all approximate keys need.
+        // (as chat contents are keyed), so no unescaped copy and no UTF-8 pass (a measurable
+        // share of the cache's cost per request: docs/benchmarks.md). Deterministic, which is all approximate keys need.
         let as_received =
             |text: &[u8]| Self::text(text_keys(text, block_size), text.len(), block_size);
         if tokenizer.is_none()

@@ -9,7 +9,7 @@
 //!
 //! hyper-util's pooled client did the same with more machinery than a gateway needs: per request
 //! it hashed the scheme and authority byte by byte, boxed the request future and spawned a task
-//! to put the connection back (bench/profile.sh callgrind: 5% of pdgate's instructions).
+//! to put the connection back (its share of pdgate's instructions: docs/benchmarks.md).
 //!
 //! No task is spawned per connection: the request's task drives its connection while it waits
 //! for the head, and the response body drives it while it is read (`engine::conn`), so the

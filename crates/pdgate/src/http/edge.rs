@@ -5,7 +5,9 @@
 
 use axum::body::Body;
 use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
+use http::HeaderValue;
 use http::header::{self, HeaderMap};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use std::sync::Arc;
@@ -132,11 +134,63 @@ pub(crate) fn finish(mut ex: Exchange, result: Result<Answer, GatewayError>) -> 
                 record.finish_error(&err);
             }
             debug!(id = %ex.request_id, error = %err, "request failed");
-            let mut answer = err.render();
+            let mut answer = render(err);
             headers::stamp_request_id(answer.headers_mut(), &ex.request_id);
             answer
         }
     }
+}
+
+/// The whole answer for `err`: the engine's own answer relayed as it came, or the
+/// OpenAI-shaped error with its status and the headers it calls for. Called by [`finish`] only
+/// (which adds the request id and records the outcome), so every error is rendered in one place.
+pub(crate) fn render(err: GatewayError) -> Response {
+    if let GatewayError::UpstreamStatus {
+        status,
+        body,
+        content_type,
+        ..
+    } = err
+    {
+        let mut response = (status, body).into_response();
+        if let Some(ct) = content_type {
+            response.headers_mut().insert(header::CONTENT_TYPE, ct);
+        }
+        return response;
+    }
+    let status = err.status();
+    let mut response = (status, err.to_json()).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    match err {
+        // The unread body is still on the wire: the connection cannot carry another request.
+        GatewayError::PayloadTooLarge { .. }
+        | GatewayError::HeadersTooLarge { .. }
+        | GatewayError::BodyTimeout { .. } => {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        GatewayError::Overloaded { retry_after_secs } => {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+        }
+        GatewayError::Unauthorized { .. } => {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            // The body was not read: the connection cannot carry another request.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        GatewayError::Busy { retry_after_secs }
+        | GatewayError::ClientLimit {
+            retry_after_secs, ..
+        } => {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+            // The unread body is still on the wire.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        _ => {}
+    }
+    response
 }
 
 /// An error outside any flow (unknown path, wrong method): recorded under route `other`.

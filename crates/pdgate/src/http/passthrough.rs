@@ -51,15 +51,8 @@ fn clean_body(body: Bytes) -> Result<(Bytes, Option<String>), GatewayError> {
     if body.is_empty() {
         return Ok((body, None));
     }
-    let mut json =
-        kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH).map_err(|refused| {
-            match refused {
-                kvtransfer::Refused::TooDeep(reject) => GatewayError::Rejected(reject),
-                kvtransfer::Refused::Body(e) => {
-                    GatewayError::Rejected(kvtransfer::reject_body_error(&e))
-                }
-            }
-        })?;
+    let mut json = kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH)
+        .map_err(GatewayError::refused_body)?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut json);
     if !stripped.is_empty() {
         debug!(?stripped, "removed client-supplied transfer fields");

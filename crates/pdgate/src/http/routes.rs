@@ -129,8 +129,8 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
         ("prefill", held(&snap.prefill)),
         ("decode", held(&snap.decode)),
     ]);
-    gw.metrics
-        .set_retry_budget(gw.retry_budget.tokens(), gw.retry_budget.capacity());
+    let (tokens, capacity) = gw.retry_budget.levels();
+    gw.metrics.set_retry_budget(tokens, capacity);
     let text = gw.metrics.render();
     (
         [(

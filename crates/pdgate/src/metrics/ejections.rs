@@ -62,7 +62,7 @@ impl Cause {
             GatewayError::Upstream { kind, .. } => match kind {
                 UpstreamKind::Connect => Cause::Connect,
                 UpstreamKind::Timeout => Cause::Timeout,
-                UpstreamKind::Broken => Cause::Broken,
+                UpstreamKind::Broken | UpstreamKind::Released => Cause::Broken,
                 UpstreamKind::Silent => Cause::Silent,
             },
             GatewayError::UpstreamStatus { status, .. } if status.is_server_error() => {

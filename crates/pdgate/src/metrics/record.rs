@@ -146,6 +146,17 @@ impl RequestRecord {
         self.predicted_cached = served.predicted_cached;
     }
 
+    /// Names the engines the request is sent to (the access log's `prefill` and `decode`, until
+    /// the answer names the ones that served it); an empty name leaves the field as it is.
+    pub(crate) fn touched(&mut self, prefill: &str, decode: &str) {
+        if !prefill.is_empty() {
+            prefill.clone_into(&mut self.prefill);
+        }
+        if !decode.is_empty() {
+            decode.clone_into(&mut self.decode);
+        }
+    }
+
     /// Names the connector once routing chose it.
     pub fn set_connector(&mut self, connector: &'static str) {
         self.connector = connector;
@@ -197,24 +208,22 @@ impl RequestRecord {
         let total = self.start.elapsed().as_secs_f64();
         self.metrics.observe_duration(self.route, total);
         if self.metrics.access_log.load(Ordering::Relaxed) {
-            let ms = |s: f64| (s * 1e6).round() / 1e3;
-            tracing::info!(
-                target: "pdgate::access",
-                request_id = %self.request_id,
-                route = self.route,
-                status = self.status,
+            // Written by the access log's own task: the request hands its line over and goes.
+            self.metrics.access.send(super::access::AccessLine {
+                request_id: std::mem::take(&mut self.request_id),
+                route: self.route,
+                status: self.status,
                 outcome,
-                model = %self.model,
-                connector = %self.connector,
-                prefill = %self.prefill,
-                decode = %self.decode,
-                fallback = self.fallback,
-                decode_only = self.decode_only,
-                predicted_cached_tokens = self.predicted_cached,
-                total_ms = ms(total),
-                ttft_ms = self.ttft.map(ms),
-                "request"
-            );
+                model: std::mem::take(&mut self.model),
+                connector: self.connector,
+                prefill: std::mem::take(&mut self.prefill),
+                decode: std::mem::take(&mut self.decode),
+                fallback: self.fallback,
+                decode_only: self.decode_only,
+                predicted_cached: self.predicted_cached,
+                total,
+                ttft: self.ttft,
+            });
         }
     }
 
@@ -230,6 +239,13 @@ impl RequestRecord {
         let head_sent = self.head_sent && self.status < 400;
         if !head_sent {
             self.status = err.status().as_u16();
+        }
+        // An engine that failed the request is the one the log names for its leg.
+        if let GatewayError::Upstream { leg, endpoint, .. } = err {
+            match leg {
+                Leg::Prefill => endpoint.clone_into(&mut self.prefill),
+                Leg::Decode => endpoint.clone_into(&mut self.decode),
+            }
         }
         self.finish(outcome_of(err, head_sent));
     }

@@ -1,7 +1,9 @@
 //! The decode leg up to its response head, shared by every flow (sequential, concurrent,
 //! decode-only and the fallback): connect failures retried on another decode, and a decode taken
 //! out of rotation while the request waits (nothing reached the client) given up at once and the
-//! request moved, once, to another decode ([`send`]).
+//! request moved, once, to another decode ([`send`]). The flows that end with the decode alone
+//! (by choice, or after a failed prefill) send it here ([`decode_last`]), and every flow relays
+//! a head that no prefill still runs beside through [`relay_head`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,18 +17,15 @@ use crate::engine::EngineBody;
 use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
-use crate::pd::{Exchange, Pd, abort, select};
+use crate::pd::{Answer, Exchange, Pd, abort, relay, select};
 use crate::state::Gateway;
 
 /// A decode's response head with the endpoint that sent it and the load it holds.
 pub(crate) type DecodeHead = (Response<EngineBody>, Arc<Endpoint>, LoadGuard);
 
-/// Why a decode leg was given up at once ([`released`]).
-const RELEASED: &str = "was taken out of rotation while the request waited for its answer";
-
 /// Whether `err` is a decode leg given up because its endpoint went down meanwhile.
 fn released(err: &GatewayError) -> bool {
-    matches!(err, GatewayError::Upstream { leg: Leg::Decode, detail, .. } if detail == RELEASED)
+    err.is_release() && err.source_of() == crate::error::Source::Engine(Leg::Decode)
 }
 
 /// The span of the decode leg up to its response head (`retries`: connect failures retried).
@@ -67,6 +66,7 @@ pub(crate) async fn send(
             abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
             pd.restart(&ex.request_id);
             pd.switch_decode(next);
+            ex.touched(pd);
             Ok(None)
         }
         head => head.map(Some),
@@ -107,7 +107,12 @@ async fn decode_head(
     request_id: &str,
     body: Bytes,
 ) -> Result<(DecodeHead, Duration), GatewayError> {
-    let request_id = pd.ctx.transfer.leg_request_id.as_deref().unwrap_or(request_id);
+    let request_id = pd
+        .ctx
+        .transfer
+        .leg_request_id
+        .as_deref()
+        .unwrap_or(request_id);
     let mut endpoint = pd.decode.clone();
     let mut tried = vec![endpoint.name.clone()];
     loop {
@@ -127,7 +132,7 @@ async fn decode_head(
         let head = tokio::select! {
             head = client::send_within(&gw.client, leg, gw.config.legs.decode_timeout) => head,
             // Already counted (that is why it is down): not observed again.
-            () = went_down(gw, &endpoint.name) => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Broken, RELEASED.into())),
+            () = went_down(gw, &endpoint.name) => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Released, "was taken out of rotation while the request waited for its answer".into())),
         };
         match head {
             // A decode's success is counted when its body ends cleanly (the relay), not at the
@@ -156,4 +161,53 @@ async fn decode_head(
             }
         }
     }
+}
+
+/// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
+/// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
+pub(crate) async fn decode_only(ex: &mut Exchange, pd: Pd) -> Result<Answer, GatewayError> {
+    let body = pd.clean.to_bytes();
+    decode_last(ex, pd, body, true).await
+}
+
+/// Sends `body` as the decode leg (no prefill leg left running) and relays its response; a
+/// decode taken out of rotation before its head hands the same body to another decode (once).
+pub(crate) async fn decode_last(
+    ex: &mut Exchange,
+    mut pd: Pd,
+    body: Bytes,
+    decode_only: bool,
+) -> Result<Answer, GatewayError> {
+    let mut moved = false;
+    loop {
+        let sent = send(ex, &mut pd, body.clone(), &mut moved, decode_only);
+        if let Some((head, _)) = sent.await? {
+            return relay_head(ex, pd, head);
+        }
+    }
+}
+
+/// Relays the decode's response (no prefill leg left running).
+pub(crate) fn relay_head(
+    ex: &mut Exchange,
+    mut pd: Pd,
+    head: DecodeHead,
+) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
+    let (head, decode, decode_load) = head;
+    if head.status().is_server_error() {
+        gw.health.observe(&decode.name, Err(Cause::ServerError));
+    }
+    pd.switch_decode(decode);
+    let record = ex.take_record()?;
+    Ok(relay::respond(
+        &gw,
+        &ex.request_id,
+        head,
+        pd,
+        decode_load,
+        None,
+        None,
+        record,
+    ))
 }

@@ -107,7 +107,7 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
             return Err(client::upstream(
                 Leg::Prefill,
                 job.endpoint.target(),
-                UpstreamKind::Broken,
+                UpstreamKind::Released,
                 "was taken out of rotation while the request waited for it".into(),
             ));
         }
@@ -137,7 +137,7 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
         // box (`pd::serve`) copies no more than the request's state.
         let sent = decode_head::send(ex, &mut pd, body.clone(), &mut moved, false);
         match Box::pin(sent).await? {
-            Some((head, _)) => return relay_head(ex, pd, head),
+            Some((head, _)) => return decode_head::relay_head(ex, pd, head),
             // Moved: the KV went to the old decode, so the prefill runs again; a fallback
             // sends the same plain request.
             None if !pd.served.fallback => body = prefill_and_merge(ex, &mut pd).await?,
@@ -182,12 +182,17 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
                 &tried,
             )
         {
-            warn!(id = %ex.request_id, from = %pd.prefill.name, to = %next.name, "prefill failed; retrying on another prefill");
+            let why = collected
+                .as_ref()
+                .err()
+                .map_or("prefill failed", retry::why_moved);
+            warn!(id = %ex.request_id, from = %pd.prefill.name, to = %next.name, "{why}; retrying on another prefill");
             if let Some(r) = ex.record() {
                 r.trace().retried();
             }
             tried.push(next.name.clone());
             pd.switch_prefill(&ex.request_id, next)?;
+            ex.touched(pd);
             continue;
         }
         break collected;
@@ -225,7 +230,8 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
             PrefillFailurePolicy::Fail => return Err(err),
             PrefillFailurePolicy::Fallback if !pd.agent.allows_decode_only() => return Err(err),
             PrefillFailurePolicy::Fallback => {
-                warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
+                let why = retry::why_moved(&err);
+                warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "{why}; decode serves the request alone");
                 gw.metrics.count_fallback(pd.served.connector);
                 pd.served.fallback = true;
                 // A plain request: no transfer state (an id naming the failed prefill) goes with it.
@@ -235,51 +241,6 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
         },
     };
     Ok(decode_body)
-}
-
-/// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
-/// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
-pub(crate) async fn decode_only(ex: &mut Exchange, pd: Pd) -> Result<Answer, GatewayError> {
-    let body = pd.clean.to_bytes();
-    decode_last(ex, pd, body, true).await
-}
-
-/// Sends `body` as the decode leg (no prefill leg left running) and relays its response; a
-/// decode taken out of rotation before its head hands the same body to another decode (once).
-pub(crate) async fn decode_last(
-    ex: &mut Exchange,
-    mut pd: Pd,
-    body: Bytes,
-    decode_only: bool,
-) -> Result<Answer, GatewayError> {
-    let mut moved = false;
-    loop {
-        let sent = decode_head::send(ex, &mut pd, body.clone(), &mut moved, decode_only);
-        if let Some((head, _)) = sent.await? {
-            return relay_head(ex, pd, head);
-        }
-    }
-}
-
-/// Relays the decode's response (no prefill leg left running).
-fn relay_head(ex: &mut Exchange, mut pd: Pd, head: DecodeHead) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
-    let (head, decode, decode_load) = head;
-    if head.status().is_server_error() {
-        gw.health.observe(&decode.name, Err(Cause::ServerError));
-    }
-    pd.switch_decode(decode);
-    let record = ex.take_record()?;
-    Ok(relay::respond(
-        &gw,
-        &ex.request_id,
-        head,
-        pd,
-        decode_load,
-        None,
-        None,
-        record,
-    ))
 }
 
 /// Both legs at once. The response head is held until the decode's first byte or the

@@ -78,6 +78,13 @@ impl Exchange {
             .map_or_else(tracing::Span::none, |r| r.trace_span().clone())
     }
 
+    /// Names `pd`'s current engines in the record (after a move to another endpoint).
+    pub(crate) fn touched(&mut self, pd: &Pd) {
+        if let Some(record) = self.record.as_mut() {
+            record.touched(&pd.prefill.name, &pd.decode.name);
+        }
+    }
+
     /// Hands the record to the relayed body (which records the outcome from then on).
     pub(crate) fn take_record(&mut self) -> Result<RequestRecord, GatewayError> {
         self.record
@@ -150,10 +157,6 @@ fn context(request_id: &str, clean: JsonBody) -> RoutingContext {
     ctx
 }
 
-fn body_error(e: kvtransfer::BodyError) -> GatewayError {
-    GatewayError::bad_request(format!("invalid request body: {e}"), None)
-}
-
 /// Serves one request on a PD route: view, select, legs, relay.
 pub(crate) async fn serve(
     ex: &mut Exchange,
@@ -162,13 +165,8 @@ pub(crate) async fn serve(
     body: Bytes,
 ) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
-    let mut clean =
-        kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH).map_err(|refused| {
-            match refused {
-                kvtransfer::Refused::TooDeep(reject) => GatewayError::Rejected(reject),
-                kvtransfer::Refused::Body(e) => body_error(e),
-            }
-        })?;
+    let mut clean = kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH)
+        .map_err(GatewayError::refused_body)?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut clean);
     if !stripped.is_empty() {
         debug!(id = %ex.request_id, ?stripped, "removed client-supplied transfer fields");
@@ -238,6 +236,7 @@ pub(crate) async fn serve(
     let ctx = context(&ex.request_id, clean.clone());
     if let Some(record) = ex.record() {
         record.set_connector(connector);
+        record.touched(if decode_only { "" } else { &prefill.name }, &decode.name);
         if let Some(m) = view.model.as_deref()
             && snapshot.models.iter().any(|known| known == m)
         {
@@ -295,7 +294,7 @@ pub(crate) async fn serve(
     // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
     // would otherwise hold (and move) that much inline.
     if decode_only {
-        return Box::pin(legs::decode_only(ex, pd)).await;
+        return Box::pin(decode_head::decode_only(ex, pd)).await;
     }
     match pd.agent.dispatch() {
         Dispatch::Sequential => Box::pin(legs::sequential(ex, pd)).await,

@@ -12,12 +12,22 @@ use crate::endpoints::Endpoint;
 use crate::engine::client;
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
-use crate::pd::legs::decode_last;
+use crate::pd::decode_head::decode_last;
 use crate::pd::{Answer, Exchange, Pd, abort, select};
 use crate::state::Gateway;
 
 /// Longest a request waits for the reconciler to look a prefill's bootstrap facts up again.
 pub(crate) const REQUERY_WAIT: Duration = Duration::from_secs(2);
+
+/// Why a request leaves its prefill, for the log: a prefill taken out of rotation while the
+/// request waited did not fail it.
+pub(crate) fn why_moved(err: &GatewayError) -> &'static str {
+    if err.is_release() {
+        "prefill taken out of rotation while the request waited"
+    } else {
+        "prefill failed"
+    }
+}
 
 /// A decode failed on `prefill`'s KV with a bootstrap-based connector (Mooncake): asks for the
 /// prefill's facts to be looked up again and waits (at most [`REQUERY_WAIT`]) for the round.
@@ -49,6 +59,7 @@ pub(crate) async fn retry_on_fresh_facts(
     warn!(id = %request_id, prefill = %pd.prefill.name, decode = %decode.name, "decode failed on the prefill's stale bootstrap facts (its engine id changed); retrying once on fresh ones");
     abort::abort_now(gw, pd.agent.as_ref(), decode, request_id).await;
     pd.switch_prefill(request_id, fresh)?;
+    ex.touched(pd);
     gw.metrics.count_retry(Leg::Prefill);
     if let Some(r) = ex.record() {
         r.trace().retried();
@@ -110,11 +121,13 @@ pub(crate) async fn retry_both_legs(
     let Some(next) = next else {
         return Err(err);
     };
-    warn!(id = %request_id, from = %pd.prefill.name, to = %next.name, error = %err, "prefill failed before the first decode byte; retrying both legs");
+    let why = why_moved(&err);
+    warn!(id = %request_id, from = %pd.prefill.name, to = %next.name, error = %err, "{why} before the first decode byte; retrying both legs");
     // The decode must drop the request before the retry reuses its id.
     abort::abort_now(gw, pd.agent.as_ref(), &pd.decode, request_id).await;
     tried.push(next.name.clone());
     pd.switch_prefill(request_id, next)?;
+    ex.touched(pd);
     if let Some(r) = ex.record() {
         r.trace().retried();
     }
@@ -141,7 +154,8 @@ pub(crate) async fn fall_back(
         return Err(err);
     }
     abort::abort_now(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id).await;
-    warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "prefill failed; decode serves the request alone");
+    let why = why_moved(&err);
+    warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "{why}; decode serves the request alone");
     gw.metrics.count_fallback(pd.served.connector);
     pd.served.fallback = true;
     pd.prefill_cached = None;

@@ -3,18 +3,18 @@
 //! nothing.
 //!
 //! [`pair`] sees the request's model, its prefix view and the whole snapshot, and returns both
-//! endpoints; with a `cache_aware` policy it weighs cached prefixes and may choose the decode
-//! first and serve the request there alone ([`Pair::decode_only`]).
+//! endpoints; with a `cache_aware` policy, [`cache_aware`] weighs cached prefixes and may choose
+//! the decode first and serve the request there alone ([`Pair::decode_only`]). Both choose the
+//! decode for a chosen prefill with the one filter [`decode_for`].
+
+mod cache_aware;
 
 use std::sync::Arc;
 
 use tracing::warn;
 
-use crate::cache::config::CacheConfig;
-use crate::cache::score::Choice;
-use crate::cache::{Cache, PrefixView, Scorer};
-use crate::endpoints::policy::Policy;
-use crate::endpoints::{Endpoint, Role, Snapshot};
+use crate::cache::PrefixView;
+use crate::endpoints::{Endpoint, Snapshot};
 use crate::error::{GatewayError, Leg};
 use crate::limits::under_cap;
 use crate::state::Gateway;
@@ -35,7 +35,7 @@ pub(crate) struct Pair {
 }
 
 /// Why no pair serves `model`.
-fn no_pair(snap: &Snapshot, model: Option<&str>) -> GatewayError {
+pub(super) fn no_pair(snap: &Snapshot, model: Option<&str>) -> GatewayError {
     let any_prefill = snap.prefill.iter().any(|p| p.serves(model));
     let any_decode = snap.decode.iter().any(|d| d.serves(model));
     if let Some(m) = model
@@ -60,7 +60,7 @@ fn no_pair(snap: &Snapshot, model: Option<&str>) -> GatewayError {
 }
 
 /// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector. With
-/// a `cache_aware` policy and the request's prefix view, [`cache_pair`] decides instead.
+/// a `cache_aware` policy and the request's prefix view, [`cache_aware::pair`] decides instead.
 pub(crate) fn pair(
     gw: &Gateway,
     snap: &Snapshot,
@@ -68,7 +68,7 @@ pub(crate) fn pair(
     prefix: Option<&PrefixView>,
 ) -> Result<Pair, GatewayError> {
     if let (Some(cache), Some(view)) = (&gw.cache, prefix) {
-        return cache_pair(gw, cache, snap, model, view);
+        return cache_aware::pair(gw, cache, snap, model, view);
     }
     let compatible = |p: &Endpoint, d: &Endpoint| d.serves(model) && snap.pairs(p, d);
     let prefills: Vec<Arc<Endpoint>> = snap
@@ -86,10 +86,28 @@ pub(crate) fn pair(
         return Err(no_pair(snap, model));
     };
     let prefill = prefills[i].clone();
+    let decode = decode_for(gw, snap, model, &prefill)?;
+    Ok(Pair {
+        prefill,
+        decode,
+        decode_only: false,
+        predicted_cached: None,
+        prefill_tokens: 0,
+    })
+}
+
+/// The decode for a chosen `prefill`: one that serves `model` and pairs with it, under the
+/// per-endpoint cap, by the decode policy. The one decode filter of both pairings.
+fn decode_for(
+    gw: &Gateway,
+    snap: &Snapshot,
+    model: Option<&str>,
+    prefill: &Endpoint,
+) -> Result<Arc<Endpoint>, GatewayError> {
     let decodes: Vec<Arc<Endpoint>> = snap
         .decode
         .iter()
-        .filter(|d| compatible(&prefill, d))
+        .filter(|d| d.serves(model) && snap.pairs(prefill, d))
         .cloned()
         .collect();
     let decodes = under_cap(
@@ -104,208 +122,7 @@ pub(crate) fn pair(
             what: "decode",
             model: model.unwrap_or_default().to_string(),
         })?;
-    Ok(Pair {
-        prefill,
-        decode: decodes[j].clone(),
-        decode_only: false,
-        predicted_cached: None,
-        prefill_tokens: 0,
-    })
-}
-
-/// One role's candidates for a decision.
-enum Candidates<'a> {
-    /// The snapshot's whole list: every endpoint in it qualifies (the usual fleet, see
-    /// [`Snapshot::all_serve`]). Copying the references out of a 500-endpoint list cost about
-    /// 35 instructions per endpoint, as much as scoring it.
-    Whole(&'a [Arc<Endpoint>]),
-    /// The endpoints that qualify.
-    Chosen(Vec<&'a Arc<Endpoint>>),
-}
-
-impl<'a> Candidates<'a> {
-    /// `all` if `whole`, else those of `all` that `keep` allows, under the per-endpoint cap and
-    /// without a half-open endpoint being probed.
-    fn of(
-        gw: &Gateway,
-        whole: bool,
-        all: &'a [Arc<Endpoint>],
-        keep: impl FnMut(&&'a Arc<Endpoint>) -> bool,
-    ) -> Result<Self, GatewayError> {
-        if whole {
-            return Ok(Candidates::Whole(all));
-        }
-        let mut chosen = Vec::with_capacity(all.len());
-        chosen.extend(all.iter().filter(keep));
-        let chosen = under_cap(
-            gw.config.limits.max_in_flight_per_endpoint,
-            &gw.metrics,
-            gw.health.hold_back_probed(chosen),
-        )?;
-        Ok(Candidates::Chosen(chosen))
-    }
-
-    fn get(&self, i: usize) -> &'a Arc<Endpoint> {
-        match self {
-            Candidates::Whole(all) => &all[i],
-            Candidates::Chosen(chosen) => chosen[i],
-        }
-    }
-}
-
-/// Picks among `candidates` by cache and load (recording the decision in metrics) when
-/// `policy` is cache-aware, else by the policy; the prediction is `None` then.
-fn pick_by(
-    policy: &dyn Policy,
-    scorer: &mut Scorer<'_>,
-    cache: &Cache,
-    role: Role,
-    candidates: &Candidates<'_>,
-    view: &PrefixView,
-) -> Option<(Arc<Endpoint>, Option<Choice>)> {
-    if !policy.cache_aware() {
-        let i = match candidates {
-            Candidates::Whole(all) => policy.pick(all)?,
-            Candidates::Chosen(chosen) => {
-                let owned: Vec<Arc<Endpoint>> = chosen.iter().map(|&e| e.clone()).collect();
-                policy.pick(&owned)?
-            }
-        };
-        return Some((Arc::clone(candidates.get(i)), None));
-    }
-    let choice = match candidates {
-        Candidates::Whole(all) => scorer.choose(all, view, &cache.config),
-        Candidates::Chosen(chosen) => scorer.choose(chosen, view, &cache.config),
-    }?;
-    cache.metrics.decision(
-        role.as_str(),
-        choice.kind.label(),
-        choice.cached_tokens,
-        view.prompt_tokens,
-    );
-    Some((Arc::clone(candidates.get(choice.index)), Some(choice)))
-}
-
-/// Cache-aware selection. With a `cache_aware` decode policy the decode is chosen first (by its
-/// cache and load); if it would compute at most `decode_only_below_tokens` of the prompt (and
-/// less than `decode_only_max_uncached_ratio` of it) and its connector allows it, it serves the
-/// request alone. Otherwise the prefill is chosen among those that pair with it. With only the
-/// prefill policy cache-aware, the prefill is chosen first, as without a cache.
-fn cache_pair(
-    gw: &Gateway,
-    cache: &Cache,
-    snap: &Snapshot,
-    model: Option<&str>,
-    view: &PrefixView,
-) -> Result<Pair, GatewayError> {
-    let mc = cache.model(model, snap);
-    let mut scorer = mc.lock();
-    scorer.prepare(view);
-    // Candidates are borrowed from the snapshot (a decision over a large fleet would otherwise
-    // spend more on reference counts than on scoring), or are its whole lists when every
-    // endpoint qualifies: no cap, no probe held back, and all serve the model and pair.
-    let whole = gw.config.limits.max_in_flight_per_endpoint == 0
-        && snap.all_serve(model)
-        && gw.health.holds_back_none();
-    let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
-    let pick_prefill = |prefills: Candidates<'_>, scorer: &mut Scorer<'_>| {
-        pick_by(
-            gw.prefill_policy.as_ref(),
-            scorer,
-            cache,
-            Role::Prefill,
-            &prefills,
-            view,
-        )
-        .ok_or_else(|| no_pair(snap, model))
-    };
-    // The prefill's prediction (cached, uncached), or the decode's when it serves alone.
-    let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
-        let decodes = Candidates::of(gw, whole, &snap.decode, |d| {
-            d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
-        })?;
-        let (decode, d_choice) = pick_by(
-            gw.decode_policy.as_ref(),
-            &mut scorer,
-            cache,
-            Role::Decode,
-            &decodes,
-            view,
-        )
-        .ok_or_else(|| no_pair(snap, model))?;
-        let pairing = |p: &Endpoint| p.serves(model) && snap.pairs(p, &decode);
-        let pairing_prefills = || snap.prefill.iter().filter(|p| pairing(p));
-        let alone = d_choice.is_some_and(|c| decode_only_fits(&cache.config, c, view))
-            && pairing_prefills().all(|p| p.agent.as_ref().is_some_and(|a| a.allows_decode_only()));
-        if alone && let Some(first) = pairing_prefills().next() {
-            // The prefill only names the connector; no leg goes to it.
-            (Arc::clone(first), decode, true, d_choice)
-        } else {
-            let prefills = Candidates::of(gw, whole, &snap.prefill, |p| pairing(p))?;
-            let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
-            (prefill, decode, false, p_choice)
-        }
-    } else {
-        let prefills = Candidates::of(gw, whole, &snap.prefill, |p| {
-            p.serves(model)
-                && snap
-                    .decode
-                    .iter()
-                    .any(|d| d.serves(model) && snap.pairs(p, d))
-        })?;
-        let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
-        let decodes: Vec<Arc<Endpoint>> = snap
-            .decode
-            .iter()
-            .filter(|d| d.serves(model) && snap.pairs(&prefill, d))
-            .cloned()
-            .collect();
-        let decodes = under_cap(
-            gw.config.limits.max_in_flight_per_endpoint,
-            &gw.metrics,
-            gw.health.hold_back_probed(decodes),
-        )?;
-        let j = gw
-            .decode_policy
-            .pick(&decodes)
-            .ok_or_else(|| no_pair(snap, model))?;
-        (prefill, decodes[j].clone(), false, p_choice)
-    };
-    // Both engines will hold the prompt's blocks: the prefill computed them, the decode
-    // received (or computed) them and caches them too. One walk of the keys writes both.
-    let now = std::time::Instant::now();
-    if decode_only {
-        cache.metrics.decode_only();
-    }
-    let both: [&Endpoint; 2] = [&decode, &prefill];
-    let chosen = if decode_only { &both[..1] } else { &both[..] };
-    scorer.record(chosen, view, now, |ep| {
-        cache.metrics.events_stopped(ep.role.as_str());
-    });
-    Ok(Pair {
-        prefill,
-        decode,
-        decode_only,
-        predicted_cached: predicted.map(|c| c.cached_tokens),
-        prefill_tokens: match predicted {
-            Some(c) if !decode_only => c.uncached_tokens,
-            _ => 0,
-        },
-    })
-}
-
-/// Whether a decode choice is cheap enough to serve without a prefill leg: few uncached tokens
-/// *and* a small uncached share (a short prompt that nobody cached still goes through PD,
-/// unless the ratio is 1.0).
-fn decode_only_fits(cfg: &CacheConfig, c: Choice, view: &PrefixView) -> bool {
-    if cfg.decode_only_below_tokens == 0
-        || view.prompt_tokens == 0
-        || c.uncached_tokens > cfg.decode_only_below_tokens
-    {
-        return false;
-    }
-    let share = f64::from(c.uncached_tokens) / f64::from(view.prompt_tokens);
-    cfg.decode_only_max_uncached_ratio >= 1.0 || share < cfg.decode_only_max_uncached_ratio
+    Ok(decodes[j].clone())
 }
 
 /// Another endpoint for a failed `leg`, if `max_retries`, candidates and the retry budget
@@ -366,170 +183,4 @@ pub(crate) fn retry_target(
     }
     gw.metrics.count_retry(leg);
     Some(candidates[i].clone())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cache::score::DecisionKind;
-    use crate::cache::view::KeyKind;
-
-    /// A gateway with `cache_aware` on both roles over `toml`'s endpoints, its snapshot, and
-    /// the view of a 4-block token prompt.
-    fn cache_fleet(toml: &str) -> (Arc<Gateway>, Arc<Snapshot>, PrefixView) {
-        let toml = format!(
-            "kv_connector = \"shfs\"\nprefill_policy = \"cache_aware\"\n\
-             decode_policy = \"cache_aware\"\n{toml}[cache]\nblock_size = 16\n"
-        );
-        let config = crate::config::Config::from_toml(&toml).expect("config");
-        let pods = config.pods().expect("pods");
-        let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("gateway");
-        let snap = gw.publish(&pods, &std::collections::BTreeSet::new());
-        let cache = gw.cache.clone().expect("a cache");
-        let tokens: Vec<u32> = (0..64).collect();
-        let view = cache.model(Some("b"), &snap).token_view(&tokens);
-        (gw, snap, view)
-    }
-
-    /// Records that the decode named `name` and the first prefill hold `view` (model "b").
-    fn seed(gw: &Gateway, snap: &Snapshot, name: &str, view: &PrefixView) {
-        let cache = gw.cache.as_ref().expect("a cache");
-        let d = snap
-            .decode
-            .iter()
-            .find(|d| d.name.contains(name))
-            .expect(name);
-        let mc = cache.model(Some("b"), snap);
-        let mut scorer = mc.lock();
-        scorer.prepare(view);
-        scorer.record(
-            &[&**d, &*snap.prefill[0]],
-            view,
-            std::time::Instant::now(),
-            |_| {},
-        );
-    }
-
-    #[test]
-    fn cache_aware_candidates_are_the_qualifying_endpoints_only() {
-        let ep = |role: &str, i: usize, models: &str| {
-            format!("[[{role}]]\nurl = \"http://10.0.0.{i}:8000\"\n{models}")
-        };
-        // Every endpoint serves every model: the whole lists are the candidates, and the decode
-        // holding the prompt wins.
-        let uniform: String = [
-            ep("prefill", 1, ""),
-            ep("decode", 2, ""),
-            ep("decode", 3, ""),
-        ]
-        .concat();
-        let (gw, snap, view) = cache_fleet(&uniform);
-        assert!(snap.all_serve(Some("b")));
-        let holder = snap.decode[1].name.clone();
-        seed(&gw, &snap, &holder, &view);
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
-        assert_eq!(chosen.decode.name, holder);
-        assert_eq!(chosen.predicted_cached, Some(48));
-        // A decode that serves another model only is no candidate, though it holds the prompt.
-        let mixed: String = [
-            ep("prefill", 1, ""),
-            ep("decode", 2, "model = \"a\"\n"),
-            ep("decode", 3, ""),
-        ]
-        .concat();
-        let (gw, snap, view) = cache_fleet(&mixed);
-        assert!(!snap.all_serve(Some("b")));
-        let only_a = snap.decode[0].name.clone();
-        seed(&gw, &snap, &only_a, &view);
-        for _ in 0..20 {
-            let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
-            assert_eq!(chosen.decode.name, snap.decode[1].name);
-        }
-        // At the per-endpoint cap the holder is left out; all at the cap is an overload.
-        let capped = format!("max_in_flight_per_endpoint = 1\n{uniform}");
-        let (gw, snap, view) = cache_fleet(&capped);
-        let holder = snap.decode[1].name.clone();
-        seed(&gw, &snap, &holder, &view);
-        let busy = crate::endpoints::LoadGuard::acquire(&snap.decode[1].load);
-        let pair1 = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
-        assert_eq!(pair1.decode.name, snap.decode[0].name);
-        let also = crate::endpoints::LoadGuard::acquire(&snap.decode[0].load);
-        assert!(matches!(
-            pair(&gw, &snap, Some("b"), Some(&view)),
-            Err(GatewayError::Overloaded { .. })
-        ));
-        drop((busy, also));
-    }
-
-    #[test]
-    fn a_prefill_computing_long_prompts_loses_a_prefix_it_holds() {
-        let (gw, snap, view) = cache_fleet(
-            "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
-             [[prefill]]\nurl = \"http://10.0.0.2:8000\"\n\
-             [[decode]]\nurl = \"http://10.0.0.3:8000\"\n",
-        );
-        let (holder, other) = (&snap.prefill[0], &snap.prefill[1]);
-        seed(&gw, &snap, &snap.decode[0].name, &view);
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
-        assert_eq!(chosen.prefill.name, holder.name);
-        // 48 of the 64 tokens cached there: it computes the last block.
-        assert_eq!(
-            (chosen.predicted_cached, chosen.prefill_tokens),
-            (Some(48), 16)
-        );
-        // Both hold a request; the holder's computes 1,000 prompt tokens: 16 + 1000 > 64 + 0.
-        let long = crate::endpoints::LoadGuard::computing(&holder.load, 1000);
-        let short = crate::endpoints::LoadGuard::acquire(&other.load);
-        assert_eq!(holder.load.held(), (1, 1000));
-        assert_eq!(other.load.held(), (1, 0));
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
-        assert_eq!(chosen.prefill.name, other.name);
-        assert_eq!(
-            (chosen.predicted_cached, chosen.prefill_tokens),
-            (Some(0), 64)
-        );
-        drop((long, short));
-        assert_eq!(
-            (holder.load.in_flight(), holder.load.computing_tokens()),
-            (0, 0)
-        );
-    }
-
-    #[test]
-    fn decode_only_needs_both_thresholds() {
-        let view = PrefixView {
-            keys: Vec::new(),
-            kind: KeyKind::Tokens,
-            prompt_tokens: 1000,
-            block_size: 16,
-        };
-        let c = |uncached| Choice {
-            index: 0,
-            kind: DecisionKind::Hit,
-            cached_tokens: 1000 - uncached,
-            uncached_tokens: uncached,
-        };
-        let mut cfg = CacheConfig::default();
-        assert!(!decode_only_fits(&cfg, c(10), &view), "0 disables");
-        cfg.decode_only_below_tokens = 256;
-        assert!(decode_only_fits(&cfg, c(100), &view));
-        assert!(!decode_only_fits(&cfg, c(300), &view));
-        let short = PrefixView {
-            prompt_tokens: 100,
-            ..view.clone()
-        };
-        let miss = Choice {
-            cached_tokens: 0,
-            uncached_tokens: 100,
-            ..c(0)
-        };
-        assert!(!decode_only_fits(&cfg, miss, &short), "ratio 1.0 >= 0.7");
-        cfg.decode_only_max_uncached_ratio = 1.0;
-        assert!(decode_only_fits(&cfg, miss, &short));
-        let empty = PrefixView {
-            prompt_tokens: 0,
-            ..view
-        };
-        assert!(!decode_only_fits(&cfg, c(0), &empty));
-    }
 }

@@ -15,7 +15,6 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use http::HeaderMap;
 use http::header::AUTHORIZATION;
-use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -24,36 +23,7 @@ use tracing::{info, warn};
 use crate::engine::guarded::{GuardedBody, OnEnd};
 use crate::error::GatewayError;
 use crate::metrics::{Metrics, Reloaded};
-
-/// A secret string: never printed by `Debug`. (It serializes as itself: the configuration is
-/// serialized only internally, to merge flags into the file and to compare reloads.)
-#[derive(Clone, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(transparent)]
-pub struct Secret(pub String);
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(..)")
-    }
-}
-
-/// A named client with its own key and limits (`[[security.clients]]`). The name labels its
-/// metrics; the key never appears anywhere but here.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct ClientConfig {
-    /// The label in metrics and logs.
-    pub name: String,
-    /// The key it presents.
-    pub key: Secret,
-    /// Requests started per second, on average (bursts up to one second's worth); unset or 0:
-    /// unlimited.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub requests_per_second: Option<f64>,
-    /// Requests it may have in flight at once; unset or 0: unlimited.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_in_flight: Option<usize>,
-}
+pub use crate::security::guard::{ClientConfig, Secret};
 
 /// One named client's live limits.
 #[derive(Debug)]

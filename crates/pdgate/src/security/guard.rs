@@ -13,7 +13,36 @@ use http::{HeaderValue, Method, Uri, Version};
 use serde::{Deserialize, Serialize};
 
 use crate::error::GatewayError;
-use crate::security::auth::Secret;
+
+/// A secret string: never printed by `Debug`. (It serializes as itself: the configuration is
+/// serialized only internally, to merge flags into the file and to compare reloads.)
+#[derive(Clone, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// A named client with its own key and limits (`[[security.clients]]`). The name labels its
+/// metrics; the key never appears anywhere but here.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClientConfig {
+    /// The label in metrics and logs.
+    pub name: String,
+    /// The key it presents.
+    pub key: Secret,
+    /// Requests started per second, on average (bursts up to one second's worth); unset or 0:
+    /// unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_second: Option<f64>,
+    /// Requests it may have in flight at once; unset or 0: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<usize>,
+}
 
 /// The `[security]` section of the configuration.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -45,7 +74,7 @@ pub struct SecurityConfig {
     pub api_keys: Vec<Secret>,
     /// Named clients, each with its own key and optional limits (`[[security.clients]]`):
     /// `name`, `key`, `requests_per_second`, `max_in_flight`.
-    pub clients: Vec<crate::security::auth::ClientConfig>,
+    pub clients: Vec<ClientConfig>,
     /// A file of client API keys, one per line (`#` comments), re-read when it changes.
     pub api_keys_file: Option<PathBuf>,
     /// Sent to every engine as `Authorization: Bearer KEY` (engines started with `--api-key`).
