@@ -111,14 +111,15 @@ on_exit() {
   local rc=$?
   trap - EXIT INT TERM
   stop_all
-  if ((rc != 0)); then
+  # 77 is a skip (nothing ran): no logs to show or keep.
+  if ((rc != 0 && rc != 77)); then
     for f in "$WORK"/*.log; do
       [[ -f "$f" ]] || continue
       echo "----- last lines of $(basename "$f") -----"
       tail -n 25 "$f"
     done
   fi
-  if [[ "${PDGATE_E2E_KEEP_LOGS:-0}" == 1 || $rc -ne 0 ]]; then
+  if [[ "${PDGATE_E2E_KEEP_LOGS:-0}" == 1 || ($rc -ne 0 && $rc -ne 77) ]]; then
     echo "logs kept in $WORK"
   else
     rm -rf "$WORK"
