@@ -26,6 +26,10 @@
 #                       the gateway config it writes subscribes to them)
 #   ca_precise_do       ca_precise, and a request with at most BENCH_DECODE_ONLY_BELOW uncached
 #                       tokens on its decode is served there alone (--decode-only-below-tokens)
+#   Precise matching needs the gateway to key prompts as the engines' events do (token keys):
+#   the config `pdsim fleet` writes must give the gateway a tokenizer the engines share (text
+#   keys never match an event-publishing endpoint, docs/operations.md). Check the precise arms'
+#   prefill hit share against ca_approx's: equal or lower means the keys did not match.
 #
 # Environment (all optional):
 #   PDGATE_CACHE        cache root (bench-venv/ for matplotlib)                  [~/.cache/pdgate]
