@@ -37,7 +37,7 @@
 #   BENCH_SKIP_BUILD=1  use the binaries already in $CARGO_TARGET_DIR/release
 #   BENCH_OUT           results dir                                  [<repo>/bench/out/fleet-<utc>]
 #   BENCH_TRACE         trace file (Mooncake JSONL, gzipped or not)
-#                       [<repo>/../shared/fixtures/traces/mooncake-synthetic.jsonl.gz]
+#                       [crates/pdbench/tests/fixtures/mooncake-synthetic.jsonl.gz]
 #   BENCH_PREFILL, BENCH_DECODE   engines per role                                   [8, 8]
 #   BENCH_PROFILE       pdsim fleet --profile (empty: pdsim's default)                   []
 #   BENCH_KV_CACHE_BLOCKS  KV-cache blocks per engine (empty: the profile's); also the
@@ -61,7 +61,7 @@ CACHE="${PDGATE_CACHE:-$HOME/.cache/pdgate}"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 BIN="$TARGET/release"
 OUT="${BENCH_OUT:-$ROOT/bench/out/fleet-$(date -u +%Y%m%dT%H%M%SZ)}"
-TRACE="${BENCH_TRACE:-$ROOT/../shared/fixtures/traces/mooncake-synthetic.jsonl.gz}"
+TRACE="${BENCH_TRACE:-$ROOT/crates/pdbench/tests/fixtures/mooncake-synthetic.jsonl.gz}"
 PREFILL="${BENCH_PREFILL:-8}"
 DECODE="${BENCH_DECODE:-8}"
 PROFILE="${BENCH_PROFILE:-}"

@@ -2,8 +2,8 @@
 //! pdbench replaying a hand-written trace open loop. Equal hash ids must give equal token blocks
 //! in pdsim (the prefill's prefix-cache counters match a hand count exactly), every request
 //! asks for its `output_length` tokens, and the report carries SLO attainment, the oracle and
-//! each role's busy share. The synthetic trace of the fixtures (beside the repository, at
-//! `../shared/fixtures/traces/`) is read and partly replayed when present.
+//! each role's busy share. The Mooncake synthetic trace (`tests/fixtures/`) is read and its head
+//! replayed.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -248,37 +248,18 @@ async fn time_scale_and_rate_factor_shape_the_replay() {
     );
 }
 
-/// The synthetic trace beside the repository (`../shared/fixtures/traces/` from its root, as CI
-/// lays it out), or `PDBENCH_MOONCAKE_TRACE`.
-fn synthetic_trace() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("PDBENCH_MOONCAKE_TRACE") {
-        return Some(PathBuf::from(p));
-    }
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/traces/mooncake-synthetic.jsonl.gz");
-    p.exists().then_some(p)
-}
-
-/// The fixture, or a printed reason (a failure under `PDGATE_NO_SKIPS=1`).
-fn synthetic_or_skip(test: &str) -> Option<Trace> {
-    let Some(path) = synthetic_trace() else {
-        let why = "../shared/fixtures/traces/mooncake-synthetic.jsonl.gz is not beside the repository (set PDBENCH_MOONCAKE_TRACE)";
-        assert!(
-            std::env::var_os("PDGATE_NO_SKIPS").is_none(),
-            "{test}: {why}"
-        );
-        eprintln!("SKIPPED {test}: {why}");
-        return None;
-    };
-    Some(Trace::load(&path).expect("the synthetic trace reads"))
+/// The synthetic trace (`tests/fixtures/mooncake-synthetic.jsonl.gz`), or `PDBENCH_MOONCAKE_TRACE`.
+fn synthetic() -> Trace {
+    let path = std::env::var_os("PDBENCH_MOONCAKE_TRACE").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mooncake-synthetic.jsonl.gz"),
+        PathBuf::from,
+    );
+    Trace::load(&path).expect("the synthetic trace reads")
 }
 
 #[test]
 fn synthetic_trace_reads_gzipped_with_its_documented_oracle() {
-    let Some(t) = synthetic_or_skip("synthetic_trace_reads_gzipped_with_its_documented_oracle")
-    else {
-        return;
-    };
+    let t = synthetic();
     // The fixtures' README: 3,993 requests over 1,022 s, mean input 15,325 tokens, oracle 0.651.
     assert_eq!(t.requests.len(), 3993);
     assert!((t.span_s() - 1022.0).abs() < 1.0, "{}", t.span_s());
@@ -299,9 +280,7 @@ fn synthetic_trace_reads_gzipped_with_its_documented_oracle() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn synthetic_trace_head_through_the_gateway() {
-    let Some(mut t) = synthetic_or_skip("synthetic_trace_head_through_the_gateway") else {
-        return;
-    };
+    let mut t = synthetic();
     t.requests.truncate(12);
     let fleet = fleet(2, 1).await;
     // The engines' context length, as they publish it.
