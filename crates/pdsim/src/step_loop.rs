@@ -215,7 +215,8 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
             continue;
         }
         let step = Duration::from_secs_f64(model.profile.step_seconds(&batch));
-        deadline = deadline.max(tokio::time::Instant::now() - MAX_LAG) + clock.wall(step);
+        let now = tokio::time::Instant::now();
+        deadline = deadline.max(now.checked_sub(MAX_LAG).unwrap_or(now)) + clock.wall(step);
         tokio::select! {
             () = engine.shutdown.cancelled() => return,
             () = tokio::time::sleep_until(deadline) => {}
