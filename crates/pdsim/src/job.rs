@@ -273,20 +273,28 @@ impl Job {
         // At least the last prompt token runs through the model: its step yields the first token.
         let prefill = compute.clamp(1, count.max(1));
         let hit_blocks = (local_hit / bs) as usize;
-        let need = blocks_for(u64::from(count) + u64::from(outputs), bs).saturating_sub(hit_blocks);
+        let total_blocks = blocks_for(u64::from(count) + u64::from(outputs), bs);
         let capacity = engine.cfg.cache.kv_cache_blocks;
-        if need + hit_blocks > capacity {
+        if total_blocks > capacity {
             return Err(ApiError::bad(format!(
-                "The request needs {} KV-cache blocks of {bs} tokens and the engine has {capacity}.",
-                need + hit_blocks
+                "The request needs {total_blocks} KV-cache blocks of {bs} tokens and the engine has {capacity}."
             )));
+        }
+        // The scheduler pins the cached prefix again on admission; a waiting request holds none.
+        if let Some(cache) = &engine.cache
+            && let Ok(mut c) = cache.lock()
+        {
+            c.release(&mut self.pins);
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let seq = Seq {
             prefill_left: prefill,
             context: count.saturating_sub(prefill),
             decode_left: outputs - 1,
-            blocks: need,
+            total_blocks,
+            lookup_max: (count.saturating_sub(1) / bs) as usize,
+            hit_blocks,
+            local: compute + local_hit == count,
             prompt: Arc::from(self.req.prompt.ids.as_slice()),
             cache_from: hit_blocks,
             held: Held {

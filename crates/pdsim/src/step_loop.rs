@@ -9,8 +9,8 @@
 //! simulated time; afterwards each request that produced a token gets it on its channel, and a
 //! request whose prefill completed has its prompt blocks cached (and published as KV events).
 //!
-//! Requests reserve the blocks of their whole sequence (prompt plus `max_tokens`) on
-//! admission, so a running request never needs more and nothing is preempted. An engine with
+//! Requests pin their cached prefix and reserve the blocks of the rest of their sequence
+//! (prompt plus `max_tokens`) on admission, not before, so a running request never needs more and nothing is preempted. An engine with
 //! nothing to run waits on its queue: idle engines take no CPU.
 
 use std::collections::VecDeque;
@@ -21,7 +21,9 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use crate::engine::Engine;
-use crate::prefix_cache::{BlockChain, Pins};
+use pdcache::events::KvEvent;
+
+use crate::prefix_cache::{BlockChain, Pins, PrefixCache};
 use crate::profile::Work;
 
 /// What a request gets back for each token it produces.
@@ -47,11 +49,18 @@ pub(crate) struct Seq {
     pub context: u32,
     /// Tokens to generate after the first.
     pub decode_left: u32,
-    /// KV blocks the whole sequence needs beyond those it already pins.
-    pub blocks: usize,
+    /// KV blocks of the whole sequence (prompt plus output).
+    pub total_blocks: usize,
+    /// Prompt blocks a cache hit may cover (vLLM recomputes at least the last token).
+    pub lookup_max: usize,
+    /// Prompt blocks found cached on arrival (what `prefill_left` assumes).
+    pub hit_blocks: usize,
+    /// The prompt is computed here (not received from a prefill): blocks evicted while it
+    /// waited are computed too.
+    pub local: bool,
     /// The prompt (for caching its blocks when the prefill completes).
     pub prompt: Arc<[u32]>,
-    /// The first prompt block not yet cached.
+    /// The first prompt block not yet cached (set on admission).
     pub cache_from: usize,
     pub held: Held,
     pub ticks: mpsc::UnboundedSender<Tick>,
@@ -161,14 +170,14 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
                     let mut events = Vec::new();
                     let ok = cache
                         .lock()
-                        .map(|mut c| c.reserve(front.blocks, &mut front.held.pins, &mut events))
+                        .map(|mut c| admit(&mut c, front, engine.block_size, &mut events))
                         .unwrap_or(false);
                     engine.publish(events);
                     ok.then_some(0)
                 }
-                None => (plain.reserved + front.blocks <= plain.capacity).then(|| {
-                    plain.reserved += front.blocks;
-                    front.blocks
+                None => (plain.reserved + front.total_blocks <= plain.capacity).then(|| {
+                    plain.reserved += front.total_blocks;
+                    front.total_blocks
                 }),
             };
             let Some(plain_blocks) = admitted else {
@@ -206,7 +215,8 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
             continue;
         }
         let step = Duration::from_secs_f64(model.profile.step_seconds(&batch));
-        deadline = deadline.max(tokio::time::Instant::now() - MAX_LAG) + clock.wall(step);
+        let now = tokio::time::Instant::now();
+        deadline = deadline.max(now.checked_sub(MAX_LAG).unwrap_or(now)) + clock.wall(step);
         tokio::select! {
             () = engine.shutdown.cancelled() => return,
             () = tokio::time::sleep_until(deadline) => {}
@@ -217,6 +227,26 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
         running.retain_mut(|r| advance(&engine, r, &mut plain));
         c.running.store(running.len() as u64, Relaxed);
     }
+}
+
+/// Pins the request's cached prefix and reserves the rest of its blocks; false (nothing held)
+/// when they do not fit. Waiting requests hold no blocks, so they never keep the head of the
+/// queue out.
+fn admit(c: &mut PrefixCache, s: &mut Seq, block_size: u32, events: &mut Vec<KvEvent>) -> bool {
+    let hit = c.lookup(&s.held.chain.values, s.lookup_max, &mut s.held.pins);
+    if !c.reserve(s.total_blocks.saturating_sub(hit), &mut s.held.pins, events) {
+        c.release(&mut s.held.pins);
+        return false;
+    }
+    if s.local && hit < s.hit_blocks {
+        // Blocks cached on arrival were evicted while it waited: they are computed again.
+        let lost = (s.hit_blocks - hit) as u32 * block_size;
+        let lost = lost.min(s.context);
+        s.prefill_left += lost;
+        s.context -= lost;
+    }
+    s.cache_from = hit;
+    true
 }
 
 /// Applies a finished step to one request; false when it leaves the running set.

@@ -170,3 +170,32 @@ async fn streamed_tokens_come_one_per_step_and_reported_times_are_simulated() {
     );
     h.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_cached_prefix_is_not_computed_again() {
+    let h = engine_with(Role::Both, Connector::None, |c| {
+        stepped("llama-3.1-8b-h100", 1.0)(c);
+        c.cache.enable_prompt_tokens_details = true;
+    })
+    .await;
+    let (_, cold) = timed(&h, prompt("p", 1000), 1).await;
+    let first = h.stats().busy_seconds;
+    let (_, warm) = timed(&h, prompt("p", 1000), 1).await;
+    let second = h.stats().busy_seconds - first;
+    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // 1001 tokens: 62 full blocks may hit (the last token is always computed).
+    assert_eq!(
+        warm["usage"]["prompt_tokens_details"]["cached_tokens"], 992,
+        "{warm}"
+    );
+    assert!(
+        second < first / 4.0,
+        "cold step {first} s, warm step {second} s"
+    );
+    let s = h.stats();
+    assert_eq!(
+        s.kv_cache_free_blocks, 26_000,
+        "nothing pinned or reserved once idle"
+    );
+    h.shutdown().await;
+}
