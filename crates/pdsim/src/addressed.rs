@@ -12,23 +12,10 @@ use serde_json::{Map, Value};
 
 use crate::config::{Connector, Role};
 use crate::error::ApiError;
+pub(crate) use crate::handoff::Answer;
+use crate::handoff::{Consume, PlanInput, Produce, kv_fail};
 use crate::kv_pull::{host_port, seg};
-use crate::plan::{Consume, PlanInput, Produce, kv_fail};
 use crate::request::GenRequest;
-
-/// What a prefill answers about the KV it kept, besides keeping it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Answer {
-    /// Nothing: the decode finds the KV by the key alone.
-    Nothing,
-    /// MoRIIO read mode: `kv_transfer_params` with the engine id and block ids.
-    MoriioRead,
-    /// TensorRT-LLM context phase: `disaggregated_params` in the choice, `prompt_token_ids`.
-    Trtllm {
-        /// The `disagg_request_id` the context request carried.
-        disagg_request_id: Option<u64>,
-    },
-}
 
 /// The marker before the prefill's address in an addressed request id.
 const PREFILL_ADDR: &str = "___prefill_addr_";
@@ -268,8 +255,8 @@ pub(crate) fn trtllm_context_body(body: &str, params: &Value, prompt_ids: &[u32]
     serde_json::to_string(&v).unwrap_or_else(|_| body.to_owned())
 }
 
-#[cfg(test)]
 #[allow(clippy::unwrap_used)]
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -37,6 +37,7 @@ pub mod config;
 mod engine;
 mod error;
 pub mod fleet;
+mod handoff;
 mod http;
 mod job;
 mod kv_events;
@@ -49,6 +50,7 @@ pub mod profile;
 mod request;
 mod respond;
 mod respond_api;
+mod scheduler;
 pub mod stats;
 mod step_loop;
 mod tokens;
@@ -175,7 +177,7 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     });
     let engine = Arc::new(engine);
     if let Some(rx) = queue {
-        tasks.spawn(step_loop::run(engine.clone(), rx));
+        tasks.spawn(scheduler::run(engine.clone(), rx));
     }
     serve(&mut tasks, listener, http::router(engine.clone()), &engine);
     if let Some(l) = side {
