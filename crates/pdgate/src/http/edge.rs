@@ -27,7 +27,7 @@ pub(crate) const MAX_HEADERS: usize = 100;
 
 /// Refuses a request head larger than [`MAX_HEADER_BYTES`] or with more than [`MAX_HEADERS`]
 /// fields.
-pub(crate) fn check_head(_gw: &Gateway, headers: &HeaderMap) -> Result<(), GatewayError> {
+pub(crate) fn check_head(headers: &HeaderMap) -> Result<(), GatewayError> {
     if headers.len() > MAX_HEADERS {
         return Err(GatewayError::HeadersTooLarge {
             limit: MAX_HEADER_BYTES,

@@ -50,7 +50,7 @@ async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
     let span = ex.span();
     let result = async {
         let pass = ex.gw.client_keys.check(request.headers())?;
-        edge::check_head(&ex.gw, request.headers())?;
+        edge::check_head(request.headers())?;
         guard::check_target(request.method(), request.uri(), request.version())?;
         let (parts, body) = request.into_parts();
         let bytes = edge::read_request_body(&ex.gw, &parts.headers, body).await?;

@@ -38,7 +38,7 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request
     }
     let mut ex = Exchange::new(gw, "passthrough", request.headers());
     let result = async {
-        edge::check_head(&ex.gw, request.headers())?;
+        edge::check_head(request.headers())?;
         forward(&mut ex, request, pass).await
     }
     .await;

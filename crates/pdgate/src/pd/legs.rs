@@ -17,6 +17,7 @@ use tracing::{Instrument, info_span, warn};
 
 use crate::config::PrefillFailurePolicy;
 use crate::endpoints::{Endpoint, LoadGuard};
+use crate::engine::EngineBody;
 use crate::engine::client::{self, Collected, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
@@ -250,196 +251,252 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
 /// prefill had not answered is the decode giving up waiting for KV: it counts against the
 /// prefill, and the request moves to another prefill (or falls back) like a failed prefill.
 pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
+    let gw = ex.gw.clone();
+    let mut state = Attempts {
+        limit: gw
+            .config
+            .legs
+            .prefill_timeout
+            .min(gw.config.reliability.concurrent_prefill_timeout),
+        tried: vec![pd.prefill.name.clone()],
+        bootstrap: pd.agent.needs_bootstrap_lookup(),
+        requeried: false,
+        moved: false,
+    };
+    loop {
+        // The one place an attempt's outcome becomes the next step: relay, both legs again
+        // (another decode, fresh facts, another prefill), the decode alone, or fail.
+        match attempt(ex, &mut pd, &mut state).await? {
+            Outcome::Ready {
+                head,
+                decode_load,
+                partner,
+                prefix,
+            } => {
+                if partner.is_none()
+                    && let Some(r) = ex.record()
+                {
+                    r.prefill_done();
+                }
+                let record = ex.take_record()?;
+                return Ok(relay::respond(
+                    &gw,
+                    &ex.request_id,
+                    head,
+                    pd,
+                    decode_load,
+                    partner,
+                    prefix,
+                    record,
+                ));
+            }
+            Outcome::Moved => {}
+            Outcome::StaleFacts { decode, fresh } => {
+                retry::retry_on_fresh_facts(&gw, &mut pd, ex, &decode, fresh).await?;
+            }
+            Outcome::PrefillFailed(err) => {
+                if let Err(err) = retry_both_legs(&gw, &mut pd, ex, &mut state.tried, err).await {
+                    return fall_back(ex, pd, err).await;
+                }
+            }
+            Outcome::DecodeFailed(err) => {
+                abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
+                return Err(err);
+            }
+        }
+    }
+}
+
+/// How one attempt of both legs ended, before any decode byte reached the client.
+// One per attempt, matched at once: boxing the large variant would cost an allocation per
+// request for nothing.
+#[allow(clippy::large_enum_variant)]
+enum Outcome {
+    /// The decode's head (and first frame, when it was read) with the prefill still running or
+    /// done: relay it.
+    Ready {
+        head: Response<EngineBody>,
+        decode_load: LoadGuard,
+        partner: Option<AbortOnDropHandle<PartnerResult>>,
+        prefix: Option<Frame<Bytes>>,
+    },
+    /// The decode was taken out of rotation: the request moved to another decode.
+    Moved,
+    /// The decode refused the prefill's stale bootstrap facts; `fresh` carries new ones.
+    StaleFacts {
+        decode: Arc<Endpoint>,
+        fresh: Arc<Endpoint>,
+    },
+    /// The prefill failed, or by evidence never handed its KV over.
+    PrefillFailed(GatewayError),
+    /// The decode failed.
+    DecodeFailed(GatewayError),
+}
+
+/// What a concurrent request keeps across its attempts.
+struct Attempts {
+    /// Bound on each prefill leg.
+    limit: Duration,
+    /// Prefills used.
+    tried: Vec<String>,
+    /// A bootstrap-based connector (Mooncake): a decode failure may be the prefill's stale facts
+    /// (a restarted prefill's new engine id); checked once per request (`requeried`).
+    bootstrap: bool,
+    requeried: bool,
+    /// Moved to another decode once already.
+    moved: bool,
+}
+
+/// One attempt of both legs, up to the decode's head and (with a prefill still running or a
+/// bootstrap-based connector) its first frame.
+async fn attempt(
+    ex: &mut Exchange,
+    pd: &mut Pd,
+    state: &mut Attempts,
+) -> Result<Outcome, GatewayError> {
     enum Step {
         Prefill(Result<PartnerResult, tokio::task::JoinError>),
         Decode(Result<Option<(DecodeHead, Duration)>, GatewayError>),
     }
     let gw = ex.gw.clone();
-    let limit = gw
-        .config
-        .legs
-        .prefill_timeout
-        .min(gw.config.reliability.concurrent_prefill_timeout);
-    let mut tried = vec![pd.prefill.name.clone()];
-    // A bootstrap-based connector (Mooncake): a decode failure may be the prefill's stale facts
-    // (a restarted prefill's new engine id); checked once per request.
-    let bootstrap = pd.agent.needs_bootstrap_lookup();
-    let mut requeried = false;
-    let mut moved = false;
-    loop {
-        pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
-        let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
-        let prefill_request =
-            pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
-        pd.agent
-            .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
-        let prefill_task: AbortOnDropHandle<PartnerResult> = {
-            let gw = gw.clone();
-            let job = PrefillJob::new(&pd, &ex.request_id, prefill_request, limit);
-            let span = prefill_span(&ex.request_id, &pd.prefill.name);
-            AbortOnDropHandle::new(tokio::spawn(
-                async move {
-                    let c = prefill_leg(&gw, job).await?;
-                    if c.status.is_success() {
-                        Ok(usage::reported(&c.body))
-                    } else {
-                        Err(client::status_error(Leg::Prefill, c))
-                    }
-                }
-                .instrument(span),
-            ))
-        };
-        let mut partner = Some(prefill_task);
-        let decode_sent = tokio::time::Instant::now();
-        // The prefill's cached tokens, when it answers before the decode's head.
-        let mut early_cached = None;
-        let step = {
-            let body = pd.ctx.req_body.clone();
-            let decode = decode_head::send(ex, &mut pd, body, &mut moved, false);
-            tokio::pin!(decode);
-            loop {
-                let step = tokio::select! {
-                    biased;
-                    Some(done) = OptionFuture::from(partner.as_mut()) => Step::Prefill(done),
-                    head = &mut decode => Step::Decode(head),
-                };
-                match step {
-                    Step::Prefill(Ok(Ok(cached))) => {
-                        early_cached = cached;
-                        partner = None;
-                    }
-                    other => break other,
+    pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
+    let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
+    let prefill_request = pd
+        .agent
+        .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
+    pd.agent
+        .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
+    let prefill_task: AbortOnDropHandle<PartnerResult> = {
+        let gw = gw.clone();
+        let job = PrefillJob::new(pd, &ex.request_id, prefill_request, state.limit);
+        let span = prefill_span(&ex.request_id, &pd.prefill.name);
+        AbortOnDropHandle::new(tokio::spawn(
+            async move {
+                let c = prefill_leg(&gw, job).await?;
+                if c.status.is_success() {
+                    Ok(usage::reported(&c.body))
+                } else {
+                    Err(client::status_error(Leg::Prefill, c))
                 }
             }
-        };
-        pd.prefill_cached = early_cached;
-        let head = match step {
-            Step::Decode(head) => head,
-            Step::Prefill(done) => {
-                // The decode future is dropped (its connection closed).
-                let err = match done {
-                    Ok(Err(e)) => e,
-                    Ok(Ok(_)) => GatewayError::Internal("prefill outcome lost".into()),
-                    Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
-                };
-                match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
-                    Ok(()) => continue,
-                    Err(err) => return fall_back(ex, pd, err).await,
-                }
-            }
-        };
-        let ((head, decode, decode_load), took) = match head {
-            Ok(Some(head)) => head,
-            // Moved to another decode: both legs again there.
-            Ok(None) => continue,
-            Err(err) => {
-                abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
-                return Err(err);
-            }
-        };
-        if head.status().is_server_error() {
-            let kv_wait = partner.is_some() && took >= gw.config.reliability.kv_wait_evidence;
-            if kv_wait {
-                // The prefill never handed its KV over: its failure, not the decode's.
-                drop((partner.take(), head, decode_load));
-                let err = kv_wait_failure(&gw, &pd, &ex.request_id, &decode.name, took);
-                match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
-                    Ok(()) => continue,
-                    Err(err) => return fall_back(ex, pd, err).await,
-                }
-            }
-            if bootstrap && !requeried {
-                requeried = true;
-                if let Some(fresh) = retry::fresh_prefill(&gw, &pd.prefill).await {
-                    drop((partner.take(), head, decode_load));
-                    retry::retry_on_fresh_facts(&gw, &mut pd, ex, &decode, fresh).await?;
-                    continue;
-                }
-            }
-            gw.health.observe(&decode.name, Err(Cause::ServerError));
-        }
-        pd.switch_decode(decode);
-        let (parts, mut body) = head.into_parts();
-        let mut prefix = None;
-        if let Some(task) = partner.as_mut() {
-            let idle = gw.config.legs.stream_idle_timeout;
-            match first_byte(&mut body, task, idle, &pd.decode).await {
-                // A streaming decode sends its head before it waits for KV (as vLLM does): an
-                // error event as its first frame, late, with the prefill still silent, is the
-                // same KV-wait failure, and the client has nothing yet.
-                FirstByte::Frame(Some(frame))
-                    if decode_sent.elapsed() >= gw.config.reliability.kv_wait_evidence
-                        && frame.data_ref().is_some_and(|d| relay::is_error_event(d)) =>
-                {
-                    drop((partner.take(), body, decode_load));
-                    let waited = decode_sent.elapsed();
-                    let err = kv_wait_failure(&gw, &pd, &ex.request_id, &pd.decode.name, waited);
-                    match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
-                        Ok(()) => continue,
-                        Err(err) => return fall_back(ex, pd, err).await,
-                    }
-                }
-                FirstByte::Frame(frame) => prefix = frame,
-                FirstByte::PrefillDone(cached) => {
-                    pd.prefill_cached = cached;
+            .instrument(span),
+        ))
+    };
+    let mut partner = Some(prefill_task);
+    let decode_sent = tokio::time::Instant::now();
+    // The prefill's cached tokens, when it answers before the decode's head.
+    let mut early_cached = None;
+    let step = {
+        let body = pd.ctx.req_body.clone();
+        let decode = decode_head::send(ex, pd, body, &mut state.moved, false);
+        tokio::pin!(decode);
+        loop {
+            let step = tokio::select! {
+                biased;
+                Some(done) = OptionFuture::from(partner.as_mut()) => Step::Prefill(done),
+                head = &mut decode => Step::Decode(head),
+            };
+            match step {
+                Step::Prefill(Ok(Ok(cached))) => {
+                    early_cached = cached;
                     partner = None;
                 }
-                FirstByte::PrefillFailed(err) => {
-                    drop((body, decode_load));
-                    match retry_both_legs(&gw, &mut pd, ex, &mut tried, err).await {
-                        Ok(()) => continue,
-                        Err(err) => return fall_back(ex, pd, err).await,
-                    }
-                }
-                FirstByte::DecodeFailed(err) => {
-                    abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
-                    return Err(err);
-                }
+                other => break other,
             }
         }
-        // A streaming decode reports a refused KV pull as an error event after its 200 head.
-        if bootstrap && !requeried {
-            if prefix.is_none() {
-                let idle = gw.config.legs.stream_idle_timeout;
-                match next_frame(&mut body, idle, &pd.decode).await {
-                    Ok(frame) => prefix = frame,
-                    Err(err) => {
-                        abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
-                        return Err(err);
-                    }
-                }
-            }
-            let refused = prefix
-                .as_ref()
-                .and_then(Frame::data_ref)
-                .is_some_and(|d| relay::is_error_event(d));
-            if refused {
-                requeried = true;
-                if let Some(fresh) = retry::fresh_prefill(&gw, &pd.prefill).await {
-                    drop((partner.take(), body, decode_load));
-                    let decode = pd.decode.clone();
-                    retry::retry_on_fresh_facts(&gw, &mut pd, ex, &decode, fresh).await?;
-                    continue;
-                }
+    };
+    pd.prefill_cached = early_cached;
+    let head = match step {
+        Step::Decode(head) => head,
+        Step::Prefill(done) => {
+            // The decode future is dropped (its connection closed).
+            let err = match done {
+                Ok(Err(e)) => e,
+                Ok(Ok(_)) => GatewayError::Internal("prefill outcome lost".into()),
+                Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
+            };
+            return Ok(Outcome::PrefillFailed(err));
+        }
+    };
+    let ((head, decode, decode_load), took) = match head {
+        Ok(Some(head)) => head,
+        // Moved to another decode: both legs again there.
+        Ok(None) => return Ok(Outcome::Moved),
+        Err(err) => return Ok(Outcome::DecodeFailed(err)),
+    };
+    if head.status().is_server_error() {
+        let kv_wait = partner.is_some() && took >= gw.config.reliability.kv_wait_evidence;
+        if kv_wait {
+            // The prefill never handed its KV over: its failure, not the decode's.
+            drop((partner.take(), head, decode_load));
+            let err = kv_wait_failure(&gw, pd, &ex.request_id, &decode.name, took);
+            return Ok(Outcome::PrefillFailed(err));
+        }
+        if state.bootstrap && !state.requeried {
+            state.requeried = true;
+            if let Some(fresh) = retry::fresh_prefill(&gw, &pd.prefill).await {
+                drop((partner.take(), head, decode_load));
+                return Ok(Outcome::StaleFacts { decode, fresh });
             }
         }
-        if partner.is_none()
-            && let Some(r) = ex.record()
-        {
-            r.prefill_done();
-        }
-        let head = Response::from_parts(parts, body);
-        let record = ex.take_record()?;
-        return Ok(relay::respond(
-            &gw,
-            &ex.request_id,
-            head,
-            pd,
-            decode_load,
-            partner,
-            prefix,
-            record,
-        ));
+        gw.health.observe(&decode.name, Err(Cause::ServerError));
     }
+    pd.switch_decode(decode);
+    let (parts, mut body) = head.into_parts();
+    let mut prefix = None;
+    if let Some(task) = partner.as_mut() {
+        let idle = gw.config.legs.stream_idle_timeout;
+        match first_byte(&mut body, task, idle, &pd.decode).await {
+            // A streaming decode sends its head before it waits for KV (as vLLM does): an
+            // error event as its first frame, late, with the prefill still silent, is the
+            // same KV-wait failure, and the client has nothing yet.
+            FirstByte::Frame(Some(frame))
+                if decode_sent.elapsed() >= gw.config.reliability.kv_wait_evidence
+                    && frame.data_ref().is_some_and(|d| relay::is_error_event(d)) =>
+            {
+                drop((partner.take(), body, decode_load));
+                let waited = decode_sent.elapsed();
+                let err = kv_wait_failure(&gw, pd, &ex.request_id, &pd.decode.name, waited);
+                return Ok(Outcome::PrefillFailed(err));
+            }
+            FirstByte::Frame(frame) => prefix = frame,
+            FirstByte::PrefillDone(cached) => {
+                pd.prefill_cached = cached;
+                partner = None;
+            }
+            FirstByte::PrefillFailed(err) => {
+                drop((body, decode_load));
+                return Ok(Outcome::PrefillFailed(err));
+            }
+            FirstByte::DecodeFailed(err) => return Ok(Outcome::DecodeFailed(err)),
+        }
+    }
+    // A streaming decode reports a refused KV pull as an error event after its 200 head.
+    if state.bootstrap && !state.requeried {
+        if prefix.is_none() {
+            let idle = gw.config.legs.stream_idle_timeout;
+            match next_frame(&mut body, idle, &pd.decode).await {
+                Ok(frame) => prefix = frame,
+                Err(err) => return Ok(Outcome::DecodeFailed(err)),
+            }
+        }
+        let refused = prefix
+            .as_ref()
+            .and_then(Frame::data_ref)
+            .is_some_and(|d| relay::is_error_event(d));
+        if refused {
+            state.requeried = true;
+            if let Some(fresh) = retry::fresh_prefill(&gw, &pd.prefill).await {
+                drop((partner.take(), body, decode_load));
+                let decode = pd.decode.clone();
+                return Ok(Outcome::StaleFacts { decode, fresh });
+            }
+        }
+    }
+    Ok(Outcome::Ready {
+        head: Response::from_parts(parts, body),
+        decode_load,
+        partner,
+        prefix,
+    })
 }
