@@ -130,9 +130,16 @@ fn phase(req: &GenRequest) -> Option<&str> {
 }
 
 /// How a consumer of an addressed connector loads its prompt.
-pub(crate) fn consume(input: PlanInput, req: &GenRequest, request_id: &str) -> Consume {
+///
+/// # Errors
+/// A request in the wrong phase for this server (TensorRT-LLM): a 400 before any head.
+pub(crate) fn consume(
+    input: PlanInput,
+    req: &GenRequest,
+    request_id: &str,
+) -> Result<Consume, ApiError> {
     let kvp = req.kv_transfer_params.as_ref();
-    match input.connector {
+    Ok(match input.connector {
         Connector::P2pNccl => match address_in_id(request_id, true) {
             Some((host, port)) => Consume::Wait(wait_url(host, port, request_id, &input)),
             None => Consume::Fail(kv_fail(format!(
@@ -148,9 +155,9 @@ pub(crate) fn consume(input: PlanInput, req: &GenRequest, request_id: &str) -> C
                     && (!p.get("remote_block_ids").is_some_and(Value::is_array)
                         || !p.get("remote_engine_id").is_some_and(Value::is_string))
                 {
-                    return Consume::Fail(kv_fail(
+                    return Ok(Consume::Fail(kv_fail(
                         "invalid MoRIIO KV transfer params: read mode needs remote_engine_id and remote_block_ids from the prefill",
-                    ));
+                    )));
                 }
                 match moriio_peer(p) {
                     Ok((host, port)) => Consume::Wait(wait_url(host, port, request_id, &input)),
@@ -163,12 +170,12 @@ pub(crate) fn consume(input: PlanInput, req: &GenRequest, request_id: &str) -> C
             None => Consume::Recompute,
             Some("generation_only") => {
                 let Some(d) = req.disaggregated_params.as_ref() else {
-                    return Consume::Recompute;
+                    return Ok(Consume::Recompute);
                 };
                 let Some(ctx_id) = d.get("ctx_request_id").and_then(Value::as_u64) else {
-                    return Consume::Fail(kv_fail(
+                    return Ok(Consume::Fail(kv_fail(
                         "disaggregated_params.ctx_request_id is missing or not an integer",
-                    ));
+                    )));
                 };
                 match d
                     .get("opaque_state")
@@ -183,12 +190,14 @@ pub(crate) fn consume(input: PlanInput, req: &GenRequest, request_id: &str) -> C
                     )),
                 }
             }
-            Some(other) => Consume::Fail(ApiError::bad(format!(
-                "a generation server cannot serve request_type {other:?} (want \"generation_only\")"
-            ))),
+            Some(other) => {
+                return Err(ApiError::bad(format!(
+                    "a generation server cannot serve request_type {other:?} (want \"generation_only\")"
+                )));
+            }
         },
         _ => Consume::Recompute,
-    }
+    })
 }
 
 /// What a producer of an addressed connector does with its prompt's KV.
@@ -330,7 +339,7 @@ mod tests {
             (Trtllm, Decode, "r", &gen_no_ctx, Ok(("fail", "nothing"))),
             // Wrong phase: a 400 before any head (prefill) or a failed load (decode).
             (Trtllm, Prefill, "r", &gen_ok, Err(400)),
-            (Trtllm, Decode, "r", ctx, Ok(("fail", "nothing"))),
+            (Trtllm, Decode, "r", ctx, Err(400)),
         ];
         for (i, (connector, role, rid, body, want)) in cases.into_iter().enumerate() {
             let req =
