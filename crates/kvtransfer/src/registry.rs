@@ -79,7 +79,10 @@ impl Registry {
             shared_factory(Arc::new(MooncakeAgent)),
         );
         r.register(CONNECTOR_TYPE_SGLANG, shared_factory(Arc::new(SglangAgent)));
-        r.register(CONNECTOR_TYPE_P2P_NCCL, shared_factory(Arc::new(P2pNcclAgent)));
+        r.register(
+            CONNECTOR_TYPE_P2P_NCCL,
+            shared_factory(Arc::new(P2pNcclAgent)),
+        );
         r.register(
             CONNECTOR_TYPE_MORIIO,
             shared_factory(Arc::new(MoriioAgent::write())),

@@ -40,7 +40,12 @@ fn legs(
     prefill: &Pod,
     decode: &Pod,
     answer: &[u8],
-) -> (Value, Option<String>, Result<MergeOutcome, AgentError>, RoutingContext) {
+) -> (
+    Value,
+    Option<String>,
+    Result<MergeOutcome, AgentError>,
+    RoutingContext,
+) {
     let a = agent(connector);
     let b = body(client);
     let mut ctx = RoutingContext::from_parsed("client-id", b.clone());
@@ -127,17 +132,29 @@ fn p2pnccl_ipv6_addresses_are_bracketed_and_still_parse() {
         Some(("[fd00::2]".into(), 14579))
     );
     let (pa, da) = kvtransfer::parse_addressed_request_id(&id).unwrap();
-    assert_eq!(kvtransfer::split_zmq_address(pa), Some(("[fd00::1]", 14579)));
-    assert_eq!(kvtransfer::split_zmq_address(da), Some(("[fd00::2]", 14579)));
+    assert_eq!(
+        kvtransfer::split_zmq_address(pa),
+        Some(("[fd00::1]", 14579))
+    );
+    assert_eq!(
+        kvtransfer::split_zmq_address(da),
+        Some(("[fd00::2]", 14579))
+    );
 }
 
 #[test]
 fn p2pnccl_ids_are_never_reused() {
     let ids: std::collections::BTreeSet<String> = (0..16)
         .map(|_| {
-            legs("p2pnccl", r#"{"prompt":"x"}"#, &prefill_pod(), &decode_pod(), b"{}")
-                .1
-                .unwrap()
+            legs(
+                "p2pnccl",
+                r#"{"prompt":"x"}"#,
+                &prefill_pod(),
+                &decode_pod(),
+                b"{}",
+            )
+            .1
+            .unwrap()
         })
         .collect();
     assert_eq!(ids.len(), 16);
@@ -161,7 +178,13 @@ fn p2pnccl_errors() {
     ));
     // A malformed prefill answer.
     for bad in [&b"[1]"[..], b"not json", b"{\"a\":"] {
-        let (_, _, merged, _) = legs("p2pnccl", r#"{"prompt":"x"}"#, &prefill_pod(), &decode_pod(), bad);
+        let (_, _, merged, _) = legs(
+            "p2pnccl",
+            r#"{"prompt":"x"}"#,
+            &prefill_pod(),
+            &decode_pod(),
+            bad,
+        );
         assert!(
             matches!(merged, Err(AgentError::PrefillResponse { .. })),
             "{bad:?}: {merged:?}"
@@ -223,7 +246,13 @@ fn moriio_modes_schedule_as_the_connector_needs() {
 #[test]
 fn moriio_read_mode_copies_the_prefill_blocks() {
     let answer = br#"{"id":"c","kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"eng-1","remote_block_ids":[[3,4,5]],"remote_host":"10.9.9.9"}}"#;
-    let (_, _, merged, ctx) = legs("moriio-read", r#"{"prompt":"x"}"#, &prefill_pod(), &decode_pod(), answer);
+    let (_, _, merged, ctx) = legs(
+        "moriio-read",
+        r#"{"prompt":"x"}"#,
+        &prefill_pod(),
+        &decode_pod(),
+        answer,
+    );
     assert_eq!(merged.unwrap(), MergeOutcome::KvAttached);
     let kvp = &json(&ctx.req_body)["kv_transfer_params"];
     assert_eq!(kvp["remote_engine_id"], "eng-1");
@@ -231,7 +260,13 @@ fn moriio_read_mode_copies_the_prefill_blocks() {
     // Always the prefill pod's own address, never what the engine advertised.
     assert_eq!(kvp["remote_host"], "10.0.0.1");
     // No parameters: the decode recomputes.
-    let (_, _, merged, ctx) = legs("moriio-read", r#"{"prompt":"x"}"#, &prefill_pod(), &decode_pod(), br#"{"id":"c"}"#);
+    let (_, _, merged, ctx) = legs(
+        "moriio-read",
+        r#"{"prompt":"x"}"#,
+        &prefill_pod(),
+        &decode_pod(),
+        br#"{"id":"c"}"#,
+    );
     assert_eq!(merged.unwrap(), MergeOutcome::Recompute);
     assert!(json(&ctx.req_body).get("kv_transfer_params").is_none());
     // Parameters without what read mode needs, or of the wrong type.
@@ -240,11 +275,29 @@ fn moriio_read_mode_copies_the_prefill_blocks() {
         br#"{"kv_transfer_params":{"remote_block_ids":[1]}}"#,
         br#"{"kv_transfer_params":{"remote_engine_id":null,"remote_block_ids":[1]}}"#,
     ] {
-        let (_, _, merged, _) = legs("moriio-read", r#"{"prompt":"x"}"#, &prefill_pod(), &decode_pod(), bad);
-        assert!(matches!(merged, Err(AgentError::PrefillResponse { .. })), "{merged:?}");
+        let (_, _, merged, _) = legs(
+            "moriio-read",
+            r#"{"prompt":"x"}"#,
+            &prefill_pod(),
+            &decode_pod(),
+            bad,
+        );
+        assert!(
+            matches!(merged, Err(AgentError::PrefillResponse { .. })),
+            "{merged:?}"
+        );
     }
-    let (_, _, merged, _) = legs("moriio-read", r#"{"prompt":"x"}"#, &prefill_pod(), &decode_pod(), br#"{"kv_transfer_params":[1]}"#);
-    assert!(matches!(merged, Err(AgentError::UnexpectedType { found: "array", .. })));
+    let (_, _, merged, _) = legs(
+        "moriio-read",
+        r#"{"prompt":"x"}"#,
+        &prefill_pod(),
+        &decode_pod(),
+        br#"{"kv_transfer_params":[1]}"#,
+    );
+    assert!(matches!(
+        merged,
+        Err(AgentError::UnexpectedType { found: "array", .. })
+    ));
 }
 
 #[test]
@@ -254,9 +307,15 @@ fn trtllm_context_request_is_context_only_and_not_streamed() {
     let mut ctx = RoutingContext::from_parsed("r", b.clone());
     let a = agent("trtllm");
     a.bind_decode(&mut ctx, &decode_pod()).unwrap();
-    let leg = json(&a.augment_prefill_request(&mut ctx, &prefill_pod(), &b).unwrap().body);
+    let leg = json(
+        &a.augment_prefill_request(&mut ctx, &prefill_pod(), &b)
+            .unwrap()
+            .body,
+    );
     assert_eq!(leg["disaggregated_params"]["request_type"], "context_only");
-    let id = leg["disaggregated_params"]["disagg_request_id"].as_u64().unwrap();
+    let id = leg["disaggregated_params"]["disagg_request_id"]
+        .as_u64()
+        .unwrap();
     assert!(id >= 1);
     assert_eq!(leg["stream"], false);
     assert!(leg.get("stream_options").is_none());
@@ -271,23 +330,44 @@ const CTX_ANSWER: &str = r#"{"id":"cmpl-1","object":"text_completion","model":"m
 
 #[test]
 fn trtllm_generation_request_carries_the_context_params_back() {
-    let (_, _, merged, ctx) = legs("trtllm", r#"{"model":"m","prompt":"hi","max_tokens":7,"stream":true}"#, &prefill_pod(), &decode_pod(), CTX_ANSWER.as_bytes());
+    let (_, _, merged, ctx) = legs(
+        "trtllm",
+        r#"{"model":"m","prompt":"hi","max_tokens":7,"stream":true}"#,
+        &prefill_pod(),
+        &decode_pod(),
+        CTX_ANSWER.as_bytes(),
+    );
     assert_eq!(merged.unwrap(), MergeOutcome::KvAttached);
     let text = std::str::from_utf8(&ctx.req_body).unwrap();
     // The opaque state and the big ctx_request_id travel byte for byte.
-    assert!(text.contains(r#""ctx_request_id":12345678901234567"#), "{text}");
-    assert!(text.contains(r#""encoded_opaque_state":"AAEC/w==""#), "{text}");
+    assert!(
+        text.contains(r#""ctx_request_id":12345678901234567"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#""encoded_opaque_state":"AAEC/w==""#),
+        "{text}"
+    );
     let v = json(&ctx.req_body);
     let d = &v["disaggregated_params"];
     assert_eq!(d["request_type"], "generation_only");
     assert_eq!(d["first_gen_tokens"], json!([319]));
-    assert_ne!(d["disagg_request_id"], 1, "the gateway's id, not the engine's echo");
+    assert_ne!(
+        d["disagg_request_id"], 1,
+        "the gateway's id, not the engine's echo"
+    );
     // Completions: the prompt becomes the context server's token ids.
     assert_eq!(v["prompt"], json!([1, 2, 3]));
     assert_eq!(v["stream"], true);
     assert_eq!(v["max_tokens"], 7);
     // Chat: the token ids go beside the messages.
-    let (_, _, _, ctx) = legs("trtllm", r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#, &prefill_pod(), &decode_pod(), CTX_ANSWER.as_bytes());
+    let (_, _, _, ctx) = legs(
+        "trtllm",
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        &prefill_pod(),
+        &decode_pod(),
+        CTX_ANSWER.as_bytes(),
+    );
     let v = json(&ctx.req_body);
     assert_eq!(v["prompt_token_ids"], json!([1, 2, 3]));
     assert_eq!(v["messages"][0]["content"], "hi");
@@ -297,21 +377,48 @@ fn trtllm_generation_request_carries_the_context_params_back() {
 fn trtllm_malformed_context_answers_fail_as_the_disagg_server_does() {
     let two = CTX_ANSWER.replace(r#""choices":[{"#, r#""choices":[{"index":1},{"#);
     let none = CTX_ANSWER.replace(r#""disaggregated_params":{"#, r#""other":{"#);
-    let null_ctx = CTX_ANSWER.replace(r#""ctx_request_id":12345678901234567"#, r#""ctx_request_id":null"#);
+    let null_ctx = CTX_ANSWER.replace(
+        r#""ctx_request_id":12345678901234567"#,
+        r#""ctx_request_id":null"#,
+    );
     let cases: [(&str, fn(&AgentError) -> bool); 4] = [
         (&two, |e| matches!(e, AgentError::PrefillResponse { .. })),
-        (&none, |e| matches!(e, AgentError::MissingHandoff { what: "disaggregated_params", .. })),
-        (&null_ctx, |e| matches!(e, AgentError::MissingHandoff { .. })),
-        ("not json", |e| matches!(e, AgentError::PrefillResponse { .. })),
+        (&none, |e| {
+            matches!(
+                e,
+                AgentError::MissingHandoff {
+                    what: "disaggregated_params",
+                    ..
+                }
+            )
+        }),
+        (&null_ctx, |e| {
+            matches!(e, AgentError::MissingHandoff { .. })
+        }),
+        ("not json", |e| {
+            matches!(e, AgentError::PrefillResponse { .. })
+        }),
     ];
     for (answer, want) in cases {
-        let (_, _, merged, _) = legs("trtllm", r#"{"prompt":"x"}"#, &prefill_pod(), &decode_pod(), answer.as_bytes());
+        let (_, _, merged, _) = legs(
+            "trtllm",
+            r#"{"prompt":"x"}"#,
+            &prefill_pod(),
+            &decode_pod(),
+            answer.as_bytes(),
+        );
         let err = merged.unwrap_err();
         assert!(want(&err), "{answer}: {err}");
     }
     // Finished in the context phase: nothing to hand over, the plain request goes on.
     let stop = CTX_ANSWER.replace(r#""finish_reason":"length""#, r#""finish_reason":"stop""#);
-    let (_, _, merged, ctx) = legs("trtllm", r#"{"prompt":"x"}"#, &prefill_pod(), &decode_pod(), stop.as_bytes());
+    let (_, _, merged, ctx) = legs(
+        "trtllm",
+        r#"{"prompt":"x"}"#,
+        &prefill_pod(),
+        &decode_pod(),
+        stop.as_bytes(),
+    );
     assert_eq!(merged.unwrap(), MergeOutcome::Recompute);
     assert_eq!(&ctx.req_body[..], br#"{"prompt":"x"}"#);
 }
@@ -325,9 +432,16 @@ fn client_supplied_peer_fields_never_reach_an_engine() {
         let a = agent(name);
         let mut ctx = RoutingContext::from_parsed("r", b.clone());
         a.bind_decode(&mut ctx, &decode_pod()).unwrap();
-        let leg = json(&a.augment_prefill_request(&mut ctx, &prefill_pod(), &b).unwrap().body);
+        let leg = json(
+            &a.augment_prefill_request(&mut ctx, &prefill_pod(), &b)
+                .unwrap()
+                .body,
+        );
         let text = leg.to_string();
-        assert!(!text.contains("169.254.169.254") && !text.contains("evil"), "{name}: {text}");
+        assert!(
+            !text.contains("169.254.169.254") && !text.contains("evil"),
+            "{name}: {text}"
+        );
     }
 }
 

@@ -35,7 +35,14 @@ async fn end_to_end(connector: Connector) {
     ];
     for (path, body) in &cases {
         let r = fleet.post(path, body).await;
-        assert_eq!(r.status(), 200, "{connector:?} {path} {body}");
+        let status = r.status();
+        if status != 200 {
+            let why = fleet.decode[0].stats().last_kv_error;
+            panic!(
+                "{connector:?} {path} {body}: {status} {} ({why:?})",
+                r.text().await.unwrap()
+            );
+        }
         let h = r.headers().clone();
         assert_eq!(h["x-pdgate-connector"], connector.as_str());
         assert_eq!(h["prefill-target-pod"], fleet.prefill[0].addr().to_string());
@@ -44,9 +51,23 @@ async fn end_to_end(connector: Connector) {
         let client_id = h["x-request-id"].to_str().unwrap().to_string();
         let text = text_of(&r.text().await.unwrap());
         assert!(!text.is_empty());
-        assert_eq!(text, baseline_text(body, path).await, "{connector:?} {path}");
-        let p = fleet.prefill[0].stats().recent_requests.last().unwrap().clone();
-        let d = fleet.decode[0].stats().recent_requests.last().unwrap().clone();
+        assert_eq!(
+            text,
+            baseline_text(body, path).await,
+            "{connector:?} {path}"
+        );
+        let p = fleet.prefill[0]
+            .stats()
+            .recent_requests
+            .last()
+            .unwrap()
+            .clone();
+        let d = fleet.decode[0]
+            .stats()
+            .recent_requests
+            .last()
+            .unwrap()
+            .clone();
         // One id on both legs.
         assert_eq!(p.request_id, d.request_id, "{connector:?}");
         let leg_id = p.request_id.unwrap();
@@ -60,14 +81,29 @@ async fn end_to_end(connector: Connector) {
             _ => assert_eq!(leg_id, client_id),
         }
         if connector == Connector::Trtllm {
-            assert!(p.body.contains(r#""request_type":"context_only""#), "{}", p.body);
-            assert!(d.body.contains(r#""request_type":"generation_only""#), "{}", d.body);
+            assert!(
+                p.body.contains(r#""request_type":"context_only""#),
+                "{}",
+                p.body
+            );
+            assert!(
+                d.body.contains(r#""request_type":"generation_only""#),
+                "{}",
+                d.body
+            );
         }
     }
     let d = fleet.decode[0].stats();
-    assert_eq!(d.recomputed, 0, "{connector:?}: decode recomputed instead of loading KV");
+    assert_eq!(
+        d.recomputed, 0,
+        "{connector:?}: decode recomputed instead of loading KV"
+    );
     assert_eq!(d.transfers_failed, 0, "{connector:?}");
-    assert_eq!(d.transfers_pulled, cases.len() as u64, "{connector:?}: {d:?}");
+    assert_eq!(
+        d.transfers_pulled,
+        cases.len() as u64,
+        "{connector:?}: {d:?}"
+    );
     fleet.wait_idle().await;
 }
 
@@ -114,7 +150,10 @@ async fn mixed_fleet_pairs_each_prefill_with_its_own_kind() {
         };
         let r = fleet.post(path, &body).await;
         assert_eq!(r.status(), 200, "{body}");
-        let connector = r.headers()["x-pdgate-connector"].to_str().unwrap().to_string();
+        let connector = r.headers()["x-pdgate-connector"]
+            .to_str()
+            .unwrap()
+            .to_string();
         let idx = kinds.iter().position(|k| k.as_str() == connector).unwrap();
         assert_eq!(
             r.headers()["prefill-target-pod"],
@@ -146,6 +185,13 @@ async fn responses_route_is_served_by_the_decode_alone_for_peer_connectors() {
     let h = r.headers().clone();
     let text = r.text().await.unwrap();
     // The capability says P2pNccl carries no transfer on this route: no prefill leg ran.
-    assert_eq!(fleet.prefill[0].stats().recent_requests.len(), 0, "{status} {text}");
-    assert!(h.get("prefill-target-pod").is_none_or(|v| v.is_empty()), "{h:?}");
+    assert_eq!(
+        fleet.prefill[0].stats().recent_requests.len(),
+        0,
+        "{status} {text}"
+    );
+    assert!(
+        h.get("prefill-target-pod").is_none_or(|v| v.is_empty()),
+        "{h:?}"
+    );
 }

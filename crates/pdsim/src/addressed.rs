@@ -259,9 +259,11 @@ pub(crate) fn produce(
     })
 }
 
-/// `body` (a complete TensorRT-LLM-shaped answer) with the context phase's
-/// `disaggregated_params` in its first choice and the prompt's token ids at the top level.
-pub(crate) fn trtllm_context_body(body: &str, params: &Value, prompt_ids: &[u32]) -> String {
+/// `body` (a complete answer) with the context phase's `disaggregated_params` in its first
+/// choice, as `trtllm-serve` answers. Its top-level `prompt_token_ids` is null: pdsim's KV
+/// digest is over the prompt as sent (text or ids), so a generation request must resend the
+/// prompt as the context request had it (a real context server returns the ids it tokenized).
+pub(crate) fn trtllm_context_body(body: &str, params: &Value, _prompt_ids: &[u32]) -> String {
     let Ok(Value::Object(mut v)) = serde_json::from_str::<Value>(body) else {
         return body.to_owned();
     };
@@ -272,7 +274,7 @@ pub(crate) fn trtllm_context_body(body: &str, params: &Value, prompt_ids: &[u32]
     {
         choice.insert("disaggregated_params".into(), params.clone());
     }
-    v.insert("prompt_token_ids".into(), Value::from(prompt_ids.to_vec()));
+    v.insert("prompt_token_ids".into(), Value::Null);
     v.remove("kv_transfer_params");
     serde_json::to_string(&v).unwrap_or_else(|_| body.to_owned())
 }
@@ -288,7 +290,10 @@ mod tests {
         assert_eq!(address_in_id(id, true), Some(("10.0.0.1", 14579)));
         assert_eq!(address_in_id(id, false), Some(("fd00::2", 14580)));
         assert_eq!(address_in_id("plain", true), None);
-        assert_eq!(address_in_id("___prefill_addr_x___decode_addr_y_z", true), None);
+        assert_eq!(
+            address_in_id("___prefill_addr_x___decode_addr_y_z", true),
+            None
+        );
     }
 
     /// connector, role, X-Request-Id, body -> (consume, produce), or the status answered
@@ -314,7 +319,13 @@ mod tests {
             r#"{{"prompt":"x","disaggregated_params":{{"request_type":"generation_only","opaque_state":"{state}"}}}}"#
         );
         let plain = r#"{"prompt":"x"}"#;
-        type Case<'a> = (Connector, Role, &'a str, &'a str, Result<(&'static str, &'static str), u16>);
+        type Case<'a> = (
+            Connector,
+            Role,
+            &'a str,
+            &'a str,
+            Result<(&'static str, &'static str), u16>,
+        );
         let cases: Vec<Case<'_>> = vec![
             (P2pNccl, Prefill, id, plain, Ok(("local", "keep"))),
             (P2pNccl, Decode, id, plain, Ok(("wait", "nothing"))),
@@ -331,7 +342,13 @@ mod tests {
             (Moriio, Decode, id, &no_host, Ok(("fail", "nothing"))),
             // Read mode needs what the prefill answered.
             (MoriioRead, Decode, id, moriio_d, Ok(("fail", "nothing"))),
-            (MoriioRead, Decode, id, moriio_d_read, Ok(("wait", "nothing"))),
+            (
+                MoriioRead,
+                Decode,
+                id,
+                moriio_d_read,
+                Ok(("wait", "nothing")),
+            ),
             (Trtllm, Prefill, "r", ctx, Ok(("local", "keep"))),
             (Trtllm, Decode, "r", &gen_ok, Ok(("wait", "nothing"))),
             (Trtllm, Decode, "r", plain, Ok(("recompute", "nothing"))),

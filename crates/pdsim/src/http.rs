@@ -286,12 +286,7 @@ async fn run_full(job: &mut Job) -> Result<String, ApiError> {
         job.delay(job.engine.cfg.latency.itl * (steps - 1)).await?;
     }
     let kv = job.finish(&choices);
-    let body = respond::full_body(
-        &head(job),
-        &choices,
-        usage(job, &choices),
-        kv.as_deref(),
-    );
+    let body = respond::full_body(&head(job), &choices, usage(job, &choices), kv.as_deref());
     Ok(match &job.trtllm_context {
         Some(params) => crate::addressed::trtllm_context_body(&body, params, &job.req.prompt.ids),
         None => body,

@@ -10,12 +10,12 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::addressed::Answer;
 use crate::config::Connector;
 use crate::engine::Engine;
 use crate::error::ApiError;
 use crate::kv_pull::{PullError, mooncake_worker, seg};
 use crate::kv_store::KvWire;
-use crate::addressed::Answer;
 use crate::plan::{Consume, Plan, Produce, kv_fail};
 use crate::prefix_cache::{BlockChain, Pins};
 use crate::request::{Endpoint, GenRequest};

@@ -147,9 +147,10 @@ impl KvStore {
 
     /// Whether KV is kept under `transfer_id` and not yet served (a key in use).
     pub(crate) fn transfer_pending(&self, transfer_id: &str) -> bool {
-        self.by_transfer
-            .lock()
-            .is_ok_and(|m| m.get(transfer_id).is_some_and(|e| e.expires > Instant::now()))
+        self.by_transfer.lock().is_ok_and(|m| {
+            m.get(transfer_id)
+                .is_some_and(|e| e.expires > Instant::now())
+        })
     }
 
     /// Consumes an entry: a transfer is served once.

@@ -200,7 +200,9 @@ impl KvTransferAgent for MoriioAgent {
         prefill_pod: &Pod,
     ) -> Result<MergeOutcome, AgentError> {
         if ctx.transfer.leg_request_id.is_none() {
-            return Err(AgentError::MissingState("moriio request id not set by augment"));
+            return Err(AgentError::MissingState(
+                "moriio request id not set by augment",
+            ));
         }
         let mut decode = decode_base(ctx)?;
         let prefill = Peer::of(prefill_pod)?;
@@ -231,8 +233,12 @@ impl KvTransferAgent for MoriioAgent {
             }
             let got = JsonBody::parse(bytes::Bytes::copy_from_slice(raw.as_bytes()))
                 .map_err(|e| bad(e.to_string()))?;
-            let engine = got.get_raw("remote_engine_id").filter(|r| r.starts_with('"'));
-            let blocks = got.get_raw("remote_block_ids").filter(|r| r.starts_with('['));
+            let engine = got
+                .get_raw("remote_engine_id")
+                .filter(|r| r.starts_with('"'));
+            let blocks = got
+                .get_raw("remote_block_ids")
+                .filter(|r| r.starts_with('['));
             let (Some(engine), Some(blocks)) = (engine, blocks) else {
                 return Err(bad(
                     "kv_transfer_params needs a string remote_engine_id and an array remote_block_ids in read mode".into(),

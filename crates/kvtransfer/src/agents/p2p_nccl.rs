@@ -120,7 +120,9 @@ impl KvTransferAgent for P2pNcclAgent {
         prefill_pod: &Pod,
     ) -> Result<MergeOutcome, AgentError> {
         if ctx.transfer.leg_request_id.is_none() {
-            return Err(AgentError::MissingState("p2pnccl request id not set by augment"));
+            return Err(AgentError::MissingState(
+                "p2pnccl request id not set by augment",
+            ));
         }
         let trimmed = trim_json_ws(prefill_response);
         if trimmed.first() != Some(&b'{') {
@@ -168,7 +170,10 @@ mod tests {
             parse_addressed_request_id("___prefill_addr_1.1.1.1:1___decode_addr__x"),
             None
         );
-        assert_eq!(parse_addressed_request_id("___decode_addr_1.1.1.1:1_x"), None);
+        assert_eq!(
+            parse_addressed_request_id("___decode_addr_1.1.1.1:1_x"),
+            None
+        );
         assert_eq!(split_zmq_address("host"), None);
         assert_eq!(split_zmq_address("host:0"), None);
         assert_eq!(split_zmq_address("host:99999"), None);

@@ -95,7 +95,9 @@ impl KvTransferAgent for TrtllmAgent {
         let id = ctx
             .transfer
             .disagg_request_id
-            .ok_or(AgentError::MissingState("trtllm disagg_request_id not set by augment"))?;
+            .ok_or(AgentError::MissingState(
+                "trtllm disagg_request_id not set by augment",
+            ))?;
         let bad = |reason: String| AgentError::PrefillResponse {
             pod: prefill_pod.name.clone(),
             reason,

@@ -107,7 +107,12 @@ async fn decode_head(
     request_id: &str,
     body: Bytes,
 ) -> Result<(DecodeHead, Duration), GatewayError> {
-    let request_id = pd.ctx.transfer.leg_request_id.as_deref().unwrap_or(request_id);
+    let request_id = pd
+        .ctx
+        .transfer
+        .leg_request_id
+        .as_deref()
+        .unwrap_or(request_id);
     let mut endpoint = pd.decode.clone();
     let mut tried = vec![endpoint.name.clone()];
     loop {
