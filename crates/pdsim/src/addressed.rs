@@ -37,7 +37,7 @@ const DECODE_ADDR: &str = "___decode_addr_";
 
 /// What vLLM's `P2pNcclConnector.parse_request_id` reads: the address after `marker`, up to
 /// `___` for the prefill's, up to the id's last `_` for the decode's; `host:port`.
-fn address_in_id<'a>(id: &'a str, prefill: bool) -> Option<(&'a str, u64)> {
+fn address_in_id(id: &str, prefill: bool) -> Option<(&str, u64)> {
     let (marker, end) = if prefill {
         (PREFILL_ADDR, DECODE_ADDR)
     } else {
@@ -76,7 +76,7 @@ fn is_true(p: &Map<String, Value>, key: &str) -> bool {
 
 /// MoRIIO: the peer's host and handshake port from `kv_transfer_params` (a missing one is the
 /// `KeyError` the connector raises).
-fn moriio_peer<'a>(p: &'a Map<String, Value>) -> Result<(&'a str, u64), ApiError> {
+fn moriio_peer(p: &Map<String, Value>) -> Result<(&str, u64), ApiError> {
     const WHAT: &str = "invalid MoRIIO KV transfer params";
     let host = p
         .get("remote_host")
@@ -110,7 +110,7 @@ pub(crate) fn opaque_state(host: &str, port: u16) -> String {
 }
 
 fn read_opaque_state(hex: &str) -> Option<(String, u64)> {
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     let bytes: Option<Vec<u8>> = (0..hex.len())
