@@ -381,7 +381,8 @@ fn trtllm_malformed_context_answers_fail_as_the_disagg_server_does() {
         r#""ctx_request_id":12345678901234567"#,
         r#""ctx_request_id":null"#,
     );
-    let cases: [(&str, fn(&AgentError) -> bool); 4] = [
+    type Expect = fn(&AgentError) -> bool;
+    let cases: [(&str, Expect); 4] = [
         (&two, |e| matches!(e, AgentError::PrefillResponse { .. })),
         (&none, |e| {
             matches!(

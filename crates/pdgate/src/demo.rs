@@ -23,6 +23,12 @@ const FLEET: &[(Connector, Role)] = &[
     (Connector::Mooncake, Role::Decode),
     (Connector::Nixl, Role::Prefill),
     (Connector::Nixl, Role::Decode),
+    (Connector::P2pNccl, Role::Prefill),
+    (Connector::P2pNccl, Role::Decode),
+    (Connector::Moriio, Role::Prefill),
+    (Connector::Moriio, Role::Decode),
+    (Connector::Trtllm, Role::Prefill),
+    (Connector::Trtllm, Role::Decode),
 ];
 
 /// A running demo: engines plus gateway. Dropping it stops everything.
@@ -48,10 +54,21 @@ fn endpoint(engine: &SimHandle, connector: Connector) -> EndpointConfig {
         kvtransfer::CONNECTOR_TYPE_IDENTIFIER.to_string(),
         connector.as_str().to_string(),
     );
+    // Connectors whose legs name their peer dial the port where pdsim serves its KV.
+    let mut annotations = BTreeMap::new();
+    let peer_port = match connector {
+        Connector::P2pNccl => Some(kvtransfer::P2P_NCCL_KV_PORT),
+        Connector::Moriio | Connector::MoriioRead => Some(kvtransfer::MORIIO_HANDSHAKE_PORT),
+        _ => None,
+    };
+    if let (Some(key), Some(port)) = (peer_port, engine.side_channel_port()) {
+        annotations.insert(key.to_string(), port.to_string());
+    }
     EndpointConfig {
         url: engine.base_url(),
         model: Some(DEMO_MODEL.to_string()),
         labels,
+        annotations,
         bootstrap_port: engine.bootstrap_port(),
         ..EndpointConfig::default()
     }

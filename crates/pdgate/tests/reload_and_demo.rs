@@ -157,7 +157,7 @@ async fn the_demo_serves_every_connector() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let mut connectors = std::collections::BTreeSet::new();
-    for i in 0..12 {
+    for i in 0..48 {
         let (path, body) = if i % 2 == 0 {
             (
                 "/v1/chat/completions",
@@ -186,7 +186,7 @@ async fn the_demo_serves_every_connector() {
     }
     assert_eq!(
         connectors.into_iter().collect::<Vec<_>>(),
-        ["mooncake", "nixl", "shfs"]
+        ["mooncake", "moriio", "nixl", "p2pnccl", "shfs", "trtllm"]
     );
     for engine in &demo.engines {
         assert_eq!(engine.stats().recomputed, 0);

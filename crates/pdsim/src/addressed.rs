@@ -24,7 +24,7 @@ const DECODE_ADDR: &str = "___decode_addr_";
 
 /// What vLLM's `P2pNcclConnector.parse_request_id` reads: the address after `marker`, up to
 /// `___` for the prefill's, up to the id's last `_` for the decode's; `host:port`.
-fn address_in_id<'a>(id: &'a str, prefill: bool) -> Option<(&'a str, u64)> {
+fn address_in_id(id: &str, prefill: bool) -> Option<(&str, u64)> {
     let (marker, end) = if prefill {
         (PREFILL_ADDR, DECODE_ADDR)
     } else {
@@ -63,7 +63,7 @@ fn is_true(p: &Map<String, Value>, key: &str) -> bool {
 
 /// MoRIIO: the peer's host and handshake port from `kv_transfer_params` (a missing one is the
 /// `KeyError` the connector raises).
-fn moriio_peer<'a>(p: &'a Map<String, Value>) -> Result<(&'a str, u64), ApiError> {
+fn moriio_peer(p: &Map<String, Value>) -> Result<(&str, u64), ApiError> {
     const WHAT: &str = "invalid MoRIIO KV transfer params";
     let host = p
         .get("remote_host")
@@ -97,7 +97,7 @@ pub(crate) fn opaque_state(host: &str, port: u16) -> String {
 }
 
 fn read_opaque_state(hex: &str) -> Option<(String, u64)> {
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     let bytes: Option<Vec<u8>> = (0..hex.len())
@@ -117,9 +117,16 @@ fn phase(req: &GenRequest) -> Option<&str> {
 }
 
 /// How a consumer of an addressed connector loads its prompt.
-pub(crate) fn consume(input: PlanInput, req: &GenRequest, request_id: &str) -> Consume {
+///
+/// # Errors
+/// A request in the wrong phase for this server (TensorRT-LLM): a 400 before any head.
+pub(crate) fn consume(
+    input: PlanInput,
+    req: &GenRequest,
+    request_id: &str,
+) -> Result<Consume, ApiError> {
     let kvp = req.kv_transfer_params.as_ref();
-    match input.connector {
+    Ok(match input.connector {
         Connector::P2pNccl => match address_in_id(request_id, true) {
             Some((host, port)) => Consume::Wait(wait_url(host, port, request_id, &input)),
             None => Consume::Fail(kv_fail(format!(
@@ -135,9 +142,9 @@ pub(crate) fn consume(input: PlanInput, req: &GenRequest, request_id: &str) -> C
                     && (!p.get("remote_block_ids").is_some_and(Value::is_array)
                         || !p.get("remote_engine_id").is_some_and(Value::is_string))
                 {
-                    return Consume::Fail(kv_fail(
+                    return Ok(Consume::Fail(kv_fail(
                         "invalid MoRIIO KV transfer params: read mode needs remote_engine_id and remote_block_ids from the prefill",
-                    ));
+                    )));
                 }
                 match moriio_peer(p) {
                     Ok((host, port)) => Consume::Wait(wait_url(host, port, request_id, &input)),
@@ -150,12 +157,12 @@ pub(crate) fn consume(input: PlanInput, req: &GenRequest, request_id: &str) -> C
             None => Consume::Recompute,
             Some("generation_only") => {
                 let Some(d) = req.disaggregated_params.as_ref() else {
-                    return Consume::Recompute;
+                    return Ok(Consume::Recompute);
                 };
                 let Some(ctx_id) = d.get("ctx_request_id").and_then(Value::as_u64) else {
-                    return Consume::Fail(kv_fail(
+                    return Ok(Consume::Fail(kv_fail(
                         "disaggregated_params.ctx_request_id is missing or not an integer",
-                    ));
+                    )));
                 };
                 match d
                     .get("opaque_state")
@@ -170,12 +177,14 @@ pub(crate) fn consume(input: PlanInput, req: &GenRequest, request_id: &str) -> C
                     )),
                 }
             }
-            Some(other) => Consume::Fail(ApiError::bad(format!(
-                "a generation server cannot serve request_type {other:?} (want \"generation_only\")"
-            ))),
+            Some(other) => {
+                return Err(ApiError::bad(format!(
+                    "a generation server cannot serve request_type {other:?} (want \"generation_only\")"
+                )));
+            }
         },
         _ => Consume::Recompute,
-    }
+    })
 }
 
 /// What a producer of an addressed connector does with its prompt's KV.
@@ -237,9 +246,11 @@ pub(crate) fn produce(
     })
 }
 
-/// `body` (a complete TensorRT-LLM-shaped answer) with the context phase's
-/// `disaggregated_params` in its first choice and the prompt's token ids at the top level.
-pub(crate) fn trtllm_context_body(body: &str, params: &Value, prompt_ids: &[u32]) -> String {
+/// `body` (a complete answer) with the context phase's `disaggregated_params` in its first
+/// choice, as `trtllm-serve` answers. Its top-level `prompt_token_ids` is null: pdsim's KV
+/// digest is over the prompt as sent (text or ids), so a generation request must resend the
+/// prompt as the context request had it (a real context server returns the ids it tokenized).
+pub(crate) fn trtllm_context_body(body: &str, params: &Value, _prompt_ids: &[u32]) -> String {
     let Ok(Value::Object(mut v)) = serde_json::from_str::<Value>(body) else {
         return body.to_owned();
     };
@@ -250,7 +261,7 @@ pub(crate) fn trtllm_context_body(body: &str, params: &Value, prompt_ids: &[u32]
     {
         choice.insert("disaggregated_params".into(), params.clone());
     }
-    v.insert("prompt_token_ids".into(), Value::from(prompt_ids.to_vec()));
+    v.insert("prompt_token_ids".into(), Value::Null);
     v.remove("kv_transfer_params");
     serde_json::to_string(&v).unwrap_or_else(|_| body.to_owned())
 }
@@ -332,7 +343,7 @@ mod tests {
             (Trtllm, Decode, "r", &gen_no_ctx, Ok(("fail", "nothing"))),
             // Wrong phase: a 400 before any head (prefill) or a failed load (decode).
             (Trtllm, Prefill, "r", &gen_ok, Err(400)),
-            (Trtllm, Decode, "r", ctx, Ok(("fail", "nothing"))),
+            (Trtllm, Decode, "r", ctx, Err(400)),
         ];
         for (i, (connector, role, rid, body, want)) in cases.into_iter().enumerate() {
             let req =

@@ -135,7 +135,7 @@ pub(crate) fn plan(
             }
             Connector::Sglang | Connector::None => Consume::Recompute,
             Connector::P2pNccl | Connector::Moriio | Connector::MoriioRead | Connector::Trtllm => {
-                crate::addressed::consume(input, req, request_id)
+                crate::addressed::consume(input, req, request_id)?
             }
         }
     };

@@ -33,10 +33,25 @@ pub fn endpoint_for(engine: &SimHandle, connector: Option<Connector>) -> Endpoin
             c.as_str().to_string(),
         );
     }
+    // Connectors whose legs name their peer: the port the peer dials is where pdsim serves KV.
+    let mut annotations = BTreeMap::new();
+    if let Some(port) = engine.side_channel_port() {
+        let key = match connector {
+            Some(Connector::P2pNccl) => Some(kvtransfer::P2P_NCCL_KV_PORT),
+            Some(Connector::Moriio | Connector::MoriioRead) => {
+                Some(kvtransfer::MORIIO_HANDSHAKE_PORT)
+            }
+            _ => None,
+        };
+        if let Some(key) = key {
+            annotations.insert(key.to_string(), port.to_string());
+        }
+    }
     EndpointConfig {
         url: engine.base_url(),
         model: Some(MODEL.to_string()),
         labels,
+        annotations,
         bootstrap_port: engine.bootstrap_port(),
         ..EndpointConfig::default()
     }
