@@ -39,7 +39,7 @@
 #   BENCH_TRACE         trace file (Mooncake JSONL, gzipped or not)
 #                       [crates/pdbench/tests/fixtures/mooncake-synthetic.jsonl.gz]
 #   BENCH_PREFILL, BENCH_DECODE   engines per role                                   [8, 8]
-#   BENCH_PROFILE       pdsim fleet --profile (empty: pdsim's default)                   []
+#   BENCH_PROFILE       pdsim fleet --profile (empty: no step loop)     [llama-3.1-8b-h100]
 #   BENCH_KV_CACHE_BLOCKS  KV-cache blocks per engine (empty: the profile's); also the
 #                       capacity-bounded oracle's cache                                  []
 #   BENCH_BLOCK_SIZE    the engines' block size, for the oracle                          [16]
@@ -64,7 +64,7 @@ OUT="${BENCH_OUT:-$ROOT/bench/out/fleet-$(date -u +%Y%m%dT%H%M%SZ)}"
 TRACE="${BENCH_TRACE:-$ROOT/crates/pdbench/tests/fixtures/mooncake-synthetic.jsonl.gz}"
 PREFILL="${BENCH_PREFILL:-8}"
 DECODE="${BENCH_DECODE:-8}"
-PROFILE="${BENCH_PROFILE:-}"
+PROFILE="${BENCH_PROFILE-llama-3.1-8b-h100}"
 KV_BLOCKS="${BENCH_KV_CACHE_BLOCKS:-}"
 BLOCK_SIZE="${BENCH_BLOCK_SIZE:-16}"
 TIME_SCALE="${BENCH_TIME_SCALE:-10}"
