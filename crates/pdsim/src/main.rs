@@ -30,7 +30,9 @@ struct Args {
     #[arg(long, env = "PDSIM_ROLE", default_value = "both")]
     role: Role,
     /// KV connector reproduced: shfs (vLLM NixlConnector params), nixl (Neuron,
-    /// disagg_prefill_resp), mooncake (bootstrap /query + transfer_id), sglang (bootstrap room), none.
+    /// disagg_prefill_resp), mooncake (bootstrap /query + transfer_id), sglang (bootstrap room),
+    /// p2pnccl (addresses in the request id), moriio / moriio-read (peer in kv_transfer_params),
+    /// trtllm (disaggregated_params phases), none.
     #[arg(long, env = "PDSIM_CONNECTOR", default_value = "shfs")]
     connector: Connector,
     /// OpenAI HTTP listen address.
@@ -186,6 +188,16 @@ Handoffs (a wrong one fails like the real engine: 500 JSON error, or 200 then a 
             (http://...), remote_engine_id and transfer_id, and waits up to --handoff-timeout-secs.
   sglang    both legs carry bootstrap_host/bootstrap_port/bootstrap_room; the prefill waits for the decode of
             its room, the decode for the prefill's KV (400 when a room is missing). POST /abort_request {\"rid\"}.
+  p2pnccl   both legs carry X-Request-Id ___prefill_addr_<host:port>___decode_addr_<host:port>_<hex>; the prefill
+            keeps its KV under that id, the decode fetches it from the prefill address (GET /p2p/<id>, vLLM's GET
+            mode). An id without both addresses fails (500); an id still holding KV is refused on the prefill.
+  moriio    prefill needs kv_transfer_params.do_remote_decode with the decode's remote_host/handshake/notify
+            ports, decode needs do_remote_prefill with the prefill's; the decode waits on
+            remote_host:remote_handshake_port. Each leg's params on the other side fail (wrong phase).
+  moriio-read  as moriio, sequential: the prefill answers remote_engine_id/remote_block_ids, the decode needs them.
+  trtllm    context server given disaggregated_params.request_type=context_only answers
+            choices[0].disaggregated_params (ctx_request_id, opaque_state); generation server given
+            generation_only loads by ctx_request_id from the opaque state (once). The wrong phase is a 400.
   none      no handoff. A decode without KV params (any connector) recomputes and counts it.
 
 Faults JSON (POST /sim/faults; missing fields take these defaults, unknown fields are rejected):
