@@ -6,39 +6,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::{endpoint_for, sim};
+use common::{engines as fleet, sim};
 use pdgate::check::{CheckOptions, CheckReport, Kv};
 use pdgate::config::Config;
-use pdsim::{Connector, Faults, Role, SimHandle};
+use pdsim::{Connector, Faults, Role};
 
 fn options() -> CheckOptions {
     CheckOptions {
         timeout: Duration::from_secs(20),
         ..CheckOptions::default()
     }
-}
-
-/// Starts the engines; the configuration names them as the gateway's would.
-async fn fleet(
-    prefill: Vec<pdsim::SimConfig>,
-    decode: Vec<pdsim::SimConfig>,
-) -> (Config, Vec<SimHandle>, Vec<SimHandle>) {
-    let mut config = Config::default();
-    let mut p = Vec::new();
-    for c in prefill {
-        let connector = c.connector;
-        let e = pdsim::spawn(c).await.expect("prefill engine");
-        config.prefill.push(endpoint_for(&e, Some(connector)));
-        p.push(e);
-    }
-    let mut d = Vec::new();
-    for c in decode {
-        let connector = c.connector;
-        let e = pdsim::spawn(c).await.expect("decode engine");
-        config.decode.push(endpoint_for(&e, Some(connector)));
-        d.push(e);
-    }
-    (config, p, d)
 }
 
 async fn check(config: Config) -> CheckReport {

@@ -57,6 +57,29 @@ pub fn endpoint_for(engine: &SimHandle, connector: Option<Connector>) -> Endpoin
     }
 }
 
+/// Starts the given engines, and a configuration naming each with its connector label.
+pub async fn engines(
+    prefill: Vec<SimConfig>,
+    decode: Vec<SimConfig>,
+) -> (Config, Vec<SimHandle>, Vec<SimHandle>) {
+    let mut config = Config::default();
+    let mut p = Vec::new();
+    for c in prefill {
+        let connector = c.connector;
+        let e = pdsim::spawn(c).await.expect("prefill engine");
+        config.prefill.push(endpoint_for(&e, Some(connector)));
+        p.push(e);
+    }
+    let mut d = Vec::new();
+    for c in decode {
+        let connector = c.connector;
+        let e = pdsim::spawn(c).await.expect("decode engine");
+        config.decode.push(endpoint_for(&e, Some(connector)));
+        d.push(e);
+    }
+    (config, p, d)
+}
+
 /// Starts the given engines and a gateway; waits until the gateway is ready (bounded).
 pub async fn start(
     prefill: Vec<SimConfig>,
@@ -74,21 +97,7 @@ pub async fn start_unready(
     decode: Vec<SimConfig>,
     tweak: impl FnOnce(&mut Config),
 ) -> Fleet {
-    let mut config = Config::default();
-    let mut p = Vec::new();
-    for c in prefill {
-        let connector = c.connector;
-        let e = pdsim::spawn(c).await.expect("prefill engine");
-        config.prefill.push(endpoint_for(&e, Some(connector)));
-        p.push(e);
-    }
-    let mut d = Vec::new();
-    for c in decode {
-        let connector = c.connector;
-        let e = pdsim::spawn(c).await.expect("decode engine");
-        config.decode.push(endpoint_for(&e, Some(connector)));
-        d.push(e);
-    }
+    let (mut config, p, d) = engines(prefill, decode).await;
     // The suites assert on who served what.
     config.security.expose_target_headers = true;
     tweak(&mut config);
