@@ -83,14 +83,15 @@ def test_completions_stream(client):
 
 def test_every_connector_is_used(client):
     seen = set()
-    for _ in range(9):
+    # The demo's prefills: two shfs and one of every other connector, in round robin.
+    for _ in range(21):
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         seen.add(raw.headers["x-pdgate-connector"])
         assert raw.headers["prefill-target-pod"] and raw.headers["target-pod"]
         assert raw.parse().choices[0].message.content
-    assert seen == {"shfs", "mooncake", "nixl"}
+    assert seen == {"shfs", "mooncake", "nixl", "p2pnccl", "moriio", "trtllm"}
 
 
 def test_errors_are_openai_errors(client):
