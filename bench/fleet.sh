@@ -27,8 +27,8 @@
 #   ca_precise_do       ca_precise, and a request with at most BENCH_DECODE_ONLY_BELOW uncached
 #                       tokens on its decode is served there alone (--decode-only-below-tokens)
 #   Precise matching needs the gateway to key prompts as the engines' events do (token keys):
-#   the config `pdsim fleet` writes must give the gateway a tokenizer the engines share (text
-#   keys never match an event-publishing endpoint, docs/operations.md). Check the precise arms'
+#   the precise arms take them from an engine's /tokenize (cache.engine_tokenize; text keys
+#   never match an event-publishing endpoint, docs/operations.md). Check the precise arms'
 #   prefill hit share against ca_approx's: equal or lower means the keys did not match.
 #
 # Environment (all optional):
@@ -189,6 +189,10 @@ start_fleet() {
   done
 }
 
+# Precise arms key prompts by the engines' own tokens: pdsim's word tokenizer has no
+# tokenizer.json, so the gateway asks an engine's /tokenize (cache.engine_tokenize).
+PRECISE_KEYS=(--set cache.engine_tokenize=true --set cache.engine_tokenize_timeout=500ms)
+
 # run_arm ARM FACTOR: fleet, gateway, replay, stop; results in $OUT/ARM-rFACTOR.json.
 run_arm() {
   local arm=$1 factor=$2 name="$1-r$2" dir="$OUT/$1-r$2" events=0 port policy flags=()
@@ -196,10 +200,10 @@ run_arm() {
   case "$arm" in
     round_robin | least_request) policy=$arm ;;
     ca_approx) policy=cache_aware ;;
-    ca_precise) policy=cache_aware events=1 ;;
+    ca_precise) policy=cache_aware events=1 flags+=("${PRECISE_KEYS[@]}") ;;
     ca_precise_do)
       policy=cache_aware events=1
-      flags+=(--decode-only-below-tokens "$DECODE_ONLY_BELOW")
+      flags+=("${PRECISE_KEYS[@]}" --decode-only-below-tokens "$DECODE_ONLY_BELOW")
       ;;
     *) log "unknown arm $arm"; return 1 ;;
   esac
