@@ -5,10 +5,11 @@
 # Builds release pdsim, pdgate and pdbench (unless BENCH_SKIP_BUILD=1), then for every rate
 # factor, every arm in turn (interleaved: factor by factor, arm by arm, so slow drifts of the
 # machine hit every policy alike):
-#   1. starts a fresh fleet: `pdsim fleet --prefill N --decode M --connector shfs ...
+#   1. starts a fresh fleet: `pdsim fleet --prefill N --decode M --connector $BENCH_CONNECTOR ...
 #      --gateway-config gw.toml --ready-file ready.json` (its own process group), and waits
 #      for the ready file;
-#   2. starts pdgate with that config and the arm's policy flags, waits for /ready;
+#   2. starts pdgate with that config and the arm's policy flags (or a peer router on the
+#      fleet's URLs), waits until it answers;
 #   3. replays the trace with pdbench (open loop at the recorded times / rate factor / time
 #      scale, streamed, SLOs, the fleet's engines read with their roles), JSON to the results;
 #   4. stops pdgate and the fleet (TERM to each process group, then waits for every process
@@ -26,6 +27,14 @@
 #                       the gateway config it writes subscribes to them)
 #   ca_precise_do       ca_precise, and a request with at most BENCH_DECODE_ONLY_BELOW uncached
 #                       tokens on its decode is served there alone (--decode-only-below-tokens)
+#   vllm_router         vllm-router $VLLM_ROUTER_VERSION --vllm-pd-disaggregation --kv-connector nixl,
+#                       cache_aware on both roles (PyPI, into $PDGATE_CACHE/bench-venv)
+#   smg                 SMG $SMG_VERSION `smg launch --pd-disaggregation --backend vllm`, cache_aware on
+#                       both roles (PyPI). SMG sends vLLM no KV-transfer parameters: the fleet's
+#                       decodes count those requests as recomputed (pdsim's `recomputed` counter,
+#                       reported by pdbench), and the prefill leg is wasted work.
+#   Every arm runs against the same kind of fleet (BENCH_CONNECTOR, nixl by default: the
+#   connector vllm-router speaks).
 #   Precise matching needs the gateway to key prompts as the engines' events do (token keys):
 #   the precise arms take them from an engine's /tokenize (cache.engine_tokenize; text keys
 #   never match an event-publishing endpoint, docs/operations.md). Check the precise arms'
@@ -47,7 +56,9 @@
 #   BENCH_RATE_FACTORS  replay speed-ups over the recorded times               ["0.5 1 2"]
 #   BENCH_REQUESTS      replay only the first N requests of the trace (empty: all)       []
 #   BENCH_SLO_TTFT, BENCH_SLO_ITL  objectives in simulated ms                    [2000, 100]
-#   BENCH_ARMS          see above                                           [all five]
+#   BENCH_ARMS          see above                   [the five pdgate arms, vllm_router, smg]
+#   BENCH_CONNECTOR     the fleet's KV connector (pdgate arms; peers need nixl)             [nixl]
+#   VLLM_ROUTER_VERSION, SMG_VERSION  the peers' PyPI versions                   [0.1.17, 1.13.*]
 #   BENCH_DECODE_ONLY_BELOW  ca_precise_do's threshold (tokens)                          [512]
 #   BENCH_ARM_TIMEOUT   seconds per pdbench run                                         [1800]
 #   BENCH_NICE          niceness of everything started here                              [0]
@@ -72,7 +83,10 @@ RATE_FACTORS="${BENCH_RATE_FACTORS:-0.5 1 2}"
 REQUESTS="${BENCH_REQUESTS:-}"
 SLO_TTFT="${BENCH_SLO_TTFT:-2000}"
 SLO_ITL="${BENCH_SLO_ITL:-100}"
-ARMS="${BENCH_ARMS:-round_robin least_request ca_approx ca_precise ca_precise_do}"
+ARMS="${BENCH_ARMS:-round_robin least_request ca_approx ca_precise ca_precise_do vllm_router smg}"
+CONNECTOR="${BENCH_CONNECTOR:-nixl}"
+VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
+SMG_VERSION="${SMG_VERSION:-1.13.*}"
 DECODE_ONLY_BELOW="${BENCH_DECODE_ONLY_BELOW:-512}"
 ARM_TIMEOUT="${BENCH_ARM_TIMEOUT:-1800}"
 NICE=(nice -n "${BENCH_NICE:-0}")
@@ -159,18 +173,29 @@ if ! [[ -x "$BENCH_VENV/bin/python" ]] || ! "$BENCH_VENV/bin/python" -c 'import 
     >"$LOGS/pip-matplotlib.log" 2>&1 || log "matplotlib install failed: no charts (see $LOGS/pip-matplotlib.log)"
 fi
 
+want_peers() { [[ " $ARMS " == *" vllm_router "* || " $ARMS " == *" smg "* ]]; }
+if want_peers && ! [[ -x "$BENCH_VENV/bin/vllm-router" && -x "$BENCH_VENV/bin/smg" ]]; then
+  log "installing vllm-router==$VLLM_ROUTER_VERSION smg==$SMG_VERSION into $BENCH_VENV"
+  if ! (timeout 900 python3 -m venv "$BENCH_VENV" &&
+    timeout 900 "$BENCH_VENV/bin/pip" install -q "vllm-router==$VLLM_ROUTER_VERSION" "smg==$SMG_VERSION") \
+    >"$LOGS/pip-peers.log" 2>&1; then
+    log "peer install failed; leaving the vllm_router and smg arms out (see $LOGS/pip-peers.log)"
+    ARMS="$(for a in $ARMS; do [[ $a == vllm_router || $a == smg ]] || echo "$a"; done | xargs)"
+  fi
+fi
+
 {
   echo "# bench/fleet.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "trace=$TRACE prefill=$PREFILL decode=$DECODE profile=${PROFILE:-default} kv_cache_blocks=${KV_BLOCKS:-default}"
   echo "time_scale=$TIME_SCALE rate_factors=$RATE_FACTORS requests=${REQUESTS:-all} slo_ttft=$SLO_TTFT slo_itl=$SLO_ITL"
-  echo "arms=$ARMS decode_only_below=$DECODE_ONLY_BELOW machine: $CORES CPUs, $(uname -r)"
+  echo "arms=$ARMS connector=$CONNECTOR decode_only_below=$DECODE_ONLY_BELOW machine: $CORES CPUs, $(uname -r)"
 } >"$OUT/params.txt"
 printf 'arm\trate_factor\twall_s\tgateway_cpu_s\tfleet_cpu_s\tpdbench_cpu_s\tmachine_busy\n' >"$OUT/proc.tsv"
 
 # ---- one arm ------------------------------------------------------------------------------
 # start_fleet DIR EVENTS(0|1): a fresh fleet; sets FLEET_PG.
 start_fleet() {
-  local dir=$1 events=$2 args=(--prefill "$PREFILL" --decode "$DECODE" --connector shfs
+  local dir=$1 events=$2 args=(--prefill "$PREFILL" --decode "$DECODE" --connector "$CONNECTOR"
     --time-scale "$TIME_SCALE" --gateway-config "$dir/gw.toml" --ready-file "$dir/ready.json")
   [[ -n $PROFILE ]] && args+=(--profile "$PROFILE")
   [[ -n $KV_BLOCKS ]] && args+=(--kv-cache-blocks "$KV_BLOCKS")
@@ -189,13 +214,16 @@ start_fleet() {
   done
 }
 
+# json_urls FILE ROLE: the role's engine URLs from a fleet's ready file, one per line.
+json_urls() { python3 -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))[sys.argv[2]]))' "$1" "$2"; }
+
 # Precise arms key prompts by the engines' own tokens: pdsim's word tokenizer has no
 # tokenizer.json, so the gateway asks an engine's /tokenize (cache.engine_tokenize).
 PRECISE_KEYS=(--set cache.engine_tokenize=true --set cache.engine_tokenize_timeout=500ms)
 
 # run_arm ARM FACTOR: fleet, gateway, replay, stop; results in $OUT/ARM-rFACTOR.json.
 run_arm() {
-  local arm=$1 factor=$2 name="$1-r$2" dir="$OUT/$1-r$2" events=0 port policy flags=()
+  local arm=$1 factor=$2 name="$1-r$2" dir="$OUT/$1-r$2" events=0 port policy="" flags=()
   mkdir -p "$dir"
   case "$arm" in
     round_robin | least_request) policy=$arm ;;
@@ -205,15 +233,35 @@ run_arm() {
       policy=cache_aware events=1
       flags+=("${PRECISE_KEYS[@]}" --decode-only-below-tokens "$DECODE_ONLY_BELOW")
       ;;
+    vllm_router | smg) ;;
     *) log "unknown arm $arm"; return 1 ;;
   esac
   start_fleet "$dir" "$events" || return 1
   port=$(free_port)
-  spawn "$name-pdgate" env RUST_LOG=warn "$BIN/pdgate" --config "$dir/gw.toml" \
-    --listen "127.0.0.1:$port" --prefill-policy "$policy" --decode-policy "$policy" "${flags[@]}"
+  local ready_path=/ready peer=()
+  if [[ -n $policy ]]; then
+    spawn "$name-gateway" env RUST_LOG=warn "$BIN/pdgate" --config "$dir/gw.toml" \
+      --listen "127.0.0.1:$port" --prefill-policy "$policy" --decode-policy "$policy" "${flags[@]}"
+  else
+    # The peers take the fleet's URLs from its ready file.
+    local u
+    for u in $(json_urls "$dir/ready.json" prefill); do peer+=(--prefill "$u"); done
+    for u in $(json_urls "$dir/ready.json" decode); do peer+=(--decode "$u"); done
+    ready_path=/health
+    if [[ $arm == vllm_router ]]; then
+      spawn "$name-gateway" "$BENCH_VENV/bin/vllm-router" --vllm-pd-disaggregation "${peer[@]}" \
+        --kv-connector nixl --prefill-policy cache_aware --decode-policy cache_aware \
+        --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" \
+        --log-level warning --worker-startup-check-interval 1
+    else
+      spawn "$name-gateway" "$BENCH_VENV/bin/smg" launch --pd-disaggregation --backend vllm "${peer[@]}" \
+        --prefill-policy cache_aware --decode-policy cache_aware \
+        --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" --log-level warn
+    fi
+  fi
   local gw_pg=$LAST_PG
-  if ! wait_http "http://127.0.0.1:$port/ready" 60; then
-    tail -n 15 "$LOGS/$name-pdgate.log" >&2
+  if ! wait_http "http://127.0.0.1:$port$ready_path" 120; then
+    tail -n 15 "$LOGS/$name-gateway.log" >&2
     stop_pg "$gw_pg"; forget_pg "$gw_pg"; stop_pg "$FLEET_PG"; forget_pg "$FLEET_PG"
     return 1
   fi

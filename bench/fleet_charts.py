@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-ORDER = ["round_robin", "least_request", "ca_approx", "ca_precise", "ca_precise_do"]
+ORDER = ["round_robin", "least_request", "ca_approx", "ca_precise", "ca_precise_do", "vllm_router", "smg"]
 
 
 def load(out: Path):
@@ -58,7 +58,7 @@ def ms(p, key):
 def table(runs, procs):
     head = ("| arm | factor | req/s offered | ok | errors | TTFT p50/p90/p99 ms | ITL p50/p99 ms "
             "| e2e p50/p99 ms | SLO both | goodput req/s | prefill hits | oracle | bounded "
-            "| busy max/mean P, D | gateway CPU | machine busy |")
+            "| busy max/mean P, D | decode recomputed | gateway CPU | machine busy |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for x in runs:
@@ -82,7 +82,8 @@ def table(runs, procs):
             f"| {ms(e, 'p50')}/{ms(e, 'p99')} | {pct(slo.get('attainment'))} "
             f"| {slo.get('goodput_rps', 0):.2f} | {pct(eng.get('prefill_hit_share'))} "
             f"| {pct(oracle.get('hit_share'))} | {pct(limited.get('hit_share'))} "
-            f"| {busy.get('prefill') or 0:.2f}, {busy.get('decode') or 0:.2f} | {gw} | {machine} |"
+            f"| {busy.get('prefill') or 0:.2f}, {busy.get('decode') or 0:.2f} "
+            f"| {eng.get('recomputed', 0):.0f} | {gw} | {machine} |"
         )
 
 

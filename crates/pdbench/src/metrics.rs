@@ -19,6 +19,9 @@ pub struct Counters {
     pub prompt_tokens: f64,
     /// `vllm:generation_tokens_total`.
     pub generation_tokens: f64,
+    /// `pdsim_kv_transfers_total{outcome="recomputed"}`: decode requests that received no KV
+    /// and recomputed the prompt (pdsim only; vLLM does not count them).
+    pub recomputed: f64,
 }
 
 /// Sums every sample of each counter (all label sets) in a Prometheus text exposition.
@@ -40,6 +43,9 @@ pub fn parse(text: &str) -> Counters {
             }
             "vllm:prompt_tokens_total" => c.prompt_tokens += v,
             "vllm:generation_tokens_total" => c.generation_tokens += v,
+            "pdsim_kv_transfers_total" if name_labels.contains("outcome=\"recomputed\"") => {
+                c.recomputed += v;
+            }
             _ => {}
         }
     }
@@ -73,6 +79,8 @@ pub struct EngineDelta {
     pub prompt_tokens: f64,
     /// Generated tokens.
     pub generation_tokens: f64,
+    /// Decode requests that received no KV and recomputed the prompt (pdsim).
+    pub recomputed: f64,
 }
 
 impl EngineDelta {
@@ -140,6 +148,9 @@ pub struct EngineTotals {
     pub prefill_hit_share: Option<f64>,
     /// Busy share per role: the busiest engine's work over the mean.
     pub balance: Vec<Balance>,
+    /// Requests whose decode received no KV and recomputed the prompt, all engines (pdsim):
+    /// a router that does not hand the KV over pays every prompt twice.
+    pub recomputed: f64,
 }
 
 fn metrics_uri(base: &str) -> String {
@@ -193,6 +204,7 @@ pub fn deltas(
                 prefill_computed_tokens: a.computed.map(|x| x - b.computed.unwrap_or(0.0)),
                 prompt_tokens: a.prompt_tokens - b.prompt_tokens,
                 generation_tokens: a.generation_tokens - b.generation_tokens,
+                recomputed: a.recomputed - b.recomputed,
             }),
             (Err(e), _) | (_, Err(e)) => warnings.push(format!("engine metrics {url}: {e}")),
         }
@@ -231,6 +243,7 @@ pub fn deltas(
         prefill_computed_tokens: computed,
         prefill_hit_share,
         balance,
+        recomputed: engines.iter().map(|e| e.recomputed).sum(),
         engines,
     })
 }
@@ -247,8 +260,11 @@ mod tests {
             vllm:prefix_cache_queries_total{engine=\"0\"} 200\n\
             vllm:request_prefill_kv_computed_tokens_bucket{le=\"1.0\"} 3\n\
             vllm:request_prefill_kv_computed_tokens_sum{engine=\"0\"} 104\n\
-            vllm:prompt_tokens_total 200\n";
+            vllm:prompt_tokens_total 200\n\
+            pdsim_kv_transfers_total{role=\"decode\",outcome=\"recomputed\"} 3\n\
+            pdsim_kv_transfers_total{role=\"decode\",outcome=\"served\"} 7\n";
         let c = parse(text);
+        assert_eq!(c.recomputed, 3.0, "only the recomputed outcome");
         assert_eq!(c.hits, 100.0);
         assert_eq!(c.queries, 200.0);
         assert_eq!(c.computed, Some(104.0));
@@ -267,6 +283,7 @@ mod tests {
         assert_eq!(t.engines.len(), 1);
         assert!((t.hit_share - 0.5).abs() < 1e-12);
         assert_eq!(t.prefill_computed_tokens, 104.0);
+        assert_eq!(t.recomputed, 3.0);
         assert_eq!(w, ["engine metrics http://e:2: down"]);
         assert!(t.prefill_hit_share.is_none(), "no roles");
         assert_eq!(t.balance.len(), 1);
@@ -283,6 +300,7 @@ mod tests {
             computed: Some(computed),
             prompt_tokens: queries,
             generation_tokens: generated,
+            recomputed: 0.0,
         };
         let urls: Vec<String> = (0..4).map(|i| format!("http://e:{i}")).collect();
         let roles = [

@@ -396,6 +396,13 @@ impl fmt::Display for Report {
                     pct(p)
                 )?;
             }
+            if e.recomputed > 0.0 {
+                writeln!(
+                    f,
+                    "handoff   {:.0} decodes received no KV and recomputed the prompt",
+                    e.recomputed
+                )?;
+            }
             for b in &e.balance {
                 writeln!(
                     f,
