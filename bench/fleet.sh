@@ -30,11 +30,11 @@
 #   vllm_router         vllm-router $VLLM_ROUTER_VERSION --vllm-pd-disaggregation --kv-connector nixl,
 #                       cache_aware on both roles (PyPI, into $PDGATE_CACHE/bench-venv)
 #   smg                 SMG $SMG_VERSION `smg launch --pd-disaggregation --backend vllm`, cache_aware on
-#                       both roles (PyPI). SMG sends vLLM no KV-transfer parameters: the fleet's
-#                       decodes count those requests as recomputed (pdsim's `recomputed` counter,
-#                       reported by pdbench), and the prefill leg is wasted work.
-#   Every arm runs against the same kind of fleet (BENCH_CONNECTOR, nixl by default: the
-#   connector vllm-router speaks).
+#                       both roles (PyPI). A decode that gets no KV-transfer parameters
+#                       recomputes the prompt: pdbench reports those (pdsim's `recomputed`).
+#   Every arm runs against the same kind of fleet (BENCH_CONNECTOR, shfs by default: vLLM's
+#   NixlConnector wire format, which vllm-router's `--kv-connector nixl` and SMG speak; pdsim's
+#   `nixl` is AWS Neuron's variant).
 #   Precise matching needs the gateway to key prompts as the engines' events do (token keys):
 #   the precise arms take them from an engine's /tokenize (cache.engine_tokenize; text keys
 #   never match an event-publishing endpoint, docs/operations.md). Check the precise arms'
@@ -57,7 +57,7 @@
 #   BENCH_REQUESTS      replay only the first N requests of the trace (empty: all)       []
 #   BENCH_SLO_TTFT, BENCH_SLO_ITL  objectives in simulated ms                    [2000, 100]
 #   BENCH_ARMS          see above                   [the five pdgate arms, vllm_router, smg]
-#   BENCH_CONNECTOR     the fleet's KV connector (pdgate arms; peers need nixl)             [nixl]
+#   BENCH_CONNECTOR     the fleet's KV connector (the peers need shfs)                      [shfs]
 #   VLLM_ROUTER_VERSION, SMG_VERSION  the peers' PyPI versions                   [0.1.17, 1.13.*]
 #   BENCH_DECODE_ONLY_BELOW  ca_precise_do's threshold (tokens)                          [512]
 #   BENCH_ARM_TIMEOUT   seconds per pdbench run                                         [1800]
@@ -84,7 +84,7 @@ REQUESTS="${BENCH_REQUESTS:-}"
 SLO_TTFT="${BENCH_SLO_TTFT:-2000}"
 SLO_ITL="${BENCH_SLO_ITL:-100}"
 ARMS="${BENCH_ARMS:-round_robin least_request ca_approx ca_precise ca_precise_do vllm_router smg}"
-CONNECTOR="${BENCH_CONNECTOR:-nixl}"
+CONNECTOR="${BENCH_CONNECTOR:-shfs}"
 VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
 SMG_VERSION="${SMG_VERSION:-1.13.*}"
 DECODE_ONLY_BELOW="${BENCH_DECODE_ONLY_BELOW:-512}"
