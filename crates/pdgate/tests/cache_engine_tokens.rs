@@ -1,6 +1,7 @@
 //! Token keys without a local tokenizer: with `cache.engine_tokenize` the gateway asks an
 //! engine's `/tokenize` once per prompt, so its predictions count the engine's tokens; without
-//! it (the default) they are estimated from bytes.
+//! it they are estimated from bytes (unset, it is on only for models with KV events:
+//! `cache_precise.rs`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -13,7 +14,7 @@ use serde_json::{Value, json};
 const BLOCK: u64 = 16;
 
 /// Predicted cached tokens of the second of two identical requests.
-async fn predicted_on_repeat(engine_tokenize: bool) -> (u64, u64) {
+async fn predicted_on_repeat(engine_tokenize: Option<bool>) -> (u64, u64) {
     let fleet = pair(Connector::Shfs, |c| {
         c.policy.prefill_policy = "cache_aware".into();
         c.policy.decode_policy = "cache_aware".into();
@@ -51,11 +52,14 @@ async fn predicted_on_repeat(engine_tokenize: bool) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_tokens_make_predictions_count_the_engines_blocks() {
-    let (predicted, count) = predicted_on_repeat(true).await;
+    let (predicted, count) = predicted_on_repeat(Some(true)).await;
     assert_eq!(predicted, count / BLOCK * BLOCK, "engine tokens: {count}");
-    let (approximate, _) = predicted_on_repeat(false).await;
+    let (approximate, _) = predicted_on_repeat(Some(false)).await;
     assert_ne!(
         approximate, predicted,
         "byte estimates differ from engine tokens"
     );
+    // Unset: on only where KV events need token keys; these engines publish none.
+    let (unset, _) = predicted_on_repeat(None).await;
+    assert_eq!(unset, approximate, "no events: approximate keys");
 }

@@ -499,3 +499,54 @@ async fn an_endpoint_that_leaves_is_purged() {
     assert_ne!(prefill, owner);
     assert_eq!((predicted, actual), (0, 0));
 }
+
+/// A text prompt of the engines' two words: a 256-word prefix per group, then 40 words of
+/// the question's own.
+fn words(group: u32, question: u32) -> String {
+    let prefix = (0..256).map(|i| (i / (group + 1)).is_multiple_of(2));
+    let own = (0..40).map(|i| i <= question);
+    let words: Vec<&str> = prefix
+        .chain(own)
+        .map(|hello| if hello { "hello" } else { "world" })
+        .collect();
+    words.join(" ")
+}
+
+/// Events carry the engines' token blocks, so a text prompt matches them only when the gateway
+/// keys it by the same tokens. With no tokenizer configured and `engine_tokenize` left unset,
+/// the gateway asks an engine's `/tokenize` for the models that have events: predictions are
+/// exact with no tuning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_prompts_match_events_with_no_tokenizer_configured() {
+    let fleet = start(|c| assert_eq!(c.cache.engine_tokenize, None, "the default")).await;
+    warm(&fleet).await;
+    let stored = r#"pdgate_cache_events{role="prefill",what="blocks_stored"}"#;
+    let (mut exact, mut hits) = (0, 0);
+    for q in 0..4 {
+        for g in 0..2 {
+            let body = json!({"model": MODEL, "prompt": words(g, q), "max_tokens": 4});
+            let seen = sample(&fleet.metrics().await, stored);
+            let before = prefill_hits(&fleet);
+            let r = fleet.post_bounded("/v1/completions", &body).await;
+            assert_eq!(r.status(), 200);
+            let predicted: u64 = r.headers()["x-pdgate-predicted-cached-tokens"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            r.text().await.unwrap();
+            let actual = prefill_hits(&fleet) - before;
+            if q > 0 {
+                assert!(actual >= 256, "group {g} question {q}: only {actual} hit");
+                hits += 1;
+                exact += u32::from(predicted == actual);
+            }
+            // Each prompt stores at least its question's own blocks: the next decision sees them.
+            wait_counter(&fleet, stored, seen + 1).await;
+        }
+    }
+    assert_eq!(
+        exact, hits,
+        "{exact} of {hits} predictions equal the engines' hits"
+    );
+}

@@ -69,8 +69,11 @@ pub struct CacheConfig {
     /// Every endpoint's replay socket is `tcp://<its host>:<port>` (vLLM `replay_endpoint`).
     pub kv_events_replay_port: Option<u16>,
     /// Token keys for models without a local tokenizer from an engine's `POST /tokenize`
-    /// (remembered per prompt); off by default: a new prompt waits one engine round trip.
-    pub engine_tokenize: bool,
+    /// (remembered per prompt): a new prompt waits one engine round trip. Unset (the default):
+    /// on for the models some endpoint publishes KV events for, since their events can only
+    /// match token keys; `true` for every model; `false` never (a model with events and no
+    /// tokenizer is then warned about: precise matching cannot work for it).
+    pub engine_tokenize: Option<bool>,
     /// How long a `/tokenize` may take before the request keeps approximate keys.
     #[serde(deserialize_with = "crate::durations::de_duration")]
     pub engine_tokenize_timeout: Duration,
@@ -97,7 +100,7 @@ impl Default for CacheConfig {
             decode_only_max_uncached_ratio: 0.7,
             kv_events_port: None,
             kv_events_replay_port: None,
-            engine_tokenize: false,
+            engine_tokenize: None,
             engine_tokenize_timeout: Duration::from_millis(50),
             engine_tokenize_cache: 10_000,
         }

@@ -20,6 +20,7 @@ mod scorer;
 pub(crate) mod view;
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -54,6 +55,8 @@ pub(crate) struct ModelCache {
     pub(crate) label: String,
     block_size: usize,
     tokenizer: Option<Arc<HfTokenizer>>,
+    /// Some endpoint publishes KV events into this index (set as subscriptions change).
+    has_events: AtomicBool,
     events_timeout: Duration,
     state: Mutex<IndexState>,
     index: SharedIndex,
@@ -80,6 +83,7 @@ impl ModelCache {
             label,
             block_size,
             tokenizer,
+            has_events: AtomicBool::new(false),
             events_timeout: config.events_timeout,
             state: Mutex::new(IndexState::default()),
             index: Arc::new(Mutex::new(index)),
@@ -94,6 +98,11 @@ impl ModelCache {
     /// Whether this model has a local tokenizer (else [`Cache::engine_tokens`] may help).
     pub(crate) fn has_tokenizer(&self) -> bool {
         self.tokenizer.is_some()
+    }
+
+    /// Whether some endpoint publishes KV events for this model.
+    pub(crate) fn has_events(&self) -> bool {
+        self.has_events.load(Ordering::Relaxed)
     }
 
     /// The view of a prompt whose token ids an engine gave.
@@ -214,6 +223,7 @@ pub(crate) async fn view_of(
     let mc = cache.model(model, snap);
     if let Some(et) = &cache.engine_tokens
         && !mc.has_tokenizer()
+        && cache.config.engine_tokenize.unwrap_or_else(|| mc.has_events())
         // Boxed: the engine call's future stays off the request's own when the knob is off.
         && let Some(ids) = Box::pin(et.tokens(client, health, snap, body, route, model)).await
     {
@@ -265,7 +275,8 @@ impl Cache {
             epoch,
             metrics,
             subscriptions: Mutex::new(HashMap::new()),
-            engine_tokens: config.engine_tokenize.then(|| {
+            // Unset means "where events need it": decided per model on each request.
+            engine_tokens: (config.engine_tokenize != Some(false)).then(|| {
                 engine_tokens::EngineTokens::new(
                     config.engine_tokenize_cache,
                     config.engine_tokenize_timeout,
@@ -423,6 +434,41 @@ impl Cache {
                     stats,
                 },
             );
+        }
+        let fed: BTreeSet<String> = subs.keys().map(|(m, _)| m.clone()).collect();
+        drop(subs);
+        self.mark_event_models(&fed, snap);
+    }
+
+    /// Tells each model index whether events feed it (`fed`: the models of the subscriptions,
+    /// "" for endpoints that name none), and warns once per change about a model whose events
+    /// can never match: no tokenizer and `engine_tokenize = false`.
+    fn mark_event_models(&self, fed: &BTreeSet<String>, snap: &Snapshot) {
+        let fed: Vec<Arc<ModelCache>> = fed
+            .iter()
+            .map(|m| self.model((!m.is_empty()).then_some(m.as_str()), snap))
+            .collect();
+        let all: Vec<Arc<ModelCache>> = std::iter::once(self.default.clone())
+            .chain(
+                self.models
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .values()
+                    .cloned(),
+            )
+            .collect();
+        for mc in all {
+            let on = fed.iter().any(|f| Arc::ptr_eq(f, &mc));
+            let was = mc.has_events.swap(on, Ordering::Relaxed);
+            if on && !was && !mc.has_tokenizer() && self.config.engine_tokenize == Some(false) {
+                tracing::warn!(
+                    model = mc.label.as_str(),
+                    "endpoints publish KV events for this model, but it has no tokenizer and \
+                     cache.engine_tokenize = false: its prompts get approximate keys, which never \
+                     match the events, so its routing is approximate; configure a tokenizer or \
+                     leave engine_tokenize unset"
+                );
+            }
         }
     }
 
