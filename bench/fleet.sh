@@ -49,8 +49,8 @@
 #                       [crates/pdbench/tests/fixtures/mooncake-synthetic.jsonl.gz]
 #   BENCH_PREFILL, BENCH_DECODE   engines per role                                   [8, 8]
 #   BENCH_PROFILE       pdsim fleet --profile (empty: no step loop)     [llama-3.1-8b-h100]
-#   BENCH_KV_CACHE_BLOCKS  KV-cache blocks per engine (empty: the profile's); also the
-#                       capacity-bounded oracle's cache                                  []
+#   BENCH_KV_CACHE_BLOCKS  KV-cache blocks per engine (empty: the profile's); the
+#                       capacity-bounded oracle takes the fleet's either way (ready file)      []
 #   BENCH_BLOCK_SIZE    the engines' block size, for the oracle                          [16]
 #   BENCH_TIME_SCALE    simulated seconds per wall second                                [10]
 #   BENCH_RATE_FACTORS  replay speed-ups over the recorded times               ["0.5 1 2"]

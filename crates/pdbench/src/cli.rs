@@ -203,6 +203,10 @@ struct FleetFile {
     prefill: Vec<String>,
     #[serde(default)]
     decode: Vec<String>,
+    /// KV-cache blocks of each prefill (pdsim's fleet writes it): the capacity-bounded
+    /// oracle's cache when `--oracle-cache-blocks` is not given.
+    #[serde(default)]
+    prefill_kv_cache_blocks: Option<usize>,
 }
 
 fn millis(name: &str, v: Option<f64>) -> Result<Option<Duration>, BenchError> {
@@ -247,11 +251,13 @@ impl LoadArgs {
         let mut engine_metrics = self.engine_metrics.clone();
         let mut engine_roles = vec![None; engine_metrics.len()];
         let mut fleet_prefills = None;
+        let mut fleet_blocks = None;
         if let Some(path) = &self.fleet {
             let bad = |why: String| BenchError::Config(format!("fleet {}: {why}", path.display()));
             let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
             let f: FleetFile = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
             fleet_prefills = Some(f.prefill.len());
+            fleet_blocks = f.prefill_kv_cache_blocks;
             engine_roles.extend(f.prefill.iter().map(|_| Some(EngineRole::Prefill)));
             engine_roles.extend(f.decode.iter().map(|_| Some(EngineRole::Decode)));
             engine_metrics.extend(f.prefill);
@@ -284,7 +290,7 @@ impl LoadArgs {
                 seed: self.seed,
             },
             oracle_block_size: self.oracle_block_size,
-            oracle_limit: self.oracle_cache_blocks.map(|c| {
+            oracle_limit: self.oracle_cache_blocks.or(fleet_blocks).map(|c| {
                 (
                     self.oracle_engines.or(fleet_prefills).unwrap_or(1).max(1),
                     c,
@@ -505,6 +511,15 @@ mod tests {
             ]
         );
         assert_eq!(cfg.oracle_limit, Some((2, 1000)), "engines: the prefills");
+        // Without --oracle-cache-blocks, the fleet's own capacity bounds the oracle.
+        std::fs::write(
+            &fleet,
+            r#"{"prefill":["http://p:1","http://p:2"],"decode":[],"prefill_kv_cache_blocks":64}"#,
+        )
+        .expect("write");
+        let (cfg, _) =
+            parse(&["pdbench", "--url", "u", "--trace-file", t, "--fleet", fl]).expect("ok");
+        assert_eq!(cfg.oracle_limit, Some((2, 64)), "the fleet's blocks");
         assert!(parse(&["pdbench", "--url", "u", "--trace-file", t, "--rate", "3"]).is_err());
         assert!(parse(&["pdbench", "--url", "u", "--rate-factor", "3"]).is_err());
         assert!(parse(&["pdbench", "--url", "u", "--trace-file", "/nonexistent/x"]).is_err());

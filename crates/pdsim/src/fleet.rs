@@ -158,12 +158,15 @@ impl Fleet {
         s
     }
 
-    /// `{"prefill":[url...],"decode":[url...],"gateway_config":path}`.
+    /// `{"prefill":[url...],"decode":[url...],"gateway_config":path,
+    /// "prefill_kv_cache_blocks":n}` (the first prefill's KV-cache blocks: a load generator's
+    /// capacity-bounded oracle reads them).
     pub fn ready_json(&self, gateway_config: &str) -> String {
         serde_json::json!({
             "prefill": self.prefill_urls(),
             "decode": self.decode_urls(),
             "gateway_config": gateway_config,
+            "prefill_kv_cache_blocks": self.prefill.first().map(|e| e.config().cache.kv_cache_blocks),
         })
         .to_string()
     }

@@ -70,6 +70,11 @@ async fn fleet_reports_its_engines_writes_a_gateway_config_and_stops_on_sigterm(
     let prefill: Vec<String> = serde_json::from_value(v["prefill"].clone()).unwrap();
     let decode: Vec<String> = serde_json::from_value(v["decode"].clone()).unwrap();
     assert_eq!((prefill.len(), decode.len()), (2, 1));
+    let profile = pdsim::Profile::named("llama-3.1-8b-h100").unwrap();
+    assert_eq!(
+        v["prefill_kv_cache_blocks"], profile.kv_cache_blocks,
+        "the profile's KV memory, for the oracle"
+    );
     let config = std::fs::read_to_string(&toml).unwrap();
     assert_eq!(config.matches("[[prefill]]").count(), 2, "{config}");
     assert_eq!(config.matches("[[decode]]").count(), 1, "{config}");
