@@ -36,8 +36,8 @@
 #   NixlConnector wire format, which vllm-router's `--kv-connector nixl` and SMG speak; pdsim's
 #   `nixl` is AWS Neuron's variant).
 #   Precise matching needs the gateway to key prompts as the engines' events do (token keys):
-#   the precise arms take them from an engine's /tokenize (cache.engine_tokenize; text keys
-#   never match an event-publishing endpoint, docs/operations.md). Check the precise arms'
+#   the precise arms take them from an engine's /tokenize (cache.engine_tokenize, on by default
+#   where endpoints publish events; docs/operations.md). Check the precise arms'
 #   prefill hit share against ca_approx's: equal or lower means the keys did not match.
 #
 # Environment (all optional):
@@ -218,8 +218,10 @@ start_fleet() {
 json_urls() { python3 -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))[sys.argv[2]]))' "$1" "$2"; }
 
 # Precise arms key prompts by the engines' own tokens: pdsim's word tokenizer has no
-# tokenizer.json, so the gateway asks an engine's /tokenize (cache.engine_tokenize).
-PRECISE_KEYS=(--set cache.engine_tokenize=true --set cache.engine_tokenize_timeout=500ms)
+# tokenizer.json, so the gateway asks an engine's /tokenize (cache.engine_tokenize, on by default
+# for endpoints with KV events). A trace prompt is up to 128k words: the bound on that round trip
+# is raised from its 50 ms default so a busy machine does not fall back to approximate keys.
+PRECISE_KEYS=(--set cache.engine_tokenize_timeout=500ms)
 
 # run_arm ARM FACTOR: fleet, gateway, replay, stop; results in $OUT/ARM-rFACTOR.json.
 run_arm() {
