@@ -435,7 +435,12 @@ impl Metrics {
     /// the fleet's `connectors`), so that dashboards and alerts see every family before the
     /// first event.
     pub fn declare_fleet(&self, connectors: &[String]) {
-        for reason in ["queue_full", "queue_timeout", "endpoint_cap"] {
+        for reason in [
+            "queue_full",
+            "queue_timeout",
+            "endpoint_cap",
+            "queued_prefill_tokens",
+        ] {
             let _ = self.rejected.get_or_create(&ReasonLabels { reason });
         }
         for role in ["prefill", "decode"] {

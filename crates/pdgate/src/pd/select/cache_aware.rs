@@ -158,6 +158,9 @@ pub(super) fn pair(
         let decode = decode_for(gw, snap, model, &prefill)?;
         (prefill, decode, false, p_choice)
     };
+    if !decode_only && let Some(c) = predicted {
+        admit(gw, &cache.config, &prefill, c)?;
+    }
     // Both engines will hold the prompt's blocks: the prefill computed them, the decode
     // received (or computed) them and caches them too. One walk of the keys writes both.
     let now = std::time::Instant::now();
@@ -178,6 +181,25 @@ pub(super) fn pair(
             Some(c) if !decode_only => c.uncached_tokens,
             _ => 0,
         },
+    })
+}
+
+/// `max_queued_prefill_tokens`: the chosen prefill (the cheapest) would compute more than the
+/// bound before this request's first token, so every other one would too: shed it.
+fn admit(
+    gw: &Gateway,
+    cfg: &CacheConfig,
+    prefill: &Endpoint,
+    c: Choice,
+) -> Result<(), GatewayError> {
+    let bound = cfg.max_queued_prefill_tokens;
+    let ahead = prefill.load.computing_tokens() as u64 + u64::from(c.uncached_tokens);
+    if bound == 0 || ahead <= u64::from(bound) {
+        return Ok(());
+    }
+    gw.metrics.count_rejected("queued_prefill_tokens");
+    Err(GatewayError::Overloaded {
+        retry_after_secs: crate::limits::RETRY_AFTER_SECS,
     })
 }
 
