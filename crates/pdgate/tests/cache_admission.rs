@@ -1,6 +1,6 @@
 //! Admission by predicted prefill work (`cache.max_queued_prefill_tokens`): a request whose
-//! prefill would compute more than the bound before its first token is refused with 429 and
-//! `Retry-After`; the bound counts the work pdgate already sent to that prefill.
+//! prefill already has more than the bound of predicted tokens to compute ahead of it is
+//! refused with 429 and `Retry-After`; an idle prefill takes any prompt.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -24,28 +24,18 @@ async fn requests_past_the_queued_prefill_bound_are_refused_and_others_served() 
     let fleet = pair(Connector::Shfs, |c| {
         c.policy.prefill_policy = "cache_aware".into();
         c.policy.decode_policy = "cache_aware".into();
-        c.cache.max_queued_prefill_tokens = 1000;
+        c.cache.max_queued_prefill_tokens = 500;
     })
     .await;
-    // Alone, a request within the bound is served, one beyond it is refused at once.
-    let ok = fleet.post_bounded("/v1/completions", &body(100, "a")).await;
-    assert_eq!(ok.status(), 200);
-    ok.text().await.unwrap();
+    // An idle prefill takes a prompt far longer than the bound.
     let big = fleet
         .post_bounded("/v1/completions", &body(2000, "b"))
         .await;
-    assert_eq!(big.status(), 429);
-    assert_eq!(big.headers()["retry-after"], "1");
-    let err: Value = big.json().await.unwrap();
-    assert!(err["error"]["message"].is_string(), "{err}");
-    assert_eq!(
-        fleet.prefill[0].stats().requests.completions,
-        1,
-        "the refused one never reached it"
-    );
+    assert_eq!(big.status(), 200);
+    big.text().await.unwrap();
 
-    // Work in flight counts: hold a 400-word prefill (~600 tokens), then a second one exceeds
-    // 1000 tokens ahead and is refused; once the first is done, the same prompt is served.
+    // Work in flight counts: hold a 400-word prefill (~600 tokens ahead, over the bound of
+    // 500): the next request is refused; once the first is done, the same prompt is served.
     fleet.prefill[0].set_faults(Faults {
         first_byte_delay_ms: 1500,
         ..Faults::default()
@@ -87,11 +77,19 @@ async fn requests_past_the_queued_prefill_bound_are_refused_and_others_served() 
             .collect::<Vec<_>>()
             .join("\n")
     );
-    let second = fleet.post_bounded("/v1/completions", &body(400, "d")).await;
-    assert_eq!(second.status(), 429, "~600 queued + ~600 of its own > 1000");
+    let second = fleet.post_bounded("/v1/completions", &body(10, "d")).await;
+    assert_eq!(second.status(), 429, "~600 tokens queued ahead > 500");
+    assert_eq!(second.headers()["retry-after"], "1");
+    let err: Value = second.json().await.unwrap();
+    assert!(err["error"]["message"].is_string(), "{err}");
+    assert_eq!(
+        fleet.prefill[0].stats().requests.completions,
+        2,
+        "the long one and the held one: the refused one never reached the prefill"
+    );
     assert_eq!(held.await.unwrap(), 200);
     fleet.prefill[0].set_faults(Faults::default());
-    let again = fleet.post_bounded("/v1/completions", &body(400, "d")).await;
+    let again = fleet.post_bounded("/v1/completions", &body(10, "d")).await;
     assert_eq!(again.status(), 200, "the queue drained");
     again.text().await.unwrap();
     let m = fleet.metrics().await;
@@ -100,6 +98,6 @@ async fn requests_past_the_queued_prefill_bound_are_refused_and_others_served() 
             &m,
             r#"pdgate_admission_rejected_total{reason="queued_prefill_tokens"}"#
         ),
-        2.0
+        1.0
     );
 }

@@ -62,10 +62,10 @@ pub struct CacheConfig {
     /// ... and only when the uncached share of the prompt is below this ratio (Dynamo's
     /// `isl_bounding`); 1.0 lets the token threshold alone decide.
     pub decode_only_max_uncached_ratio: f64,
-    /// Admission: refuse (429 with `Retry-After`, as admission control does) a request whose chosen prefill would have more
-    /// than this many prompt tokens to compute before finishing it (the queue pdgate predicted
-    /// for it plus the request's own uncached tokens): past saturation such a request would miss
-    /// any TTFT objective and only delay the ones behind it. 0 (the default) admits everything.
+    /// Admission: refuse (429 with `Retry-After`, as admission control does) a request whose
+    /// chosen prefill already has more than this many predicted prompt tokens to compute ahead
+    /// of it: past saturation it would miss any TTFT objective and delay the ones behind it.
+    /// 0 (the default) admits everything.
     pub max_queued_prefill_tokens: u32,
     /// Every endpoint publishes KV events on `tcp://<its host>:<port>` (vLLM
     /// `--kv-events-config '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}'`);

@@ -158,8 +158,8 @@ pub(super) fn pair(
         let decode = decode_for(gw, snap, model, &prefill)?;
         (prefill, decode, false, p_choice)
     };
-    if !decode_only && let Some(c) = predicted {
-        admit(gw, &cache.config, &prefill, c)?;
+    if !decode_only && predicted.is_some() {
+        admit(gw, &cache.config, &prefill)?;
     }
     // Both engines will hold the prompt's blocks: the prefill computed them, the decode
     // received (or computed) them and caches them too. One walk of the keys writes both.
@@ -184,17 +184,12 @@ pub(super) fn pair(
     })
 }
 
-/// `max_queued_prefill_tokens`: the chosen prefill (the cheapest) would compute more than the
-/// bound before this request's first token, so every other one would too: shed it.
-fn admit(
-    gw: &Gateway,
-    cfg: &CacheConfig,
-    prefill: &Endpoint,
-    c: Choice,
-) -> Result<(), GatewayError> {
-    let bound = cfg.max_queued_prefill_tokens;
-    let ahead = prefill.load.computing_tokens() as u64 + u64::from(c.uncached_tokens);
-    if bound == 0 || ahead <= u64::from(bound) {
+/// `max_queued_prefill_tokens`: the chosen prefill (the cheapest) already has more than the
+/// bound of predicted prompt tokens to compute ahead of this request, so every other one is
+/// at least as far behind: shed it. An idle prefill takes any prompt, however long.
+fn admit(gw: &Gateway, cfg: &CacheConfig, prefill: &Endpoint) -> Result<(), GatewayError> {
+    let bound = cfg.max_queued_prefill_tokens as usize;
+    if bound == 0 || prefill.load.computing_tokens() <= bound {
         return Ok(());
     }
     gw.metrics.count_rejected("queued_prefill_tokens");
