@@ -27,6 +27,9 @@
 #                       the gateway config it writes subscribes to them)
 #   ca_precise_do       ca_precise, and a request with at most BENCH_DECODE_ONLY_BELOW uncached
 #                       tokens on its decode is served there alone (--decode-only-below-tokens)
+#   ca_shed             ca_precise_do, and admission sheds (429) a request whose prefill already
+#                       has more than BENCH_SHED_TOKENS predicted tokens queued ahead of it
+#                       (cache.max_queued_prefill_tokens; off by default in pdgate)
 #   vllm_router         vllm-router $VLLM_ROUTER_VERSION --vllm-pd-disaggregation --kv-connector nixl,
 #                       cache_aware on both roles (PyPI, into $PDGATE_CACHE/bench-venv)
 #   smg                 SMG $SMG_VERSION `smg launch --pd-disaggregation --backend vllm`, cache_aware on
@@ -56,10 +59,12 @@
 #   BENCH_RATE_FACTORS  replay speed-ups over the recorded times               ["0.5 1 2"]
 #   BENCH_REQUESTS      replay only the first N requests of the trace (empty: all)       []
 #   BENCH_SLO_TTFT, BENCH_SLO_ITL  objectives in simulated ms                    [2000, 100]
-#   BENCH_ARMS          see above                   [the five pdgate arms, vllm_router, smg]
+#   BENCH_ARMS          see above                   [the six pdgate arms, vllm_router, smg]
 #   BENCH_CONNECTOR     the fleet's KV connector (the peers need shfs)                      [shfs]
 #   VLLM_ROUTER_VERSION, SMG_VERSION  the peers' PyPI versions                   [0.1.17, 1.13.*]
 #   BENCH_DECODE_ONLY_BELOW  ca_precise_do's threshold (tokens)                          [512]
+#   BENCH_SHED_TOKENS   ca_shed's bound: about the TTFT objective times one prefill's
+#                       throughput (the H100 8B profile: ~20k tokens/s at long contexts)   [32768]
 #   BENCH_ARM_TIMEOUT   seconds per pdbench run                                         [1800]
 #   BENCH_NICE          niceness of everything started here                              [0]
 set -euo pipefail
@@ -83,11 +88,12 @@ RATE_FACTORS="${BENCH_RATE_FACTORS:-0.5 1 2}"
 REQUESTS="${BENCH_REQUESTS:-}"
 SLO_TTFT="${BENCH_SLO_TTFT:-2000}"
 SLO_ITL="${BENCH_SLO_ITL:-100}"
-ARMS="${BENCH_ARMS:-round_robin least_request ca_approx ca_precise ca_precise_do vllm_router smg}"
+ARMS="${BENCH_ARMS:-round_robin least_request ca_approx ca_precise ca_precise_do ca_shed vllm_router smg}"
 CONNECTOR="${BENCH_CONNECTOR:-shfs}"
 VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
 SMG_VERSION="${SMG_VERSION:-1.13.*}"
 DECODE_ONLY_BELOW="${BENCH_DECODE_ONLY_BELOW:-512}"
+SHED_TOKENS="${BENCH_SHED_TOKENS:-32768}"
 ARM_TIMEOUT="${BENCH_ARM_TIMEOUT:-1800}"
 NICE=(nice -n "${BENCH_NICE:-0}")
 BENCH_VENV="$CACHE/bench-venv"
@@ -188,7 +194,7 @@ fi
   echo "# bench/fleet.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "trace=$TRACE prefill=$PREFILL decode=$DECODE profile=${PROFILE:-default} kv_cache_blocks=${KV_BLOCKS:-default}"
   echo "time_scale=$TIME_SCALE rate_factors=$RATE_FACTORS requests=${REQUESTS:-all} slo_ttft=$SLO_TTFT slo_itl=$SLO_ITL"
-  echo "arms=$ARMS connector=$CONNECTOR decode_only_below=$DECODE_ONLY_BELOW machine: $CORES CPUs, $(uname -r)"
+  echo "arms=$ARMS connector=$CONNECTOR decode_only_below=$DECODE_ONLY_BELOW shed_tokens=$SHED_TOKENS machine: $CORES CPUs, $(uname -r)"
 } >"$OUT/params.txt"
 printf 'arm\trate_factor\twall_s\tgateway_cpu_s\tfleet_cpu_s\tpdbench_cpu_s\tmachine_busy\n' >"$OUT/proc.tsv"
 
@@ -234,6 +240,11 @@ run_arm() {
     ca_precise_do)
       policy=cache_aware events=1
       flags+=("${PRECISE_KEYS[@]}" --decode-only-below-tokens "$DECODE_ONLY_BELOW")
+      ;;
+    ca_shed)
+      policy=cache_aware events=1
+      flags+=("${PRECISE_KEYS[@]}" --decode-only-below-tokens "$DECODE_ONLY_BELOW"
+        --set "cache.max_queued_prefill_tokens=$SHED_TOKENS")
       ;;
     vllm_router | smg) ;;
     *) log "unknown arm $arm"; return 1 ;;
