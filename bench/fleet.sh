@@ -55,9 +55,11 @@
 #   BENCH_KV_CACHE_BLOCKS  KV-cache blocks per engine (empty: the profile's); the
 #                       capacity-bounded oracle takes the fleet's either way (ready file)      []
 #   BENCH_BLOCK_SIZE    the engines' block size, for the oracle                          [16]
-#   BENCH_TIME_SCALE    simulated seconds per wall second                                [10]
-#   BENCH_RATE_FACTORS  replay speed-ups over the recorded times               ["0.5 1 2"]
-#   BENCH_REQUESTS      replay only the first N requests of the trace (empty: all)       []
+#   BENCH_TIME_SCALE    simulated seconds per wall second (above 1 a gateway sees that many
+#                       times the trace's rate in wall time: keep its CPU in view)        [1]
+#   BENCH_RATE_FACTORS  replay speed-ups over the recorded times (8+8: around saturation)
+#                                                                                  ["3 4 6"]
+#   BENCH_REQUESTS      replay only the first N requests of the trace (empty: all)    [800]
 #   BENCH_SLO_TTFT, BENCH_SLO_ITL  objectives in simulated ms                    [2000, 100]
 #   BENCH_ARMS          see above                   [the six pdgate arms, vllm_router, smg]
 #   BENCH_CONNECTOR     the fleet's KV connector (the peers need shfs)                      [shfs]
@@ -83,9 +85,9 @@ DECODE="${BENCH_DECODE:-8}"
 PROFILE="${BENCH_PROFILE-llama-3.1-8b-h100}"
 KV_BLOCKS="${BENCH_KV_CACHE_BLOCKS:-}"
 BLOCK_SIZE="${BENCH_BLOCK_SIZE:-16}"
-TIME_SCALE="${BENCH_TIME_SCALE:-10}"
-RATE_FACTORS="${BENCH_RATE_FACTORS:-0.5 1 2}"
-REQUESTS="${BENCH_REQUESTS:-}"
+TIME_SCALE="${BENCH_TIME_SCALE:-1}"
+RATE_FACTORS="${BENCH_RATE_FACTORS:-3 4 6}"
+REQUESTS="${BENCH_REQUESTS:-800}"
 SLO_TTFT="${BENCH_SLO_TTFT:-2000}"
 SLO_ITL="${BENCH_SLO_ITL:-100}"
 ARMS="${BENCH_ARMS:-round_robin least_request ca_approx ca_precise ca_precise_do ca_shed vllm_router smg}"

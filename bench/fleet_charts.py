@@ -4,6 +4,7 @@
 Reads OUT/<arm>-r<factor>.json (pdbench --json reports) and OUT/proc.tsv; prints a Markdown
 table (one row per arm and rate factor) and, with matplotlib, draws
   OUT/fleet-slo.svg   SLO attainment vs offered request rate, one line per policy;
+  OUT/fleet-goodput.svg  goodput (requests/s within both objectives) vs offered rate;
   OUT/fleet-ttft.svg  the TTFT CDF of each policy at one rate factor (the highest that every
                       policy ran, or --cdf-factor).
 Usage: fleet_charts.py OUT [--cdf-factor F]
@@ -112,6 +113,18 @@ def charts(out: Path, runs, cdf_factor):
     fig.tight_layout()
     fig.savefig(out / "fleet-slo.svg")
 
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for a in arms:
+        pts = sorted((x["offered"], (x["r"].get("slo") or {}).get("goodput_rps", 0.0)) for x in runs if x["arm"] == a)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=a)
+    ax.set_xlabel("offered request rate (req/s, simulated time)")
+    ax.set_ylabel("goodput (req/s within both objectives)")
+    ax.set_title("goodput against offered load")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fleet-goodput.svg")
+
     factors = sorted({x["factor"] for x in runs})
     if cdf_factor is None:
         full = [f for f in factors if all(any(x["arm"] == a and x["factor"] == f for x in runs) for a in arms)]
@@ -131,7 +144,8 @@ def charts(out: Path, runs, cdf_factor):
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "fleet-ttft.svg")
-    print(f"\ncharts: {out / 'fleet-slo.svg'}, {out / 'fleet-ttft.svg'}", file=sys.stderr)
+    print(f"\ncharts: {out / 'fleet-slo.svg'}, {out / 'fleet-goodput.svg'}, {out / 'fleet-ttft.svg'}",
+          file=sys.stderr)
 
 
 def main():
