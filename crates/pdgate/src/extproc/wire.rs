@@ -179,7 +179,7 @@ pub(crate) fn common(
     clear_route_cache: bool,
 ) -> CommonResponse {
     let header_mutation =
-        (!set_headers.is_empty() || !remove_headers.is_empty()).then(|| HeaderMutation {
+        (!set_headers.is_empty() || !remove_headers.is_empty()).then_some(HeaderMutation {
             set_headers,
             remove_headers,
         });

@@ -4,6 +4,8 @@
 //! and the response body chunk by chunk through the processor, each message answered within a
 //! per-message timeout (Envoy's `message_timeout`). It keeps how long the processor took.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
