@@ -65,7 +65,13 @@ impl RunningGateway {
         options: crate::extproc::ExtProcOptions,
     ) -> std::io::Result<RunningGateway> {
         let app = crate::http::routes::admin_router(gateway.clone())
-            .merge(crate::extproc::router(gateway.clone(), options));
+            .merge(crate::extproc::router(gateway.clone(), options))
+            .fallback({
+                let gw = gateway.clone();
+                move |uri: http::Uri, headers: http::HeaderMap| {
+                    crate::http::routes::not_found(gw.clone(), uri, headers)
+                }
+            });
         RunningGateway::serve(gateway, listener, pods, app)
     }
 

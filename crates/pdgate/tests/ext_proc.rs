@@ -541,6 +541,11 @@ async fn bad_requests_get_the_gateways_json_errors() {
             Ok(r) => panic!("{path} forwarded to {}", r.destination),
         }
     }
+    // The listener serves no OpenAI route over plain HTTP: Envoy is the front.
+    let r = fleet.post("/v1/completions", &completion(false)).await;
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], 404, "{v}");
     assert_eq!(fleet.prefill[0].stats().requests.completions, 0);
     assert_eq!(fleet.decode[0].stats().requests.completions, 0);
 }
