@@ -25,10 +25,12 @@ fi
 kv="$venv/bin/kubernetes-validate"
 py="$venv/bin/python"
 
-# Custom resources (InferencePool) are checked below against their CRDs, not here.
-mapfile -t manifests < <(cd "$here" && grep -L '^apiVersion: inference\.networking\.k8s\.io/' \
+# Custom resources (InferencePool, Envoy Gateway's policies) are checked below against their
+# CRDs, not here.
+custom_api='^apiVersion: (inference\.networking\.k8s\.io|gateway\.envoyproxy\.io)/'
+mapfile -t manifests < <(cd "$here" && grep -LE "$custom_api" \
   $(find kubernetes -name '*.yaml' ! -name kustomization.yaml) | sort)
-mapfile -t custom < <(cd "$here" && grep -l '^apiVersion: inference\.networking\.k8s\.io/' \
+mapfile -t custom < <(cd "$here" && grep -lE "$custom_api" \
   $(find kubernetes -name '*.yaml' ! -name kustomization.yaml) | sort)
 if [ "${#manifests[@]}" -eq 0 ]; then
   echo "validate.sh: no manifests found under $here/kubernetes" >&2
@@ -85,7 +87,7 @@ def strict(schema):
 schemas = {}
 for path in glob.glob("crds/*.yaml"):
     with open(path) as f:
-        crd = yaml.safe_load(f)
+        crd = next(d for d in yaml.safe_load_all(f) if d)
     group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
     for v in crd["spec"]["versions"]:
         root = strict(v["schema"]["openAPIV3Schema"])
@@ -104,6 +106,11 @@ broken = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool
           "targetPort": [{"number": 8000}]}}
 if not check(broken):
     sys.exit("validate.sh: self-test failed: the CRD schema accepted a broken InferencePool")
+broken = {"apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "EnvoyExtensionPolicy",
+          "metadata": {"name": "x"}, "spec": {"extProc": [{"backendRefs": [{"name": "p"}],
+          "processingMode": {"request": {"body": "Whole"}}}]}}
+if not check(broken):
+    sys.exit("validate.sh: self-test failed: the CRD schema accepted a broken EnvoyExtensionPolicy")
 errors = []
 for path in sys.argv[1:]:
     with open(path) as f:

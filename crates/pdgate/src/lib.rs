@@ -37,6 +37,8 @@
 //!   [`GatewayError`], typed by where it came from ([`Leg`], [`UpstreamKind`]), and
 //!   [`ConfigError`]. `durations`: durations as the file spells them. `watch`: files re-read
 //!   when they change.
+//! - [`extproc`]: the gateway as Envoy's external processor (`pdgate ext-proc`): the same state
+//!   and PD steps, the decode leg carried by the proxy (`pd::delegate`).
 //! - [`demo`] (cargo feature `demo`, on by default): simulated engines plus a gateway.
 //!
 //! # Example
@@ -68,6 +70,7 @@ pub(crate) mod durations;
 pub(crate) mod endpoints;
 pub(crate) mod engine;
 pub(crate) mod error;
+pub mod extproc;
 pub(crate) mod headers;
 pub(crate) mod http;
 pub(crate) mod limits;
@@ -84,6 +87,7 @@ pub use cache::{CacheConfig, ModelCacheConfig};
 pub use config::{Config, ConfigError, EndpointConfig, LogFormat, RunArgs};
 pub use discovery::file::watch_config_file;
 pub use error::{GatewayError, Leg, Source, UpstreamKind};
+pub use extproc::ExtProcOptions;
 #[doc(hidden)]
 pub use pd::bench as cache_bench;
 pub use run::{RunningGateway, listen};

@@ -45,6 +45,21 @@ enum Command {
         #[command(flatten)]
         check: CheckArgs,
     },
+    /// Serve as Envoy's external processor (ext_proc, gRPC) instead of as a proxy.
+    ///
+    /// Envoy (Envoy Gateway's EnvoyExtensionPolicy, or a Gateway API Inference Extension
+    /// InferencePool naming pdgate as its endpoint picker) sends each request's headers and
+    /// buffered body here; pdgate chooses the pair as the proxy does, runs the prefill leg, and
+    /// answers with the decode's body and its destination (`target-pod`,
+    /// `x-gateway-destination-endpoint` and the `envoy.lb` metadata). The configuration, flags and
+    /// discovery are the proxy's; `--listen` serves the gRPC service and, over HTTP/1.1,
+    /// `/metrics`, `/health` and `/ready`.
+    ExtProc {
+        #[command(flatten)]
+        run: Box<RunArgs>,
+        #[command(flatten)]
+        ext_proc: ExtProcArgs,
+    },
     #[cfg(feature = "demo")]
     /// Start simulated prefill/decode engines (several connectors, model `demo`) and a gateway in
     /// front of them, and print ready-to-paste examples.
@@ -53,6 +68,15 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
     },
+}
+
+/// Who runs the prefill under `pdgate ext-proc`.
+#[derive(Debug, clap::Args)]
+struct ExtProcArgs {
+    /// llm-d's sidecar form: name the prefill in `x-prefiller-host-port` and leave the prefill
+    /// call to the sidecar on the decode pod.
+    #[arg(long)]
+    prefill_by_sidecar: bool,
 }
 
 /// How `pdgate check` samples pairs and what it sends.
@@ -172,7 +196,13 @@ async fn shutdown_signal() {
     }
 }
 
-async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
+/// How `serve` serves: as the proxy, or as Envoy's external processor.
+enum Mode {
+    Proxy,
+    ExtProc(pdgate::ExtProcOptions),
+}
+
+async fn serve(args: RunArgs, config: Config, mode: Mode) -> Result<(), pdgate::Error> {
     let registry = kvtransfer::Registry::with_builtins();
     let kube_client = if config.discovery.kind == DiscoveryKind::Kubernetes {
         let client = pdkube::client_from_env()
@@ -186,7 +216,10 @@ async fn serve(args: RunArgs, config: Config) -> Result<(), pdgate::Error> {
         None
     };
     let gateway = Gateway::new(config, registry)?;
-    let mut running = RunningGateway::bind(gateway.clone()).await?;
+    let mut running = match mode {
+        Mode::Proxy => RunningGateway::bind(gateway.clone()).await?,
+        Mode::ExtProc(options) => RunningGateway::bind_ext_proc(gateway.clone(), options).await?,
+    };
     info!(
         listen = %running.addr(),
         prefill = gateway.config.prefill.len(),
@@ -238,33 +271,53 @@ async fn main() -> ExitCode {
         }
         other => other,
     };
+    #[cfg(feature = "demo")]
+    let demo = match &command {
+        Some(Command::Demo { listen }) => Some(*listen),
+        _ => None,
+    };
     // The configuration first: it says where spans go (`[telemetry]`). The demo exports none.
-    let config = if command.is_some() {
-        None
-    } else {
-        match cli.run.load() {
+    let (run, mode) = match command {
+        None => (Some(cli.run), Some(Mode::Proxy)),
+        Some(Command::ExtProc { run, ext_proc }) => {
+            let options = pdgate::ExtProcOptions {
+                prefill_by_sidecar: ext_proc.prefill_by_sidecar,
+            };
+            (Some(*run), Some(Mode::ExtProc(options)))
+        }
+        #[cfg(feature = "demo")]
+        Some(Command::Demo { .. }) => (None, None),
+        Some(Command::Check { .. }) => (None, None),
+    };
+    let config = match &run {
+        None => None,
+        Some(run) => match run.load() {
             Ok(config) => Some(config),
             Err(e) => return fail(&pdgate::Error::from(e)),
-        }
+        },
     };
     let telemetry_config = config
         .as_ref()
         .map_or_else(TelemetryConfig::default, |c| c.telemetry.clone());
-    let telemetry = match pdgate::telemetry::init(cli.run.log_format, &telemetry_config) {
+    let log_format = run
+        .as_ref()
+        .map_or_else(pdgate::LogFormat::default, |r| r.log_format);
+    let telemetry = match pdgate::telemetry::init(log_format, &telemetry_config) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("pdgate: {e}");
             return ExitCode::from(2);
         }
     };
-    let result = match command {
-        Some(Command::Check { .. }) => Ok(()), // answered above
+    let result = match (run, config, mode) {
+        (Some(run), Some(config), Some(mode)) => serve(run, config, mode).await,
         #[cfg(feature = "demo")]
-        Some(Command::Demo { listen }) => pdgate::demo::run(listen, shutdown_signal()).await,
-        None => match config {
-            Some(config) => serve(cli.run, config).await,
-            None => Ok(()), // not reached: without a command the configuration was loaded above
+        _ => match demo {
+            Some(listen) => pdgate::demo::run(listen, shutdown_signal()).await,
+            None => Ok(()), // `check` answered above
         },
+        #[cfg(not(feature = "demo"))]
+        _ => Ok(()), // `check` answered above
     };
     telemetry
         .shutdown(telemetry_config.otlp_export_timeout)

@@ -51,6 +51,37 @@ impl RunningGateway {
         listener: TcpListener,
         pods: Vec<Pod>,
     ) -> std::io::Result<RunningGateway> {
+        let app = crate::http::router(gateway.clone());
+        RunningGateway::serve(gateway, listener, pods, app)
+    }
+
+    /// Starts as Envoy's external processor (`pdgate ext-proc`): the ext_proc service (gRPC)
+    /// and the operational routes (`/metrics`, `/health`, `/ready`) on `listener`, with the same
+    /// discovery, health checks and state as [`RunningGateway::start`]; no OpenAI routes.
+    pub async fn start_ext_proc(
+        gateway: Arc<Gateway>,
+        listener: TcpListener,
+        pods: Vec<Pod>,
+        options: crate::extproc::ExtProcOptions,
+    ) -> std::io::Result<RunningGateway> {
+        let app = crate::http::routes::admin_router(gateway.clone())
+            .merge(crate::extproc::router(gateway.clone(), options))
+            .fallback({
+                let gw = gateway.clone();
+                move |uri: http::Uri, headers: http::HeaderMap| {
+                    crate::http::routes::not_found(gw.clone(), uri, headers)
+                }
+            });
+        RunningGateway::serve(gateway, listener, pods, app)
+    }
+
+    /// The tasks every mode runs, and `app` on `listener`.
+    fn serve(
+        gateway: Arc<Gateway>,
+        listener: TcpListener,
+        pods: Vec<Pod>,
+        app: axum::Router,
+    ) -> std::io::Result<RunningGateway> {
         let addr = listener.local_addr()?;
         let cancel = CancellationToken::new();
         let (tx, rx) = watch::channel(Arc::new(pods));
@@ -75,7 +106,6 @@ impl RunningGateway {
             gateway.metrics.clone(),
             cancel.clone(),
         ));
-        let app = crate::http::router(gateway.clone());
         let limits = crate::http::listener::ConnectionLimits::of(&gateway.config);
         let mut admin_addr = None;
         if let Some(admin) = gateway.config.security.admin_listen {
@@ -121,6 +151,18 @@ impl RunningGateway {
         let listener = listen(gateway.config.http.listen)
             .map_err(|e| crate::Error::Bind(gateway.config.http.listen, e))?;
         Ok(RunningGateway::start(gateway, listener, pods).await?)
+    }
+
+    /// Binds `config.http.listen` and starts as Envoy's external processor
+    /// ([`RunningGateway::start_ext_proc`]) with the configured static endpoints.
+    pub async fn bind_ext_proc(
+        gateway: Arc<Gateway>,
+        options: crate::extproc::ExtProcOptions,
+    ) -> Result<RunningGateway, crate::Error> {
+        let pods = gateway.config.pods()?;
+        let addr = gateway.config.http.listen;
+        let listener = listen(addr).map_err(|e| crate::Error::Bind(addr, e))?;
+        Ok(RunningGateway::start_ext_proc(gateway, listener, pods, options).await?)
     }
 
     /// The address served.

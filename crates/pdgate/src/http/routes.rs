@@ -120,6 +120,14 @@ pub(crate) fn admin_router(gw: Arc<Gateway>) -> axum::Router {
         .with_state(gw)
 }
 
+/// Any other path (the ext-proc listener, which serves no OpenAI route): 404, OpenAI-shaped.
+pub(crate) async fn not_found(gw: Arc<Gateway>, uri: http::Uri, headers: HeaderMap) -> Answer {
+    let err = crate::error::GatewayError::NotFound {
+        path: uri.path().to_string(),
+    };
+    crate::http::edge::refuse(gw, &headers, err)
+}
+
 pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
     if let Some(cache) = &gw.cache {
         cache.refresh_gauges();

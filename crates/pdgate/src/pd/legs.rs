@@ -149,7 +149,10 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
 
 /// The prefill leg (retried on other prefills) and the merge of its answer: the decode leg's
 /// body (the client's own when the decode serves alone after a failed prefill).
-async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, GatewayError> {
+pub(crate) async fn prefill_and_merge(
+    ex: &mut Exchange,
+    pd: &mut Pd,
+) -> Result<Bytes, GatewayError> {
     let gw = ex.gw.clone();
     let mut tried = vec![pd.prefill.name.clone()];
     let collected = loop {
@@ -253,11 +256,7 @@ async fn prefill_and_merge(ex: &mut Exchange, pd: &mut Pd) -> Result<Bytes, Gate
 pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
     let gw = ex.gw.clone();
     let mut state = Attempts {
-        limit: gw
-            .config
-            .legs
-            .prefill_timeout
-            .min(gw.config.reliability.concurrent_prefill_timeout),
+        limit: concurrent_prefill_limit(&gw),
         tried: vec![pd.prefill.name.clone()],
         bootstrap: pd.agent.needs_bootstrap_lookup(),
         requeried: false,
@@ -347,6 +346,46 @@ struct Attempts {
     moved: bool,
 }
 
+/// Bound on a prefill leg that runs beside its decode.
+pub(crate) fn concurrent_prefill_limit(gw: &Gateway) -> Duration {
+    gw.config
+        .legs
+        .prefill_timeout
+        .min(gw.config.reliability.concurrent_prefill_timeout)
+}
+
+/// Starts the prefill leg of a concurrent connector on its own task (aborted when dropped),
+/// after the agent shaped both legs: the decode leg's body is then `pd.ctx.req_body`. The task
+/// answers the cached prompt tokens the prefill reports.
+pub(crate) fn start_prefill(
+    gw: &Arc<Gateway>,
+    request_id: &str,
+    pd: &mut Pd,
+    limit: Duration,
+) -> Result<AbortOnDropHandle<PartnerResult>, GatewayError> {
+    pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
+    let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
+    let prefill_request = pd
+        .agent
+        .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
+    pd.agent
+        .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
+    let gw = gw.clone();
+    let job = PrefillJob::new(pd, request_id, prefill_request, limit);
+    let span = prefill_span(request_id, &pd.prefill.name);
+    Ok(AbortOnDropHandle::new(tokio::spawn(
+        async move {
+            let c = prefill_leg(&gw, job).await?;
+            if c.status.is_success() {
+                Ok(usage::reported(&c.body))
+            } else {
+                Err(client::status_error(Leg::Prefill, c))
+            }
+        }
+        .instrument(span),
+    )))
+}
+
 /// One attempt of both legs, up to the decode's head and (with a prefill still running or a
 /// bootstrap-based connector) its first frame.
 async fn attempt(
@@ -359,29 +398,7 @@ async fn attempt(
         Decode(Result<Option<(DecodeHead, Duration)>, GatewayError>),
     }
     let gw = ex.gw.clone();
-    pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
-    let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
-    let prefill_request = pd
-        .agent
-        .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
-    pd.agent
-        .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
-    let prefill_task: AbortOnDropHandle<PartnerResult> = {
-        let gw = gw.clone();
-        let job = PrefillJob::new(pd, &ex.request_id, prefill_request, state.limit);
-        let span = prefill_span(&ex.request_id, &pd.prefill.name);
-        AbortOnDropHandle::new(tokio::spawn(
-            async move {
-                let c = prefill_leg(&gw, job).await?;
-                if c.status.is_success() {
-                    Ok(usage::reported(&c.body))
-                } else {
-                    Err(client::status_error(Leg::Prefill, c))
-                }
-            }
-            .instrument(span),
-        ))
-    };
+    let prefill_task = start_prefill(&gw, &ex.request_id, pd, state.limit)?;
     let mut partner = Some(prefill_task);
     let decode_sent = tokio::time::Instant::now();
     // The prefill's cached tokens, when it answers before the decode's head.

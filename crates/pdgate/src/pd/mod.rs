@@ -15,6 +15,7 @@ pub(crate) mod abort;
 #[doc(hidden)]
 pub mod bench;
 pub(crate) mod decode_head;
+pub(crate) mod delegate;
 pub(crate) mod handover;
 pub(crate) mod legs;
 pub(crate) mod relay;
@@ -164,6 +165,36 @@ pub(crate) async fn serve(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Result<Answer, GatewayError> {
+    let Plan { pd, decode_only } = plan(ex, route, headers, body, None).await?;
+    // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
+    // would otherwise hold (and move) that much inline.
+    if decode_only {
+        return Box::pin(decode_head::decode_only(ex, pd)).await;
+    }
+    match pd.agent.dispatch() {
+        Dispatch::Sequential => Box::pin(legs::sequential(ex, pd)).await,
+        Dispatch::Concurrent => Box::pin(legs::concurrent(ex, pd)).await,
+    }
+}
+
+/// A request read and routed, before any leg: the pair and how it is served.
+pub(crate) struct Plan {
+    pub(crate) pd: Pd,
+    /// The decode serves it alone, by choice (`pd.served.decode_only` says why).
+    pub(crate) decode_only: bool,
+}
+
+/// Steps 1 and 2, shared by every way a request is served (the proxy's flows, and an external
+/// proxy's processor): parse the body, strip client transfer fields, read the request, choose
+/// the pair (the decode among `decodes` when given: a proxy's subset hint), check the request
+/// against the connector, and name the request in its record.
+pub(crate) async fn plan(
+    ex: &mut Exchange,
+    route: Route,
+    headers: &HeaderMap,
+    body: Bytes,
+    decodes: Option<&[String]>,
+) -> Result<Plan, GatewayError> {
     let gw = ex.gw.clone();
     let mut clean = kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH)
         .map_err(GatewayError::refused_body)?;
@@ -174,7 +205,14 @@ pub(crate) async fn serve(
     let view = view::RequestView::read(&clean, route)?;
     debug!(id = %ex.request_id, model = ?view.model, stream = view.stream, "request read");
     gw.retry_budget.deposit();
-    let snapshot = gw.store.load();
+    let snapshot = match decodes {
+        None => gw.store.load(),
+        Some(names) => Arc::new(select::within(
+            &gw.store.load(),
+            names,
+            view.model.as_deref(),
+        )?),
+    };
     let prefix = match gw.cache.as_ref() {
         None => None,
         Some(c) => Some(
@@ -291,13 +329,5 @@ pub(crate) async fn serve(
         prefill_base,
         prefill_tokens,
     };
-    // Boxed: the two flows' futures are ~6 KB, and every async caller up to axum's own box
-    // would otherwise hold (and move) that much inline.
-    if decode_only {
-        return Box::pin(decode_head::decode_only(ex, pd)).await;
-    }
-    match pd.agent.dispatch() {
-        Dispatch::Sequential => Box::pin(legs::sequential(ex, pd)).await,
-        Dispatch::Concurrent => Box::pin(legs::concurrent(ex, pd)).await,
-    }
+    Ok(Plan { pd, decode_only })
 }

@@ -136,7 +136,7 @@ type Polled = Poll<Option<Result<Frame<Bytes>, RelayError>>>;
 
 /// A decode failure after its head: logged with the endpoint and cause, and counted against the
 /// endpoint's passive health.
-fn engine_failed(
+pub(crate) fn engine_failed(
     health: Option<&Health>,
     id: &str,
     endpoint: &str,
@@ -188,7 +188,7 @@ pub(crate) fn is_error_event(data: &[u8]) -> bool {
 
 /// The engine's body ended: a success for passive health and the record, unless the decode
 /// reported an error event in it.
-fn finish_clean(
+pub(crate) fn finish_clean(
     health: Option<&Health>,
     endpoint: &str,
     error_event: bool,

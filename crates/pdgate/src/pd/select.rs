@@ -59,6 +59,36 @@ pub(super) fn no_pair(snap: &Snapshot, model: Option<&str>) -> GatewayError {
     }
 }
 
+/// `snap` with its decodes restricted to those named in `names` (`host:port`: a proxy's subset
+/// hint, the endpoints it can send the request to). None of them routable: 503.
+pub(crate) fn within(
+    snap: &Snapshot,
+    names: &[String],
+    model: Option<&str>,
+) -> Result<Snapshot, GatewayError> {
+    let decode: Vec<Arc<Endpoint>> = snap
+        .decode
+        .iter()
+        .filter(|d| names.iter().any(|n| n == &d.name))
+        .cloned()
+        .collect();
+    if decode.is_empty() {
+        return Err(GatewayError::NoEndpoint {
+            what: "decode (in the destination subset)",
+            model: model.unwrap_or_default().to_string(),
+        });
+    }
+    Ok(Snapshot {
+        prefill: snap.prefill.clone(),
+        decode,
+        models: snap.models.clone(),
+        excluded: Vec::new(),
+        roleset_pairing: snap.roleset_pairing,
+        every_pair: snap.every_pair,
+        same_models: snap.same_models,
+    })
+}
+
 /// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector. With
 /// a `cache_aware` policy and the request's prefix view, [`cache_aware::pair`] decides instead.
 pub(crate) fn pair(

@@ -1,6 +1,8 @@
 //! Shared harness: pdsim engines on port 0 and a pdgate in front of them, all in-process.
 #![allow(dead_code)]
 
+pub mod envoy;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -117,6 +119,37 @@ pub async fn start_unready(
         gateway,
         http,
     }
+}
+
+/// Like [`start`], pdgate serving as Envoy's external processor: `gateway.addr()` serves the
+/// ext_proc service (gRPC) and the operational routes (`/ready`, `/metrics`).
+pub async fn start_ext_proc(
+    prefill: Vec<SimConfig>,
+    decode: Vec<SimConfig>,
+    tweak: impl FnOnce(&mut Config),
+    options: pdgate::ExtProcOptions,
+) -> Fleet {
+    let (mut config, p, d) = engines(prefill, decode).await;
+    config.security.expose_target_headers = true;
+    tweak(&mut config);
+    let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("config");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let pods = gw.config.pods().expect("pods");
+    let gateway = RunningGateway::start_ext_proc(gw, listener, pods, options)
+        .await
+        .expect("gateway");
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client");
+    let fleet = Fleet {
+        prefill: p,
+        decode: d,
+        gateway,
+        http,
+    };
+    fleet.wait_ready(true).await;
+    fleet
 }
 
 /// One prefill and one decode of `connector`.
