@@ -18,7 +18,9 @@ pub struct TransferState {
     pub bootstrap_rooms: Vec<u64>,
     /// Whether the bootstrap room went out as an array (batch request).
     pub bootstrap_room_is_array: bool,
-    /// Mooncake data-parallel rank of the prefill engine serving this request.
+    /// The data-parallel rank of the prefill engine serving this request: set by the gateway
+    /// before augment when it chose one (it sends it as `X-data-parallel-rank`), and agents
+    /// that name a rank (Mooncake) take it; else the Mooncake agent picks one itself.
     pub dp_rank: Option<u32>,
     /// The decode pod the prefill leg addresses, for connectors whose prefill names its decode
     /// (set by [`KvTransferAgent::bind_decode`](crate::KvTransferAgent::bind_decode)).

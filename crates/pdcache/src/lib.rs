@@ -11,6 +11,7 @@
 //!   `token_ids`: "dual key") or over byte blocks of the prompt or conversation (approximate).
 //! - [`index`]: the cache index of one model: endpoint -> blocks, longest consecutive prefix per
 //!   endpoint, precise / approximate / speculative entries, LRU and TTL, memory counters.
+//! - [`ranks`]: where each data-parallel rank of an engine publishes its events.
 //! - `subscribe` (feature `subscriber`): ZMQ SUB for engines' events, with sequence-gap replay,
 //!   feeding an index.
 //! - [`tokenizer`]: a Hugging Face `tokenizer.json` and chat template, for token keys equal to
@@ -50,6 +51,7 @@ pub mod events;
 pub mod index;
 pub mod keys;
 mod msgpack;
+pub mod ranks;
 #[cfg(feature = "subscriber")]
 pub mod subscribe;
 pub mod tokenizer;

@@ -30,7 +30,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use crate::events::{END_SEQ, decode_batch, decode_seq, encode_seq};
+use crate::events::{END_SEQ, EventBatch, decode_batch, decode_seq, encode_seq};
 use crate::index::{CacheIndex, EndpointId};
 
 /// One model's index, shared by the gateway's routing and the subscribers that feed it.
@@ -41,8 +41,23 @@ pub type SharedIndex = Arc<Mutex<CacheIndex>>;
 pub struct Feed {
     /// The model's index.
     pub index: SharedIndex,
-    /// The engine's id in that index.
+    /// The engine's id in that index: where batches go that name no rank [`Feed::ranks`]
+    /// lists.
     pub endpoint: EndpointId,
+    /// For an engine serving data-parallel ranks, each rank's id by rank: a batch goes to the
+    /// id of its `data_parallel_rank` (each rank has its own cache). Empty: one cache.
+    pub ranks: Vec<EndpointId>,
+}
+
+impl Feed {
+    /// Where `batch`'s events go: its rank's id, else [`Feed::endpoint`].
+    pub fn target(&self, batch: &EventBatch) -> EndpointId {
+        batch
+            .data_parallel_rank
+            .and_then(|r| usize::try_from(r).ok())
+            .and_then(|r| self.ranks.get(r).copied())
+            .unwrap_or(self.endpoint)
+    }
 }
 
 /// Why a subscriber could not start.
@@ -192,9 +207,16 @@ impl Publisher {
         }
     }
 
+    /// Drops what this publisher's events put in the index: its endpoint's entries, and each
+    /// rank's it feeds (lost batches may have removed blocks of any of them).
     fn clear(&mut self) {
         if let Ok(mut idx) = self.feed.index.lock() {
             idx.clear_endpoint(self.feed.endpoint);
+            for &rank in &self.feed.ranks {
+                if rank != self.feed.endpoint {
+                    idx.clear_endpoint(rank);
+                }
+            }
         }
         bump(&self.stats.clears, 1);
     }
@@ -219,8 +241,9 @@ impl Publisher {
         if live {
             self.stats.observe_lag(batch.ts);
         }
+        let target = self.feed.target(&batch);
         let st = match self.feed.index.lock() {
-            Ok(mut idx) => idx.apply_batch(self.feed.endpoint, &batch, Instant::now().into_std()),
+            Ok(mut idx) => idx.apply_batch(target, &batch, Instant::now().into_std()),
             Err(_) => return,
         };
         bump(&self.stats.batches, 1);
@@ -565,5 +588,28 @@ mod tests {
         assert_eq!(classify(Some(7), 9), SeqEvent::Gap { from: 7 });
         assert_eq!(classify(Some(7), 0), SeqEvent::Restart);
         assert_eq!(classify(Some(7), 6), SeqEvent::Restart);
+    }
+
+    #[test]
+    fn a_batch_goes_to_its_ranks_cache() {
+        use crate::index::{CacheIndex, IndexConfig};
+        let mut index = CacheIndex::new(IndexConfig::default(), std::time::Instant::now());
+        let ids: Vec<EndpointId> = (0..3).map(|_| index.add_endpoint().unwrap()).collect();
+        let feed = Feed {
+            index: Arc::new(Mutex::new(index)),
+            endpoint: ids[1],
+            ranks: ids.clone(),
+        };
+        let batch = |rank| EventBatch {
+            ts: 0.0,
+            events: Vec::new(),
+            data_parallel_rank: rank,
+        };
+        assert_eq!(feed.target(&batch(Some(0))), ids[0]);
+        assert_eq!(feed.target(&batch(Some(2))), ids[2]);
+        // No rank, or one beyond the engine's: the subscription's own.
+        assert_eq!(feed.target(&batch(None)), ids[1]);
+        assert_eq!(feed.target(&batch(Some(7))), ids[1]);
+        assert_eq!(feed.target(&batch(Some(-1))), ids[1]);
     }
 }

@@ -218,6 +218,7 @@ async fn late_join_and_gaps_are_replayed_and_a_restart_clears() {
         let feed = Feed {
             index: index.clone(),
             endpoint: ep,
+            ranks: Vec::new(),
         };
         let sub = Subscription::connect(&engine.endpoint, engine.replay.clone(), feed, config());
         let stats = sub.stats().clone();
@@ -269,6 +270,7 @@ async fn a_restarted_engine_process_is_followed_and_its_first_batches_replayed()
     let feed = Feed {
         index: index.clone(),
         endpoint: ep,
+        ranks: Vec::new(),
     };
     let sub = Subscription::connect(&engine.endpoint, engine.replay.clone(), feed, config());
     let stats = sub.stats().clone();
@@ -307,6 +309,7 @@ async fn a_gap_without_replay_drops_the_endpoints_entries() {
         Feed {
             index: index.clone(),
             endpoint: ep,
+            ranks: Vec::new(),
         },
         config(),
     );
@@ -356,6 +359,7 @@ async fn a_bound_subscriber_routes_engines_by_topic() {
             Feed {
                 index: index.clone(),
                 endpoint: ep,
+                ranks: Vec::new(),
             },
             None,
         )

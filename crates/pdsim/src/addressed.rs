@@ -349,7 +349,7 @@ mod tests {
             let req =
                 crate::request::parse(crate::request::Endpoint::Completions, body.as_bytes(), "m")
                     .unwrap();
-            let got = plan(input(role, connector, false), &req, None, rid);
+            let got = plan(input(role, connector, false), &req, rid);
             match (got, want) {
                 (Ok(p), Ok(w)) => assert_eq!(kinds(&p), w, "case {i}: {connector} {role} {body}"),
                 (Err(e), Err(status)) => assert_eq!(e.status(), status, "case {i}"),

@@ -419,6 +419,11 @@ pub struct SimConfig {
     pub step: Option<StepModel>,
     /// Context window (prompt plus output); default the step model's profile's, else 32,768.
     pub max_model_len: Option<u32>,
+    /// Data-parallel ranks behind the one API server (vLLM `--data-parallel-size`, default 1):
+    /// each has its own prefix cache, queue and KV-event publisher (on the endpoints moved by
+    /// its rank, as vLLM moves them); `X-data-parallel-rank` pins a request to one, unpinned
+    /// requests are balanced like vLLM's internal load balancer.
+    pub data_parallel_size: u32,
 }
 
 /// Context window when neither `max_model_len` nor a profile gives one.
@@ -480,6 +485,7 @@ impl SimConfig {
             time_scale: 1.0,
             step: None,
             max_model_len: None,
+            data_parallel_size: 1,
         }
     }
 }

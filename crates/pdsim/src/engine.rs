@@ -1,26 +1,22 @@
 //! The engine: state shared by every request and listener of one engine.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-
-use pdcache::events::KvEvent;
 
 use crate::clock::SimClock;
 use crate::config::{Connector, Faults, SimConfig};
+use crate::dp::DpRank;
 use crate::error::ApiError;
-use crate::kv_events::EventSink;
 use crate::kv_pull::PullClient;
 use crate::kv_store::KvStore;
 use crate::plan::PlanInput;
 use crate::prefix_cache::PrefixCache;
 use crate::stats::{Counters, Recent, SimStats};
-use crate::step_loop::StepLoop;
 use crate::tokens::Tok;
 
 /// State shared by every request and listener of one engine.
@@ -31,7 +27,6 @@ pub(crate) struct Engine {
     pub counters: Counters,
     pub recent: Recent,
     pub kv: KvStore,
-    pub slots: Option<Arc<Semaphore>>,
     pub shutdown: CancellationToken,
     pub client: PullClient,
     pub side_channel_port: Option<u16>,
@@ -47,14 +42,13 @@ pub(crate) struct Engine {
     pub tok: Tok,
     /// Tokens per KV block.
     pub block_size: u32,
-    /// `None` with `--no-enable-prefix-caching`.
-    pub cache: Option<Mutex<PrefixCache>>,
-    /// The KV-event publisher, when events are on.
-    pub events: Option<EventSink>,
+    /// The data-parallel ranks (one unless `--data-parallel-size`): each its own prefix cache,
+    /// queue and KV-event publisher.
+    pub ranks: Vec<DpRank>,
+    /// Where the balancer starts its scan for an unpinned request (ties rotate).
+    pub rank_turn: AtomicUsize,
     /// Simulated time (`--time-scale`).
     pub clock: SimClock,
-    /// The scheduler of the step-loop engine model, when it is on.
-    pub steps: Option<StepLoop>,
 }
 
 impl Engine {
@@ -64,33 +58,31 @@ impl Engine {
         ports: (Option<u16>, Option<u16>),
         faults: Arc<ArcSwap<Faults>>,
         tok: Tok,
-        events: Option<EventSink>,
     ) -> Self {
         let (side_channel_port, bootstrap_port) = ports;
-        // The step loop bounds concurrency itself (`max_num_seqs`, KV blocks).
-        let slots = (cfg.latency.slots > 0 && cfg.step.is_none())
-            .then(|| Arc::new(Semaphore::new(cfg.latency.slots)));
         let block_size = cfg.cache.block_size.max(1);
-        let cache = cfg.cache.enable_prefix_caching.then(|| {
-            Mutex::new(PrefixCache::new(
-                block_size as usize,
-                cfg.cache.kv_cache_blocks,
-            ))
-        });
+        let ranks = (0..cfg.data_parallel_size.max(1))
+            .map(|_| {
+                let cache = cfg
+                    .cache
+                    .enable_prefix_caching
+                    .then(|| PrefixCache::new(block_size as usize, cfg.cache.kv_cache_blocks));
+                DpRank::new(cache, cfg.latency.slots, cfg.step.is_some())
+            })
+            .collect();
         Engine {
             engine_id,
             faults,
             tok,
             block_size,
-            cache,
-            events,
+            ranks,
+            rank_turn: AtomicUsize::new(0),
             counters: Counters {
                 step_model: cfg.step.is_some(),
                 ..Counters::default()
             },
             recent: Recent::default(),
             kv: KvStore::new(cfg.kv_lease),
-            slots,
             shutdown: CancellationToken::new(),
             client: PullClient::new(),
             side_channel_port,
@@ -101,9 +93,26 @@ impl Engine {
             last_kv_error: Mutex::new(None),
             next_block: AtomicU64::new(1),
             clock: SimClock::new(cfg.time_scale),
-            steps: None,
             cfg,
         }
+    }
+
+    /// The engine id of data-parallel rank `rank` (rank 0's is the engine's own).
+    pub fn rank_engine_id(&self, rank: usize) -> String {
+        match rank {
+            0 => self.engine_id.clone(),
+            r => format!("{}-dp{r}", self.engine_id),
+        }
+    }
+
+    /// Whether `id` is the engine id of one of this engine's ranks.
+    pub fn serves_engine_id(&self, id: &str) -> bool {
+        id == self.engine_id
+            || id
+                .strip_prefix(self.engine_id.as_str())
+                .and_then(|rest| rest.strip_prefix("-dp"))
+                .and_then(|r| r.parse::<usize>().ok())
+                .is_some_and(|r| r > 0 && r < self.ranks.len())
     }
 
     /// Cancels every in-flight request registered under `rid`; true if one was found.
@@ -149,34 +158,32 @@ impl Engine {
         ApiError::EngineDead
     }
 
-    /// Hands cache changes to the event publisher (nothing when events are off).
-    pub fn publish(&self, events: Vec<KvEvent>) {
-        if let Some(sink) = &self.events {
-            sink.send(events);
-        }
-    }
-
-    /// `POST /reset_prefix_cache`: every block goes; subscribers get `AllBlocksCleared`.
+    /// `POST /reset_prefix_cache`: every block of every rank goes; subscribers get
+    /// `AllBlocksCleared` from each rank.
     pub fn reset_prefix_cache(&self) {
-        if let Some(cache) = &self.cache
-            && let Ok(mut c) = cache.lock()
-        {
-            c.clear();
+        for rank in &self.ranks {
+            if let Some(cache) = &rank.cache
+                && let Ok(mut c) = cache.lock()
+            {
+                c.clear();
+            }
+            rank.publish(vec![pdcache::events::KvEvent::AllBlocksCleared]);
         }
         self.counters.cache_resets.fetch_add(1, Relaxed);
-        self.publish(vec![KvEvent::AllBlocksCleared]);
     }
 
-    /// As after an engine crash and restart: cache empty and event sequence back to 0,
+    /// As after an engine crash and restart: caches empty and event sequences back to 0,
     /// without `AllBlocksCleared` (a crashed engine sends nothing).
     pub fn restart(&self) {
-        if let Some(cache) = &self.cache
-            && let Ok(mut c) = cache.lock()
-        {
-            c.clear();
-        }
-        if let Some(sink) = &self.events {
-            sink.restart();
+        for rank in &self.ranks {
+            if let Some(cache) = &rank.cache
+                && let Ok(mut c) = cache.lock()
+            {
+                c.clear();
+            }
+            if let Some(sink) = &rank.events {
+                sink.restart();
+            }
         }
     }
 
@@ -201,17 +208,20 @@ impl Engine {
         s.last_kv_error = self.last_kv_error();
         s.time_scale = self.cfg.time_scale;
         s.engine_dead = self.is_dead();
-        if let Some(cache) = &self.cache
-            && let Ok(c) = cache.lock()
-        {
-            s.cached_blocks = c.len() as u64;
-            s.kv_cache_free_blocks = c.free() as u64;
-        }
-        if let Some(sink) = &self.events {
-            let e = &sink.counters;
-            s.kv_event_batches_published = e.batches_published.load(Relaxed);
-            s.kv_event_batches_dropped = e.batches_dropped.load(Relaxed);
-            s.kv_events_published = e.events_published.load(Relaxed);
+        for rank in &self.ranks {
+            if let Some(cache) = &rank.cache
+                && let Ok(c) = cache.lock()
+            {
+                s.cached_blocks += c.len() as u64;
+                s.kv_cache_free_blocks += c.free() as u64;
+            }
+            if let Some(sink) = &rank.events {
+                let e = &sink.counters;
+                s.kv_event_batches_published += e.batches_published.load(Relaxed);
+                s.kv_event_batches_dropped += e.batches_dropped.load(Relaxed);
+                s.kv_events_published += e.events_published.load(Relaxed);
+            }
+            s.data_parallel_ranks.push(rank.stats());
         }
         s
     }

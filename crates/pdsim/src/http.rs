@@ -203,10 +203,12 @@ async fn run(
                 param: Some("input_tokens"),
             });
         }
-        let p = plan(engine.plan_input(), &req, dp_rank, base_id)?;
-        Ok((req, p))
+        // The rank it runs on: the header's, checked like vLLM's, else the balancer's choice.
+        let rank = crate::dp::choose(&engine.ranks, dp_rank, &engine.rank_turn)?;
+        let p = plan(engine.plan_input(), &req, base_id)?;
+        Ok((req, p, rank))
     });
-    let (req, plan) = match prepared {
+    let (req, plan, rank) = match prepared {
         Ok(x) => x,
         Err(e) => {
             guard.finish();
@@ -214,7 +216,8 @@ async fn run(
         }
     };
     let stream = req.stream;
-    let mut job = Job::new(engine, endpoint, req, base_id, plan, guard);
+    let rank = crate::dp::OnRank::new(engine.clone(), rank);
+    let mut job = Job::new(engine, endpoint, req, base_id, plan, guard, rank);
     if stream {
         return sse_response(job, drop_after);
     }

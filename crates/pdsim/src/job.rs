@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::addressed::Answer;
 use crate::config::Connector;
+use crate::dp::{DpRank, OnRank};
 use crate::engine::Engine;
 use crate::error::ApiError;
 use crate::kv_pull::{PullError, mooncake_worker, seg};
@@ -92,22 +93,23 @@ impl Drop for AbortReg {
     }
 }
 
-/// Caches the full blocks of `tokens` from block `from` on (pinned for the request) and
-/// publishes the change.
+/// Caches the full blocks of `tokens` from block `from` on in `rank`'s cache (pinned for the
+/// request) and publishes the change.
 pub(crate) fn store(
-    engine: &Engine,
+    rank: &DpRank,
+    block_size: u32,
     chain: &mut BlockChain,
     pins: &mut Pins,
     tokens: &[u32],
     from: usize,
 ) {
-    let Some(cache) = &engine.cache else { return };
-    chain.extend(tokens, engine.block_size as usize);
+    let Some(cache) = &rank.cache else { return };
+    chain.extend(tokens, block_size as usize);
     let mut events = Vec::new();
     if let Ok(mut c) = cache.lock() {
         c.insert(&chain.values, tokens, from, pins, &mut events);
     }
-    engine.publish(events);
+    rank.publish(events);
 }
 
 /// One generation request from plan to last byte.
@@ -120,6 +122,8 @@ pub(crate) struct Job {
     pub id: String,
     pub created: u64,
     pub guard: InFlight,
+    /// The data-parallel rank it runs on (counted there while it lives).
+    rank: OnRank,
     plan: Plan,
     abort: Option<AbortReg>,
     permit: Option<OwnedSemaphorePermit>,
@@ -146,6 +150,7 @@ impl Job {
         base_id: &str,
         plan: Plan,
         guard: InFlight,
+        rank: OnRank,
     ) -> Self {
         let prefix = match endpoint {
             Endpoint::Completions => "cmpl-",
@@ -178,6 +183,7 @@ impl Job {
             endpoint,
             req,
             guard,
+            rank,
             plan,
             abort,
             permit: None,
@@ -281,7 +287,7 @@ impl Job {
             )));
         }
         // The scheduler pins the cached prefix again on admission; a waiting request holds none.
-        if let Some(cache) = &engine.cache
+        if let Some(cache) = &engine.ranks[self.rank.rank()].cache
             && let Ok(mut c) = cache.lock()
         {
             c.release(&mut self.pins);
@@ -313,10 +319,13 @@ impl Job {
     /// Slot, handoff and prefill compute: everything before the first token.
     pub async fn prepare(&mut self) -> Result<(), ApiError> {
         let engine = self.engine.clone();
-        if let Some(sem) = &engine.slots {
+        let dp = &engine.ranks[self.rank.rank()];
+        if let Some(sem) = &dp.slots {
             engine.counters.waiting.fetch_add(1, Relaxed);
+            dp.counters.waiting.fetch_add(1, Relaxed);
             let r = self.guarded(sem.clone().acquire_owned()).await;
             engine.counters.waiting.fetch_sub(1, Relaxed);
+            dp.counters.waiting.fetch_sub(1, Relaxed);
             self.permit =
                 Some(r?.map_err(|_| ApiError::Aborted("engine is shutting down".into()))?);
         }
@@ -383,7 +392,13 @@ impl Job {
         engine
             .counters
             .record_prompt(count, local_hit, count - compute);
-        if let Some(steps) = &engine.steps {
+        dp.counters
+            .prompt_tokens
+            .fetch_add(u64::from(count), Relaxed);
+        dp.counters
+            .prefix_cache_hits
+            .fetch_add(u64::from(local_hit), Relaxed);
+        if let Some(steps) = &dp.steps {
             return self.step(steps, compute, local_hit).await;
         }
         let lat = &engine.cfg.latency;
@@ -392,7 +407,8 @@ impl Job {
         // The prompt's KV now exists here, computed or received: cache its full blocks.
         let from = local_hit as usize / self.engine.block_size as usize;
         store(
-            &self.engine,
+            dp,
+            engine.block_size,
             &mut self.chain,
             &mut self.pins,
             &self.req.prompt.ids,
@@ -404,9 +420,11 @@ impl Job {
     /// Looks the prompt up in the prefix cache and pins the hit; the hit in tokens, capped
     /// at `prompt_tokens - 1` like vLLM (a whole cached prompt recomputes its last block).
     fn lookup(&mut self) -> u32 {
-        let engine = &self.engine;
-        let Some(cache) = &engine.cache else { return 0 };
+        let engine = self.engine.clone();
         let bs = engine.block_size;
+        let Some(cache) = &engine.ranks[self.rank.rank()].cache else {
+            return 0;
+        };
         self.chain = BlockChain::of(&self.req.prompt.ids, bs as usize);
         let max = (self.req.prompt.count.saturating_sub(1) / bs) as usize;
         let Ok(mut c) = cache.lock() else { return 0 };
@@ -509,7 +527,8 @@ impl Job {
                 _ => c.finished_length.fetch_add(1, Relaxed),
             };
         }
-        if engine.cache.is_some()
+        let dp = &engine.ranks[self.rank.rank()];
+        if dp.cache.is_some()
             && let Some(first) = choices.first()
             && first.words.len() > 1
         {
@@ -521,7 +540,14 @@ impl Job {
                     .generated_ids(&first.words[..first.words.len() - 1]),
             );
             let from = self.chain.values.len();
-            store(&engine, &mut self.chain, &mut self.pins, &tokens, from);
+            store(
+                dp,
+                engine.block_size,
+                &mut self.chain,
+                &mut self.pins,
+                &tokens,
+                from,
+            );
         }
         let prompt = &self.req.prompt;
         let entry = || engine.kv.entry(prompt.digest, prompt.count, self.cached);
@@ -632,7 +658,7 @@ impl Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
-        if let Some(cache) = &self.engine.cache
+        if let Some(cache) = &self.engine.ranks[self.rank.rank()].cache
             && let Ok(mut c) = cache.lock()
         {
             c.release(&mut self.pins);

@@ -95,28 +95,40 @@ fn socket_err(what: &'static str, endpoint: &str, e: impl std::fmt::Display) -> 
 /// Starts the publisher (and the replay server when configured).
 pub(crate) async fn start(
     cfg: &KvEventsConfig,
+    rank: u32,
     faults: Arc<ArcSwap<Faults>>,
     shutdown: CancellationToken,
     tasks: &mut tokio::task::JoinSet<()>,
     clock: SimClock,
 ) -> Result<EventSink, EventsError> {
+    // Each data-parallel rank publishes on the endpoints moved by its rank, as vLLM's do.
+    let moved = |what: &'static str, ep: &str| {
+        pdcache::ranks::rank_endpoint(ep, rank)
+            .ok_or_else(|| socket_err(what, ep, format!("no port to offset by rank {rank}")))
+    };
+    let endpoint = moved("endpoint", &cfg.endpoint)?;
+    let replay_endpoint = cfg
+        .replay_endpoint
+        .as_deref()
+        .map(|ep| moved("replay_endpoint", ep))
+        .transpose()?;
     let mut socket = zeromq::PubSocket::new();
     let bound = if cfg.binds() {
         let ep = socket
-            .bind(&crate::config::zmq_bind_address(&cfg.endpoint))
+            .bind(&crate::config::zmq_bind_address(&endpoint))
             .await
-            .map_err(|e| socket_err("endpoint", &cfg.endpoint, e))?;
+            .map_err(|e| socket_err("endpoint", &endpoint, e))?;
         Some(ep.to_string())
     } else {
         socket
-            .connect(&cfg.endpoint)
+            .connect(&endpoint)
             .await
-            .map_err(|e| socket_err("endpoint", &cfg.endpoint, e))?;
+            .map_err(|e| socket_err("endpoint", &endpoint, e))?;
         None
     };
     let ring: Arc<Ring> = Arc::new(Mutex::new(VecDeque::new()));
     let mut replay_bound = None;
-    if let Some(ep) = &cfg.replay_endpoint {
+    if let Some(ep) = &replay_endpoint {
         let mut router = zeromq::RouterSocket::new();
         let b = router
             .bind(&crate::config::zmq_bind_address(ep))
@@ -146,6 +158,7 @@ pub(crate) async fn start(
         faults,
         counters: counters.clone(),
         clock,
+        rank,
     };
     tasks.spawn(async move {
         tokio::select! {
@@ -174,6 +187,8 @@ struct Publisher {
     counters: Arc<EventCounters>,
     /// Batch timestamps are simulated time.
     clock: SimClock,
+    /// The data-parallel rank every batch names.
+    rank: u32,
 }
 
 impl Publisher {
@@ -191,7 +206,7 @@ impl Publisher {
             let batch = EventBatch {
                 ts: self.clock.now_unix(),
                 events,
-                data_parallel_rank: Some(0),
+                data_parallel_rank: Some(i64::from(self.rank)),
             };
             buf.clear();
             encode_batch_into(&batch, &mut buf);

@@ -50,7 +50,7 @@ fn check_engine(engine: &Engine, asked: &str) -> Result<(), LookupError> {
     if engine.faults.load().refuse_kv {
         return Err(LookupError::Refused);
     }
-    if asked != engine.engine_id {
+    if !engine.serves_engine_id(asked) {
         return Err(LookupError::WrongEngine {
             asked: asked.to_owned(),
             actual: engine.engine_id.clone(),
@@ -128,9 +128,17 @@ async fn query(State(engine): State<Arc<Engine>>) -> Response {
         engine.cfg.advertise_host,
         engine.side_channel_port.unwrap_or(0)
     );
-    let body = serde_json::json!({
-        "0": {"engine_id": engine.engine_id, "worker_addr": {"0": {"0": worker}}}
-    });
+    // One entry per data-parallel rank, each its own engine id (as vLLM's ranks have); the
+    // KV of every rank is served by the one side channel.
+    let body: serde_json::Map<String, serde_json::Value> = (0..engine.ranks.len())
+        .map(|r| {
+            let id = engine.rank_engine_id(r);
+            (
+                r.to_string(),
+                serde_json::json!({"engine_id": id, "worker_addr": {"0": {"0": worker}}}),
+            )
+        })
+        .collect();
     axum::Json(body).into_response()
 }
 

@@ -10,6 +10,8 @@
 //! - `plan`: which handoff a request performs (a pure function of body, role, connector).
 //! - `job`: runs one request: slot, handoff, compute, generation, KV hand-over.
 //! - `engine`: state shared by every request and listener of one engine.
+//! - `dp`: data-parallel ranks (`--data-parallel-size`): a cache, queue and KV-event
+//!   publisher each, the `X-data-parallel-rank` header, vLLM's balancer for unpinned requests.
 //! - `prefix_cache`: vLLM-like block cache (chained `sha256_cbor` hashes, LRU of unreferenced
 //!   blocks); `kv_events`: its changes published as vLLM's ZMQ KV events, with replay.
 //! - `tokens`: the deterministic word tokenizer, or a Hugging Face one (`pdcache::tokenizer`).
@@ -34,6 +36,7 @@
 mod addressed;
 mod clock;
 pub mod config;
+mod dp;
 mod engine;
 mod error;
 pub mod fleet;
@@ -71,7 +74,7 @@ pub use config::{
 };
 pub use error::ApiError;
 pub use profile::Profile;
-pub use stats::{EndpointCounts, RecentRequest, SimStats};
+pub use stats::{EndpointCounts, RankStats, RecentRequest, SimStats};
 
 use arc_swap::ArcSwap;
 use engine::Engine;
@@ -145,39 +148,36 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     let shutdown = tokio_util::sync::CancellationToken::new();
     let clock = clock::SimClock::new(config.time_scale);
     let mut tasks = JoinSet::new();
-    let events = if config.kv_events.publishes() && config.cache.enable_prefix_caching {
-        Some(
-            kv_events::start(
-                &config.kv_events,
-                faults.clone(),
-                shutdown.clone(),
+    let publishes = config.kv_events.publishes() && config.cache.enable_prefix_caching;
+    let mut engine = Engine::new(config, engine_id, (side_port, boot_port), faults, tok);
+    engine.shutdown = shutdown;
+    engine.clock = clock;
+    // Each rank is its own engine core: its publisher on the endpoint moved by its rank (as
+    // vLLM's), its own scheduler.
+    let mut queues = Vec::new();
+    for (i, rank) in (0u32..).zip(engine.ranks.iter_mut()) {
+        if publishes {
+            let sink = kv_events::start(
+                &engine.cfg.kv_events,
+                i,
+                engine.faults.clone(),
+                engine.shutdown.clone(),
                 &mut tasks,
                 clock,
             )
             .await
-            .map_err(std::io::Error::other)?,
-        )
-    } else {
-        None
-    };
-    let mut engine = Engine::new(
-        config,
-        engine_id,
-        (side_port, boot_port),
-        faults,
-        tok,
-        events,
-    );
-    engine.shutdown = shutdown;
-    engine.clock = clock;
-    let queue = engine.cfg.step.is_some().then(|| {
-        let (handle, rx) = step_loop::StepLoop::new();
-        engine.steps = Some(handle);
-        rx
-    });
+            .map_err(std::io::Error::other)?;
+            rank.events = Some(sink);
+        }
+        if engine.cfg.step.is_some() {
+            let (handle, rx) = step_loop::StepLoop::new();
+            rank.steps = Some(handle);
+            queues.push(rx);
+        }
+    }
     let engine = Arc::new(engine);
-    if let Some(rx) = queue {
-        tasks.spawn(scheduler::run(engine.clone(), rx));
+    for (i, rx) in queues.into_iter().enumerate() {
+        tasks.spawn(scheduler::run(engine.clone(), i, rx));
     }
     serve(&mut tasks, listener, http::router(engine.clone()), &engine);
     if let Some(l) = side {
@@ -253,14 +253,21 @@ impl SimHandle {
         self.engine.faults.store(Arc::new(faults));
     }
 
-    /// The PUB endpoint actually bound, when the KV-event publisher binds (vLLM's rule).
+    /// The PUB endpoint actually bound (rank 0's), when the KV-event publisher binds (vLLM's
+    /// rule).
     pub fn kv_events_endpoint(&self) -> Option<&str> {
-        self.engine.events.as_ref()?.bound.as_deref()
+        self.engine.ranks.first()?.events.as_ref()?.bound.as_deref()
     }
 
-    /// The replay ROUTER endpoint actually bound, if replay is configured.
+    /// The replay ROUTER endpoint actually bound (rank 0's), if replay is configured.
     pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
-        self.engine.events.as_ref()?.replay_bound.as_deref()
+        self.engine
+            .ranks
+            .first()?
+            .events
+            .as_ref()?
+            .replay_bound
+            .as_deref()
     }
 
     /// Empties the prefix cache and publishes `AllBlocksCleared` (same as `POST /reset_prefix_cache`).

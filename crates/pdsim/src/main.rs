@@ -151,6 +151,11 @@ struct Args {
     /// Context window (prompt plus max_tokens). Default: the profile's, else 32768.
     #[arg(long, env = "PDSIM_MAX_MODEL_LEN")]
     max_model_len: Option<u32>,
+    /// Data-parallel ranks (vLLM's internal load-balancing mode): each has its own prefix
+    /// cache, queue and KV-event publisher (rank r on the endpoint's port + r, or `_dp<r>` after
+    /// an ipc path); `X-data-parallel-rank` pins a request to one.
+    #[arg(long, env = "PDSIM_DATA_PARALLEL_SIZE", default_value_t = 1)]
+    data_parallel_size: u32,
     /// Simulated seconds per wall second (10 = ten times faster than real time). Delays are
     /// divided by it; every time the engine reports (created, KV-event timestamps, /metrics) is
     /// simulated.
@@ -333,6 +338,13 @@ fn config(a: &Args) -> Result<SimConfig, StartError> {
         ));
     }
     c.max_model_len = a.max_model_len;
+    if !(1..=1024).contains(&a.data_parallel_size) {
+        return Err(StartError::Flag(
+            "data-parallel-size",
+            "must be in 1..=1024".into(),
+        ));
+    }
+    c.data_parallel_size = a.data_parallel_size;
     c.step = match &a.profile {
         Some(p) => {
             if a.max_num_batched_tokens == 0 || a.max_num_seqs == 0 {

@@ -87,12 +87,7 @@ fn sglang_url(req: &GenRequest, handoff_timeout: Duration) -> Result<String, Api
 }
 
 /// Decides the handoff for one request; 400s here are answered before any head.
-pub(crate) fn plan(
-    input: PlanInput,
-    req: &GenRequest,
-    dp_rank: Option<&str>,
-    request_id: &str,
-) -> Result<Plan, ApiError> {
+pub(crate) fn plan(input: PlanInput, req: &GenRequest, request_id: &str) -> Result<Plan, ApiError> {
     let role = input.role;
     let kvp = req.kv_transfer_params.as_ref();
     let consume = if !role.consumes() {
@@ -152,14 +147,6 @@ pub(crate) fn plan(
             Connector::Shfs if remote_decode => Produce::Params,
             Connector::Nixl if role == Role::Prefill => Produce::Params,
             Connector::Mooncake if remote_decode => {
-                if let Some(rank) = dp_rank
-                    && rank.trim() != "0"
-                {
-                    return Err(ApiError::BadRequest {
-                        message: format!("data_parallel_rank {rank} is out of range [0, 1)."),
-                        param: None,
-                    });
-                }
                 match kvp
                     .and_then(|p| p.get("transfer_id"))
                     .and_then(Value::as_str)
@@ -301,7 +288,6 @@ pub(crate) mod tests {
         Role,
         bool,
         &'a str,
-        Option<&'a str>,
         Result<(&'static str, &'static str), u16>,
     );
 
@@ -326,7 +312,6 @@ pub(crate) mod tests {
                 Both,
                 false,
                 r#"{"prompt":"x"}"#,
-                None,
                 Ok(("local", "nothing")),
             ),
             (
@@ -334,7 +319,6 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x"}"#,
-                None,
                 Ok(("recompute", "nothing")),
             ),
             (
@@ -342,7 +326,6 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x"}"#,
-                None,
                 Ok(("recompute", "nothing")),
             ),
             (
@@ -350,7 +333,6 @@ pub(crate) mod tests {
                 Prefill,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#,
-                None,
                 Ok(("local", "nothing")),
             ),
             // shfs: the prefill is asked to keep KV; the decode pulls it.
@@ -359,7 +341,6 @@ pub(crate) mod tests {
                 Prefill,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#,
-                None,
                 Ok(("local", "params")),
             ),
             (
@@ -367,16 +348,14 @@ pub(crate) mod tests {
                 Prefill,
                 false,
                 r#"{"prompt":"x"}"#,
-                None,
                 Ok(("local", "nothing")),
             ),
-            (Shfs, Decode, false, &nixl, None, Ok(("pull", "nothing"))),
+            (Shfs, Decode, false, &nixl, Ok(("pull", "nothing"))),
             (
                 Shfs,
                 Decode,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
-                None,
                 Ok(("fail", "nothing")),
             ),
             (
@@ -384,7 +363,6 @@ pub(crate) mod tests {
                 Decode,
                 true,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
-                None,
                 Ok(("crash", "nothing")),
             ),
             (
@@ -392,28 +370,25 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":false}}"#,
-                None,
                 Ok(("recompute", "nothing")),
             ),
             // A prefill role never consumes, whatever the body says.
-            (Shfs, Prefill, false, &nixl, None, Ok(("local", "nothing"))),
+            (Shfs, Prefill, false, &nixl, Ok(("local", "nothing"))),
             // nixl (Neuron): the prefill keeps KV unasked; the decode reads disagg_prefill_resp.
             (
                 Nixl,
                 Prefill,
                 false,
                 r#"{"prompt":"x"}"#,
-                None,
                 Ok(("local", "params")),
             ),
-            (Nixl, Decode, false, &neuron, None, Ok(("pull", "nothing"))),
-            (Nixl, Decode, false, &nixl, None, Ok(("fail", "nothing"))),
+            (Nixl, Decode, false, &neuron, Ok(("pull", "nothing"))),
+            (Nixl, Decode, false, &nixl, Ok(("fail", "nothing"))),
             (
                 Nixl,
                 Decode,
                 false,
                 r#"{"prompt":"x","disagg_prefill_resp":[1]}"#,
-                None,
                 Ok(("fail", "nothing")),
             ),
             (
@@ -421,7 +396,6 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x","disagg_prefill_resp":{}}"#,
-                None,
                 Ok(("fail", "nothing")),
             ),
             (
@@ -429,7 +403,6 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x"}"#,
-                None,
                 Ok(("recompute", "nothing")),
             ),
             // mooncake: transfer_id is required of a prefill; the decode needs the bootstrap.
@@ -438,7 +411,6 @@ pub(crate) mod tests {
                 Prefill,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true,"transfer_id":"t"}}"#,
-                None,
                 Ok(("local", "mooncake")),
             ),
             (
@@ -446,7 +418,6 @@ pub(crate) mod tests {
                 Prefill,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#,
-                None,
                 Ok(("local", "fail")),
             ),
             (
@@ -454,15 +425,6 @@ pub(crate) mod tests {
                 Prefill,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true,"transfer_id":"t"}}"#,
-                Some("1"),
-                Err(400),
-            ),
-            (
-                Mooncake,
-                Prefill,
-                false,
-                r#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true,"transfer_id":"t"}}"#,
-                Some(" 0 "),
                 Ok(("local", "mooncake")),
             ),
             (
@@ -470,7 +432,6 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_bootstrap_addr":"http://h:1","remote_engine_id":"e","transfer_id":"t"}}"#,
-                None,
                 Ok(("mooncake", "nothing")),
             ),
             (
@@ -478,7 +439,6 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","transfer_id":"t"}}"#,
-                None,
                 Ok(("fail", "nothing")),
             ),
             // sglang: a room on both legs; a prefill without one is a 400.
@@ -487,16 +447,14 @@ pub(crate) mod tests {
                 Prefill,
                 false,
                 r#"{"prompt":"x","bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7}"#,
-                None,
                 Ok(("local", "sglang")),
             ),
-            (Sglang, Prefill, false, r#"{"prompt":"x"}"#, None, Err(400)),
+            (Sglang, Prefill, false, r#"{"prompt":"x"}"#, Err(400)),
             (
                 Sglang,
                 Decode,
                 false,
                 r#"{"prompt":"x","bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7}"#,
-                None,
                 Ok(("sglang", "nothing")),
             ),
             (
@@ -504,7 +462,6 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x","bootstrap_host":"h","bootstrap_port":1}"#,
-                None,
                 Err(400),
             ),
             (
@@ -512,17 +469,16 @@ pub(crate) mod tests {
                 Decode,
                 false,
                 r#"{"prompt":"x"}"#,
-                None,
                 Ok(("recompute", "nothing")),
             ),
             // A combined engine may do both sides at once.
-            (Shfs, Both, false, &both, None, Ok(("pull", "params"))),
+            (Shfs, Both, false, &both, Ok(("pull", "params"))),
         ];
-        for (i, (connector, role, crash, body, rank, want)) in cases.into_iter().enumerate() {
+        for (i, (connector, role, crash, body, want)) in cases.into_iter().enumerate() {
             let req =
                 crate::request::parse(crate::request::Endpoint::Completions, body.as_bytes(), "m")
                     .unwrap();
-            let got = plan(input(role, connector, crash), &req, rank, "r");
+            let got = plan(input(role, connector, crash), &req, "r");
             match (got, want) {
                 (Ok(p), Ok(w)) => assert_eq!(kinds(&p), w, "case {i}: {connector} {role} {body}"),
                 (Err(e), Err(status)) => assert_eq!(e.status(), status, "case {i}"),
@@ -542,7 +498,7 @@ pub(crate) mod tests {
         .unwrap();
         let mut i = input(Role::Decode, Connector::Sglang, false);
         i.handoff_timeout = Duration::from_millis(1500);
-        match plan(i, &req, None, "r").unwrap().consume {
+        match plan(i, &req, "r").unwrap().consume {
             Consume::Sglang(url) => assert_eq!(url, "http://[::1]:8998/room/42?timeout_ms=1500"),
             _ => panic!("expected an sglang join"),
         }

@@ -3,12 +3,14 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use pdcache::events::KvEvent;
 use tokio::sync::mpsc;
 
+use crate::dp::DpRank;
 use crate::engine::Engine;
 use crate::prefix_cache::PrefixCache;
 use crate::profile::Work;
@@ -35,9 +37,12 @@ struct Running {
     plain_blocks: usize,
 }
 
-/// The scheduler: runs until the engine shuts down.
-pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq>) {
+/// The scheduler of data-parallel rank `rank`: runs until the engine shuts down.
+pub(crate) async fn run(engine: Arc<Engine>, rank: usize, mut rx: mpsc::UnboundedReceiver<Seq>) {
     let Some(model) = engine.cfg.step.clone() else {
+        return;
+    };
+    let Some(dp) = engine.ranks.get(rank) else {
         return;
     };
     let clock = engine.clock;
@@ -49,6 +54,8 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
     let mut running: Vec<Running> = Vec::new();
     let mut batch: Vec<Work> = Vec::new();
     let c = &engine.counters;
+    // This rank's share of the engine's running gauge.
+    let running_here = AtomicU64::new(0);
     // When the current step ends, in wall time. Steps are laid end to end from it, so a step
     // shorter than the timer's resolution (large --time-scale) or a late wake-up is made up
     // by the next ones instead of stretching simulated time.
@@ -86,18 +93,18 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
             };
             if front.ticks.is_closed() {
                 if let Some(s) = waiting.pop_front() {
-                    release(&engine, s.held);
+                    release(dp, s.held);
                 }
                 continue;
             }
-            let admitted = match &engine.cache {
+            let admitted = match &dp.cache {
                 Some(cache) => {
                     let mut events = Vec::new();
                     let ok = cache
                         .lock()
                         .map(|mut c| admit(&mut c, front, engine.block_size, &mut events))
                         .unwrap_or(false);
-                    engine.publish(events);
+                    dp.publish(events);
                     ok.then_some(0)
                 }
                 None => (plain.reserved + front.total_blocks <= plain.capacity).then(|| {
@@ -119,8 +126,8 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
                 plain_blocks,
             });
         }
-        c.waiting.store(waiting.len() as u64, Relaxed);
-        c.running.store(running.len() as u64, Relaxed);
+        gauge(&c.waiting, &dp.counters.waiting, waiting.len());
+        gauge(&c.running, &running_here, running.len());
         for r in &running {
             if r.now > 0 {
                 batch.push(Work {
@@ -149,8 +156,8 @@ pub(crate) async fn run(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<Seq
         c.steps.fetch_add(1, Relaxed);
         c.busy_micros
             .fetch_add(step.as_micros().try_into().unwrap_or(u64::MAX), Relaxed);
-        running.retain_mut(|r| advance(&engine, r, &mut plain));
-        c.running.store(running.len() as u64, Relaxed);
+        running.retain_mut(|r| advance(&engine, dp, r, &mut plain));
+        gauge(&c.running, &running_here, running.len());
     }
 }
 
@@ -174,11 +181,19 @@ fn admit(c: &mut PrefixCache, s: &mut Seq, block_size: u32, events: &mut Vec<KvE
     true
 }
 
+/// Sets this rank's share of an engine-wide gauge: `total` moves by the change of `mine`.
+fn gauge(total: &AtomicU64, mine: &AtomicU64, now: usize) {
+    let now = now as u64;
+    let before = mine.swap(now, Relaxed);
+    total.fetch_add(now, Relaxed);
+    total.fetch_sub(before, Relaxed);
+}
+
 /// Applies a finished step to one request; false when it leaves the running set.
-fn advance(engine: &Engine, r: &mut Running, plain: &mut Plain) -> bool {
+fn advance(engine: &Engine, dp: &DpRank, r: &mut Running, plain: &mut Plain) -> bool {
     let n = std::mem::take(&mut r.now);
     if n == 0 {
-        return !r.seq.ticks.is_closed() || leave(engine, r, plain);
+        return !r.seq.ticks.is_closed() || leave(dp, r, plain);
     }
     let seq = &mut r.seq;
     seq.context += n;
@@ -186,7 +201,8 @@ fn advance(engine: &Engine, r: &mut Running, plain: &mut Plain) -> bool {
         seq.prefill_left -= n;
         if seq.prefill_left == 0 {
             crate::job::store(
-                engine,
+                dp,
+                engine.block_size,
                 &mut seq.held.chain,
                 &mut seq.held.pins,
                 &seq.prompt,
@@ -199,7 +215,7 @@ fn advance(engine: &Engine, r: &mut Running, plain: &mut Plain) -> bool {
         true
     };
     if !token {
-        return !seq.ticks.is_closed() || leave(engine, r, plain);
+        return !seq.ticks.is_closed() || leave(dp, r, plain);
     }
     if seq.decode_left == 0 && seq.prefill_left == 0 {
         let held = std::mem::take(&mut seq.held);
@@ -207,22 +223,22 @@ fn advance(engine: &Engine, r: &mut Running, plain: &mut Plain) -> bool {
         if let Err(mpsc::error::SendError(Tick::Last(held))) =
             seq.ticks.send(Tick::Last(Box::new(held)))
         {
-            release(engine, *held);
+            release(dp, *held);
         }
         return false;
     }
-    seq.ticks.send(Tick::Token).is_ok() || leave(engine, r, plain)
+    seq.ticks.send(Tick::Token).is_ok() || leave(dp, r, plain)
 }
 
 /// A request whose client went away: its blocks go back. Always false (it leaves).
-fn leave(engine: &Engine, r: &mut Running, plain: &mut Plain) -> bool {
+fn leave(dp: &DpRank, r: &mut Running, plain: &mut Plain) -> bool {
     plain.reserved -= r.plain_blocks.min(plain.reserved);
-    release(engine, std::mem::take(&mut r.seq.held));
+    release(dp, std::mem::take(&mut r.seq.held));
     false
 }
 
-fn release(engine: &Engine, mut held: Held) {
-    if let Some(cache) = &engine.cache
+fn release(dp: &DpRank, mut held: Held) {
+    if let Some(cache) = &dp.cache
         && let Ok(mut c) = cache.lock()
     {
         c.release(&mut held.pins);

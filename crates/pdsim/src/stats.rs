@@ -260,6 +260,26 @@ pub struct SimStats {
     /// what admission can still use).
     #[serde(default)]
     pub kv_cache_free_blocks: u64,
+    /// Per data-parallel rank (`--data-parallel-size`; one entry for an engine of one rank).
+    #[serde(default)]
+    pub data_parallel_ranks: Vec<RankStats>,
+}
+
+/// One data-parallel rank's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankStats {
+    /// Generation requests on this rank now.
+    pub in_flight: u64,
+    /// Of those, waiting for a slot or in the scheduler's queue.
+    pub waiting: u64,
+    /// Generation requests ever placed on this rank (pinned by the header or balanced).
+    pub requests: u64,
+    /// Prompt tokens of those requests.
+    pub prompt_tokens: u64,
+    /// Prompt tokens found in this rank's prefix cache.
+    pub prefix_cache_hits: u64,
+    /// Blocks in this rank's prefix cache now.
+    pub cached_blocks: u64,
 }
 
 impl Counters {
@@ -316,6 +336,7 @@ impl Counters {
             busy_seconds: self.busy_micros.load(Relaxed) as f64 / 1e6,
             time_scale: 1.0,
             kv_cache_free_blocks: 0,
+            data_parallel_ranks: Vec::new(),
         }
     }
 

@@ -34,6 +34,26 @@ fn fnv1a(data: &[u8]) -> u64 {
     h
 }
 
+/// The data-parallel rank a request runs on: the router's choice when it made one (the
+/// context's `dp_rank`, set before augment: the rank it weighed by cache and load, and sends as
+/// `X-data-parallel-rank`), else a stable hash of `request_id` over the bootstrap's ranks. A
+/// router's rank the bootstrap does not list is an error: the decode could not name its engine.
+fn rank_for(
+    ctx: &RoutingContext,
+    pod: &Pod,
+    bootstrap: &MooncakeBootstrap,
+) -> Result<u32, AgentError> {
+    match ctx.transfer.dp_rank {
+        Some(rank) if bootstrap.ranks.contains_key(&rank) => Ok(rank),
+        Some(_) => Err(AgentError::MissingState(
+            "the data-parallel rank chosen for this request is not in the prefill's bootstrap info",
+        )),
+        None => pick_rank(&ctx.request_id, bootstrap).ok_or_else(|| AgentError::NoBootstrap {
+            pod: pod.name.clone(),
+        }),
+    }
+}
+
 /// Picks a data-parallel rank for `request_id`: a stable hash over the sorted
 /// ranks. `None` when there is none.
 fn pick_rank(request_id: &str, bootstrap: &MooncakeBootstrap) -> Option<u32> {
@@ -98,10 +118,7 @@ impl KvTransferAgent for MooncakeAgent {
     ) -> Result<PrefillRequest, AgentError> {
         require_ip(prefill_pod)?;
         let bootstrap = bootstrap(prefill_pod)?;
-        let rank =
-            pick_rank(&ctx.request_id, bootstrap).ok_or_else(|| AgentError::NoBootstrap {
-                pod: prefill_pod.name.clone(),
-            })?;
+        let rank = rank_for(ctx, prefill_pod, bootstrap)?;
         let transfer_id = mooncake_transfer_id(&ctx.transfer_key);
         let mut body = request.clone();
         strip_client_transfer_fields(&mut body);
@@ -134,14 +151,7 @@ impl KvTransferAgent for MooncakeAgent {
         let mut decode = decode_base(ctx)?;
         let ip = require_ip(prefill_pod)?;
         let bootstrap = bootstrap(prefill_pod)?;
-        let rank = match ctx.transfer.dp_rank {
-            Some(rank) => rank,
-            None => {
-                pick_rank(&ctx.request_id, bootstrap).ok_or_else(|| AgentError::NoBootstrap {
-                    pod: prefill_pod.name.clone(),
-                })?
-            }
-        };
+        let rank = rank_for(ctx, prefill_pod, bootstrap)?;
         let engine = bootstrap.ranks.get(&rank).ok_or(AgentError::MissingState(
             "dp_rank chosen by augment is not in the pod's bootstrap info",
         ))?;
@@ -204,5 +214,37 @@ mod tests {
         assert_eq!(seen.len(), 4, "64 ids should hit all 4 ranks: {seen:?}");
         assert_eq!(pick_rank("x", &boot(&[])), None);
         assert_eq!(pick_rank("x", &boot(&[7])), Some(7));
+    }
+
+    #[test]
+    fn the_routers_rank_wins_over_the_hash() {
+        let mut pod = Pod::new("p", "10.0.0.1", 8000);
+        pod.mooncake_bootstrap = Some(boot(&[0, 1, 2, 3]));
+        let body = JsonBody::parse(bytes::Bytes::from_static(br#"{"prompt":"x"}"#)).unwrap();
+        for rank in 0..4 {
+            let mut ctx = RoutingContext::new("req-1", bytes::Bytes::new());
+            ctx.transfer.dp_rank = Some(rank);
+            let leg = MooncakeAgent
+                .augment_prefill_request(&mut ctx, &pod, &body)
+                .unwrap();
+            assert_eq!(leg.headers[0].1, http::HeaderValue::from(rank));
+            assert_eq!(ctx.transfer.dp_rank, Some(rank));
+            ctx.req_body = body.to_bytes();
+            MooncakeAgent
+                .merge_prefill_response(&mut ctx, b"", &pod)
+                .unwrap();
+            let decode = String::from_utf8(ctx.req_body.to_vec()).unwrap();
+            assert!(
+                decode.contains(&format!("\"remote_engine_id\":\"e{rank}\"")),
+                "{decode}"
+            );
+        }
+        // A rank the bootstrap server does not list fails: no engine id to name.
+        let mut ctx = RoutingContext::new("req-1", bytes::Bytes::new());
+        ctx.transfer.dp_rank = Some(9);
+        assert!(matches!(
+            MooncakeAgent.augment_prefill_request(&mut ctx, &pod, &body),
+            Err(AgentError::MissingState(_))
+        ));
     }
 }

@@ -142,8 +142,10 @@ impl ModelCache {
         }
     }
 
-    /// The feed for `name`'s events, marking it precise.
-    fn feed(&self, name: &str) -> Option<Feed> {
+    /// The feed for `name`'s events, marking it precise. `ranks`: the names of every
+    /// data-parallel rank of its engine, by rank (empty for an engine of one rank), where a
+    /// batch naming its rank goes.
+    fn feed(&self, name: &str, ranks: &[String]) -> Option<Feed> {
         let Scorer {
             mut state,
             mut index,
@@ -151,9 +153,14 @@ impl ModelCache {
         } = self.lock();
         let id = state.id(&mut index, name)?;
         state.set_precise(id, true);
+        let ranks = ranks
+            .iter()
+            .map(|r| state.id(&mut index, r))
+            .collect::<Option<Vec<EndpointId>>>()?;
         Some(Feed {
             index: self.index.clone(),
             endpoint: id,
+            ranks,
         })
     }
 
@@ -343,8 +350,20 @@ impl Cache {
     }
 
     /// Where `ep` publishes its KV events (and its replay socket): its `pdgate.io/kv-events`
-    /// annotation (the endpoint's `kv_events`), else `kv_events_port` on its host.
+    /// annotation (the endpoint's `kv_events`), else `kv_events_port` on its host; for a
+    /// data-parallel rank, moved as vLLM moves each rank's publisher
+    /// ([`pdcache::ranks::rank_endpoint`]).
     fn events_address(&self, ep: &Endpoint) -> Option<(String, Option<String>)> {
+        let (address, replay) = self.engine_events_address(ep)?;
+        let Some(rank) = ep.rank else {
+            return Some((address, replay));
+        };
+        let moved = |a: &str| pdcache::ranks::rank_endpoint(a, rank);
+        Some((moved(&address)?, replay.as_deref().and_then(moved)))
+    }
+
+    /// Where `ep`'s engine (its rank 0) publishes its KV events and its replay socket.
+    fn engine_events_address(&self, ep: &Endpoint) -> Option<(String, Option<String>)> {
         let on_host = |port: Option<u16>| {
             let port = port?;
             let host = ep.pod.ip()?;
@@ -380,6 +399,7 @@ impl Cache {
             replay: Option<String>,
             role: Role,
             model: Arc<ModelCache>,
+            ranks: Vec<String>,
         }
         let mut wanted: Vec<Wanted> = Vec::new();
         for ep in snap.prefill.iter().chain(snap.decode.iter()) {
@@ -391,6 +411,14 @@ impl Cache {
             } else {
                 ep.models.iter().map(|m| Some(m.as_str())).collect()
             };
+            let ranks: Vec<String> = match ep.rank {
+                None => Vec::new(),
+                Some(_) => crate::endpoints::ranks::targets(&ep.pod)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(name, _)| name)
+                    .collect(),
+            };
             for m in models {
                 wanted.push(Wanted {
                     key: (m.unwrap_or_default().to_string(), ep.name.clone()),
@@ -398,6 +426,7 @@ impl Cache {
                     replay: replay.clone(),
                     role: ep.role,
                     model: self.model(m, snap),
+                    ranks: ranks.clone(),
                 });
             }
         }
@@ -413,12 +442,13 @@ impl Cache {
             replay,
             role,
             model,
+            ranks,
         } in wanted
         {
             if subs.contains_key(&key) {
                 continue;
             }
-            let Some(feed) = model.feed(&key.1) else {
+            let Some(feed) = model.feed(&key.1, &ranks) else {
                 continue;
             };
             let subscription =

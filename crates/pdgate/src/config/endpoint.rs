@@ -72,6 +72,17 @@ pub(super) fn endpoint_pod(
             pod.annotations.insert(key.to_string(), port.to_string());
         }
     }
+    if let Some(size) = ep.data_parallel_size {
+        use crate::endpoints::ranks::{DATA_PARALLEL_SIZE_ANNOTATION, MAX_DATA_PARALLEL_SIZE};
+        if !(1..=MAX_DATA_PARALLEL_SIZE).contains(&size) {
+            return Err(field_error(
+                format!("{role}[{index}].data_parallel_size"),
+                format!("{size} is not in 1..={MAX_DATA_PARALLEL_SIZE}"),
+            ));
+        }
+        pod.annotations
+            .insert(DATA_PARALLEL_SIZE_ANNOTATION.to_string(), size.to_string());
+    }
     for (key, v) in [
         (crate::cache::KV_EVENTS_ANNOTATION, &ep.kv_events),
         (

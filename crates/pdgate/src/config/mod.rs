@@ -58,6 +58,11 @@ pub struct EndpointConfig {
     /// This engine's API key, sent as its bearer token (instead of `security.engine_api_key`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Secret>,
+    /// Data-parallel ranks the engine serves (vLLM `--data-parallel-size`), each routed to as its
+    /// own target with `X-data-parallel-rank` (shortcut for the `pdgate.io/data-parallel-size`
+    /// annotation). Unset or 1: one target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_size: Option<u32>,
 }
 
 /// The whole gateway configuration, in sections owned by the rooms that read them. The file

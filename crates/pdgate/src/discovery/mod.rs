@@ -31,38 +31,50 @@ fn needs_lookup(gw: &Gateway, pod: &Pod) -> bool {
 }
 
 /// What active health checks probe for `pods`: `/health`, plus the bootstrap server's `/query`
-/// where the agent depends on it.
+/// where the agent depends on it. One target per data-parallel rank (health is per rank; the
+/// checker probes the engine once for all of them).
 pub(crate) fn probe_targets(gw: &Gateway, pods: &[Pod]) -> Vec<ProbeTarget> {
     pods.iter()
         .filter_map(|pod| {
-            let role = match pod.label(kvtransfer::labels::ROLE_NAME) {
-                Some("prefill") => Role::Prefill,
-                Some("decode") => Role::Decode,
-                _ => return None,
-            };
-            let base = crate::endpoints::base_url(pod)?;
-            let query_url = if needs_lookup(gw, pod) {
-                let host = pod.url_host()?;
-                Some(format!(
-                    "http://{host}:{}/query",
-                    pod.mooncake_bootstrap_port()
-                ))
-            } else {
-                None
-            };
-            // Models nobody configured are learned from the engine.
-            let unknown_models =
-                pod.label(kvtransfer::labels::MODEL_NAME).is_none() && gw.config.models.is_empty();
-            Some(ProbeTarget {
-                name: pod.name.clone(),
-                role,
-                health_url: format!("{base}/health"),
-                query_url,
-                models_url: unknown_models.then(|| format!("{base}/v1/models")),
-                authorization: gw.engine_authorization.clone(),
-            })
+            let ranks = crate::endpoints::ranks::targets(pod).ok()?;
+            Some(ranks.into_iter().filter_map(move |(name, _)| {
+                let mut target = probe_target(gw, pod)?;
+                target.name = name;
+                Some(target)
+            }))
         })
+        .flatten()
         .collect()
+}
+
+/// The engine's probe (named after the pod).
+fn probe_target(gw: &Gateway, pod: &Pod) -> Option<ProbeTarget> {
+    let role = match pod.label(kvtransfer::labels::ROLE_NAME) {
+        Some("prefill") => Role::Prefill,
+        Some("decode") => Role::Decode,
+        _ => return None,
+    };
+    let base = crate::endpoints::base_url(pod)?;
+    let query_url = if needs_lookup(gw, pod) {
+        let host = pod.url_host()?;
+        Some(format!(
+            "http://{host}:{}/query",
+            pod.mooncake_bootstrap_port()
+        ))
+    } else {
+        None
+    };
+    // Models nobody configured are learned from the engine.
+    let unknown_models =
+        pod.label(kvtransfer::labels::MODEL_NAME).is_none() && gw.config.models.is_empty();
+    Some(ProbeTarget {
+        name: pod.name.clone(),
+        role,
+        health_url: format!("{base}/health"),
+        query_url,
+        models_url: unknown_models.then(|| format!("{base}/v1/models")),
+        authorization: gw.engine_authorization.clone(),
+    })
 }
 
 #[derive(Debug)]

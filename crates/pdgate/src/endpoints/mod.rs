@@ -8,6 +8,7 @@
 pub mod bootstrap;
 pub mod health;
 pub mod policy;
+pub mod ranks;
 pub mod reliability;
 
 use std::collections::{BTreeSet, HashMap};
@@ -134,11 +135,15 @@ impl Drop for LoadGuard {
     }
 }
 
-/// One routable engine.
+/// One routable engine, or one data-parallel rank of one ([`ranks`]).
 #[derive(Debug)]
 pub struct Endpoint {
-    /// `host:port`, used in headers, logs and metrics.
+    /// `host:port` (the pod's name), or `host:port#dp<rank>` for a rank: used in headers, logs,
+    /// metrics, and as the key of its load, health and cache entries.
     pub name: String,
+    /// The data-parallel rank every leg to this endpoint is pinned to (`X-data-parallel-rank`);
+    /// `None` for an engine that declares one rank (it places requests itself).
+    pub rank: Option<u32>,
     /// Where it is reached (`http://host:port`, parsed).
     pub addr: crate::engine::EngineAddr,
     /// The pod, as discovery (and bootstrap lookups) described it.
@@ -163,6 +168,7 @@ pub struct Endpoint {
 pub(crate) fn test_endpoint(name: &str, role: Role) -> Arc<Endpoint> {
     Arc::new(Endpoint {
         name: name.into(),
+        rank: None,
         addr: crate::engine::EngineAddr::parse(&format!("http://{name}")).expect("address"),
         pod: kvtransfer::Pod::default(),
         role,
@@ -181,7 +187,13 @@ impl Endpoint {
             name: &self.name,
             addr: &self.addr,
             authorization: self.authorization.as_ref(),
+            rank: self.rank,
         }
+    }
+
+    /// The engine's own name (the pod's): the same for every rank of it.
+    pub fn engine_name(&self) -> &str {
+        &self.pod.name
     }
 
     /// Whether this endpoint serves `model` (`None`: the client named none).
@@ -451,23 +463,39 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 }
             },
         };
+        let targets = match ranks::targets(&pod) {
+            Ok(t) => t,
+            Err(why) => {
+                snap.excluded.push((pod.name.clone(), why));
+                continue;
+            }
+        };
         let pod = &pod;
         let endpoint_models = models_of(pod, inputs.default_models);
         models.extend(endpoint_models.iter().cloned());
-        let endpoint = Arc::new(Endpoint {
-            name: pod.name.clone(),
-            addr,
-            authorization,
-            pod: pod.clone(),
-            role,
-            models: endpoint_models,
-            connector,
-            agent,
-            load: loads.get(&pod.name),
-        });
-        match role {
-            Role::Prefill => snap.prefill.push(endpoint),
-            Role::Decode => snap.decode.push(endpoint),
+        for (name, rank) in targets {
+            // Health and ejection are per rank: one rank failing leaves its peers routable.
+            if rank.is_some() && inputs.unhealthy.contains(&name) {
+                snap.excluded.push((name, "unhealthy".into()));
+                continue;
+            }
+            names.insert(name.clone());
+            let endpoint = Arc::new(Endpoint {
+                load: loads.get(&name),
+                name,
+                rank,
+                addr: addr.clone(),
+                authorization: authorization.clone(),
+                pod: pod.clone(),
+                role,
+                models: endpoint_models.clone(),
+                connector: connector.clone(),
+                agent: agent.clone(),
+            });
+            match role {
+                Role::Prefill => snap.prefill.push(endpoint),
+                Role::Decode => snap.decode.push(endpoint),
+            }
         }
     }
     loads.retain(&names);

@@ -25,6 +25,8 @@ pub struct Target<'a> {
     pub addr: &'a EngineAddr,
     /// The engine's own `Authorization`, replacing the one the leg's headers carry.
     pub authorization: Option<&'a HeaderValue>,
+    /// The data-parallel rank the leg is pinned to, sent as `X-data-parallel-rank`.
+    pub rank: Option<u32>,
 }
 
 /// The engine credentials on a leg's forwarded headers: the client's `Authorization` removed
@@ -120,6 +122,14 @@ pub async fn send(
         }
         if let Some(v) = leg.endpoint.authorization {
             h.insert(header::AUTHORIZATION, v.clone());
+        }
+        // After the agent's headers: the router chose the rank (an agent that names one, as
+        // Mooncake does, took the same choice).
+        if let Some(rank) = leg.endpoint.rank {
+            h.insert(
+                kvtransfer::DATA_PARALLEL_RANK_HEADER,
+                HeaderValue::from(rank),
+            );
         }
     }
     let request = builder

@@ -304,7 +304,8 @@ impl Session {
     /// The request-body answer: the decode's body, its headers, and its destination in every
     /// form a proxy reads (`target-pod`, `x-gateway-destination-endpoint`, `envoy.lb`).
     fn destination(&self, d: &Delegated, body: Bytes) -> ProcessingResponse {
-        let decode = d.pd.decode.name.as_bytes();
+        // The engine's address: a data-parallel rank is named by the header below.
+        let decode = d.pd.decode.engine_name().as_bytes();
         let mut set = vec![
             wire::set(headers::DECODE_TARGET_HEADER.as_str(), decode),
             wire::set(wire::DESTINATION, decode),
@@ -318,8 +319,14 @@ impl Session {
         if self.by == PrefillBy::Sidecar && !d.pd.served.prefill.is_empty() {
             set.push(wire::set(wire::PREFILLER, d.pd.served.prefill.as_bytes()));
         }
-        // As on the proxy's legs: no engine hint from the client, and the engine's credentials.
-        let mut remove = vec!["x-data-parallel-rank".to_string()];
+        // As on the proxy's legs: no engine hint from the client (the rank is the gateway's
+        // choice, when the decode is a rank), and the engine's credentials.
+        let rank_header = kvtransfer::DATA_PARALLEL_RANK_HEADER;
+        let mut remove = Vec::new();
+        match d.pd.decode.rank {
+            Some(rank) => set.push(wire::set(rank_header.as_str(), rank.to_string().as_bytes())),
+            None => remove.push(rank_header.as_str().to_string()),
+        }
         let engine_key = d.pd.decode.authorization.as_ref();
         match engine_key.or(self.gw.engine_authorization.as_ref()) {
             Some(key) => set.push(wire::set(header::AUTHORIZATION.as_str(), key.as_bytes())),
@@ -328,7 +335,7 @@ impl Session {
             }
             None => {}
         }
-        let name = d.pd.decode.name.as_str();
+        let name = d.pd.decode.engine_name();
         wire::request_body(
             wire::common(set, remove, Some(body), true),
             Some(wire::destination_metadata(name)),

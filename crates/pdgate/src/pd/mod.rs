@@ -127,18 +127,18 @@ impl Pd {
             .agent
             .clone()
             .ok_or_else(|| GatewayError::Internal("prefill endpoint without an agent".into()))?;
-        self.restart(request_id);
         self.agent = agent;
         // Predicted for the endpoint it leaves, not for this one.
         self.prefill_tokens = 0;
         self.served.prefill = next.name.clone();
         self.prefill = next;
+        self.restart(request_id);
         Ok(())
     }
 
     /// A fresh routing context (new transfer key) for another attempt of the request.
     pub(crate) fn restart(&mut self, request_id: &str) {
-        self.ctx = context(request_id, self.clean.clone());
+        self.ctx = context(request_id, self.clean.clone(), &self.prefill);
     }
 
     /// Records the decode endpoint that answered.
@@ -151,10 +151,12 @@ impl Pd {
 /// The routing context of one attempt. Its transfer key is the gateway's own (random, so unique
 /// across gateway replicas too): transfer ids must not follow the client's `X-Request-Id`, or two
 /// requests sent with the same id would share (and mix up) one KV transfer. The client's id stays
-/// the request id, on the legs and in the answer.
-fn context(request_id: &str, clean: JsonBody) -> RoutingContext {
+/// the request id, on the legs and in the answer. The prefill's data-parallel rank, when it is
+/// one, is the rank agents name (Mooncake's decode dials that rank's engine).
+fn context(request_id: &str, clean: JsonBody, prefill: &Endpoint) -> RoutingContext {
     let mut ctx = RoutingContext::from_parsed(request_id, clean);
     ctx.transfer_key = uuid::Uuid::new_v4().simple().to_string();
+    ctx.transfer.dp_rank = prefill.rank;
     ctx
 }
 
@@ -271,7 +273,7 @@ pub(crate) async fn plan(
         None
     };
     let decode_only = alone.is_some();
-    let ctx = context(&ex.request_id, clean.clone());
+    let ctx = context(&ex.request_id, clean.clone(), &prefill);
     if let Some(record) = ex.record() {
         record.set_connector(connector);
         record.touched(if decode_only { "" } else { &prefill.name }, &decode.name);

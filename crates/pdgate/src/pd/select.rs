@@ -60,7 +60,8 @@ pub(super) fn no_pair(snap: &Snapshot, model: Option<&str>) -> GatewayError {
 }
 
 /// `snap` with its decodes restricted to those named in `names` (`host:port`: a proxy's subset
-/// hint, the endpoints it can send the request to). None of them routable: 503.
+/// hint, the endpoints it can send the request to; every data-parallel rank of a named engine
+/// stays). None of them routable: 503.
 pub(crate) fn within(
     snap: &Snapshot,
     names: &[String],
@@ -69,7 +70,7 @@ pub(crate) fn within(
     let decode: Vec<Arc<Endpoint>> = snap
         .decode
         .iter()
-        .filter(|d| names.iter().any(|n| n == &d.name))
+        .filter(|d| names.iter().any(|n| n == &d.name || n == d.engine_name()))
         .cloned()
         .collect();
     if decode.is_empty() {

@@ -11,10 +11,38 @@ use super::{Health, HealthConfig, ProbeTarget};
 use crate::engine::EnginePool;
 use crate::engine::probe::{ProbeError, get_ok};
 
-/// One check's outcome: the endpoint, whether it passed, the models it named (if asked).
-type Checked = (String, Result<(), ProbeError>, Option<Vec<String>>);
+/// One check's outcome: the endpoints it speaks for (the ranks of one engine share its probe),
+/// whether it passed, the models it named (if asked).
+type Checked = (Vec<String>, Result<(), ProbeError>, Option<Vec<String>>);
 
-async fn probe(client: EnginePool, target: ProbeTarget, limit: Duration) -> Checked {
+/// The targets grouped by what is requested: the data-parallel ranks of one engine are probed
+/// once, and the answer counts for each. Order follows the first target of each group.
+fn by_engine(targets: Vec<ProbeTarget>) -> Vec<(ProbeTarget, Vec<String>)> {
+    let mut groups: Vec<(ProbeTarget, Vec<String>)> = Vec::new();
+    for t in targets {
+        let same = |g: &(ProbeTarget, Vec<String>)| {
+            g.0.health_url == t.health_url
+                && g.0.query_url == t.query_url
+                && g.0.models_url == t.models_url
+                && g.0.role == t.role
+        };
+        match groups.iter_mut().find(|g| same(g)) {
+            Some(g) => g.1.push(t.name),
+            None => {
+                let name = t.name.clone();
+                groups.push((t, vec![name]));
+            }
+        }
+    }
+    groups
+}
+
+async fn probe(
+    client: EnginePool,
+    target: ProbeTarget,
+    names: Vec<String>,
+    limit: Duration,
+) -> Checked {
     let mut result = get_ok(&client, &target.health_url, limit).await;
     if result.is_ok()
         && let Some(q) = &target.query_url
@@ -27,7 +55,7 @@ async fn probe(client: EnginePool, target: ProbeTarget, limit: Duration) -> Chec
     {
         models = learn_models(&client, url, target.authorization.as_ref(), limit).await;
     }
-    (target.name, result, models)
+    (names, result, models)
 }
 
 /// The model ids of an OpenAI `/v1/models` answer; `None` when it cannot be had (the check
@@ -77,24 +105,70 @@ pub async fn run(
         health.tick(now);
         if config.health_checks && now >= next_check && probes.is_empty() {
             next_check = now + config.health_check_interval;
-            for target in health.targets() {
-                probes.spawn(probe(client.clone(), target, config.health_check_timeout));
+            for (target, names) in by_engine(health.targets()) {
+                probes.spawn(probe(
+                    client.clone(),
+                    target,
+                    names,
+                    config.health_check_timeout,
+                ));
             }
         }
         tokio::select! {
             _ = cancel.cancelled() => return,
             Some(done) = probes.join_next(), if !probes.is_empty() => {
-                if let Ok((name, result, models)) = done {
-                    if let Some(models) = models {
-                        health.learned(&name, models);
-                    }
-                    match result {
-                        Ok(()) => health.check_result(&name, true, ""),
-                        Err(why) => health.check_result(&name, false, &why.to_string()),
+                if let Ok((names, result, models)) = done {
+                    let why = result.err().map(|e| e.to_string());
+                    for name in &names {
+                        if let Some(models) = &models {
+                            health.learned(name, models.clone());
+                        }
+                        health.check_result(name, why.is_none(), why.as_deref().unwrap_or(""));
                     }
                 }
             }
             _ = tokio::time::sleep(tick) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoints::Role;
+
+    fn target(name: &str, url: &str) -> ProbeTarget {
+        ProbeTarget {
+            name: name.into(),
+            role: Role::Decode,
+            health_url: format!("{url}/health"),
+            query_url: None,
+            models_url: None,
+            authorization: None,
+        }
+    }
+
+    #[test]
+    fn ranks_of_one_engine_share_a_probe() {
+        let groups = by_engine(vec![
+            target("a#dp0", "http://a"),
+            target("b", "http://b"),
+            target("a#dp1", "http://a"),
+        ]);
+        let names: Vec<Vec<String>> = groups.into_iter().map(|g| g.1).collect();
+        assert_eq!(
+            names,
+            vec![
+                vec!["a#dp0".to_string(), "a#dp1".to_string()],
+                vec!["b".to_string()]
+            ]
+        );
+        // Another role on the same address is probed on its own (a combined test fleet).
+        let mut prefill = target("a", "http://a");
+        prefill.role = Role::Prefill;
+        assert_eq!(
+            by_engine(vec![target("a#dp0", "http://a"), prefill]).len(),
+            2
+        );
     }
 }

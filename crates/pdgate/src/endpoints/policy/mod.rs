@@ -180,6 +180,7 @@ mod tests {
             .map(|i| {
                 Arc::new(Endpoint {
                     name: format!("e{i}"),
+                    rank: None,
                     addr: crate::engine::EngineAddr::parse(&format!("http://127.0.0.1:{i}"))
                         .expect("address"),
                     pod: Pod::default(),
