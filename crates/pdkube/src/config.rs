@@ -24,6 +24,11 @@ pub const POD_GROUP_INDEX_LABEL: &str = labels::POD_GROUP_INDEX;
 /// Canonical AIBrix annotation: the SGLang bootstrap port (default 8998).
 pub const SGLANG_BOOTSTRAP_PORT_ANNOTATION: &str = labels::SGLANG_BOOTSTRAP_PORT;
 
+/// pdgate annotation: the data-parallel ranks the engine serves (vLLM `--data-parallel-size`),
+/// each routed to as its own target. Passed through as written; pdgate checks it (a pod with a
+/// value that is not a number in 1..=1024 is left out, with the reason).
+pub const DATA_PARALLEL_SIZE_ANNOTATION: &str = "pdgate.io/data-parallel-size";
+
 /// HTTP port assumed when a pod carries no port label (AIBrix default).
 pub const DEFAULT_HTTP_PORT: u16 = kvtransfer::DEFAULT_HTTP_PORT;
 

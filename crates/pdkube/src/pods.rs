@@ -9,8 +9,8 @@ use k8s_openapi::api::core::v1::Pod as KubePod;
 
 use crate::EndpointPod;
 use crate::config::{
-    CONNECTOR_LABEL, DEFAULT_HTTP_PORT, ENGINE_LABEL, LabelKeys, MODEL_LABEL, ROLE_LABEL,
-    ROLESET_LABEL, SGLANG_BOOTSTRAP_PORT_ANNOTATION,
+    CONNECTOR_LABEL, DATA_PARALLEL_SIZE_ANNOTATION, DEFAULT_HTTP_PORT, ENGINE_LABEL, LabelKeys,
+    MODEL_LABEL, ROLE_LABEL, ROLESET_LABEL, SGLANG_BOOTSTRAP_PORT_ANNOTATION,
 };
 
 /// Role value of a prefill pod.
@@ -65,7 +65,8 @@ impl SkipReason {
 /// `pod-group-index` is `"0"` or absent, and the port label (if any) and SGLang bootstrap
 /// annotation (if any) parse as ports. The endpoint keeps the pod's labels and adds the
 /// canonical AIBrix keys read through `keys` (trimmed; role and engine lower-cased; empty values
-/// dropped). Annotations carry only the canonical SGLang bootstrap port.
+/// dropped). Annotations carry only the canonical SGLang bootstrap port and the data-parallel
+/// size.
 pub fn classify_pod(pod: &KubePod, keys: &LabelKeys) -> Result<EndpointPod, SkipReason> {
     let meta = &pod.metadata;
     let name = meta
@@ -125,6 +126,13 @@ pub fn classify_pod(pod: &KubePod, keys: &LabelKeys) -> Result<EndpointPod, Skip
             SGLANG_BOOTSTRAP_PORT_ANNOTATION.to_owned(),
             port.to_string(),
         );
+    }
+    if let Some(v) = src_annotations
+        .get(DATA_PARALLEL_SIZE_ANNOTATION)
+        .map(|v| v.trim())
+        .filter(|v| !v.is_empty())
+    {
+        annotations.insert(DATA_PARALLEL_SIZE_ANNOTATION.to_owned(), v.to_owned());
     }
 
     let canonical: [(&str, Option<String>); 5] = [

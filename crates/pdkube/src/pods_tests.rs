@@ -141,6 +141,37 @@ fn bad_bootstrap_port_is_not_routable() {
 }
 
 #[test]
+fn the_data_parallel_size_annotation_is_passed_on() {
+    let mut p = pod("a", "10.0.0.1", &[]);
+    p.metadata.annotations = Some(BTreeMap::from([
+        (
+            crate::config::DATA_PARALLEL_SIZE_ANNOTATION.to_owned(),
+            " 8 ".to_owned(),
+        ),
+        ("other".to_owned(), "x".to_owned()),
+    ]));
+    let e = classify_pod(&p, &keys()).expect("routable");
+    assert_eq!(
+        e.annotations,
+        BTreeMap::from([(
+            crate::config::DATA_PARALLEL_SIZE_ANNOTATION.to_owned(),
+            "8".to_owned()
+        )])
+    );
+    // Empty: as if absent (one rank).
+    p.metadata.annotations = Some(BTreeMap::from([(
+        crate::config::DATA_PARALLEL_SIZE_ANNOTATION.to_owned(),
+        " ".to_owned(),
+    )]));
+    assert!(
+        classify_pod(&p, &keys())
+            .expect("routable")
+            .annotations
+            .is_empty()
+    );
+}
+
+#[test]
 fn readiness_flips() {
     let mut p = prefill("p", "10.0.0.1");
     assert_eq!(names(&routable_pods(&[p.clone()], &keys())), ["p"]);

@@ -27,7 +27,8 @@ pub(crate) struct DpRank {
     pub slots: Option<Arc<Semaphore>>,
     /// The scheduler of the step-loop engine model, when it is on.
     pub steps: Option<StepLoop>,
-    pub counters: RankCounters,
+    /// Shared with the requests on this rank ([`OnRank`]).
+    pub counters: Arc<RankCounters>,
 }
 
 /// What one rank did, for `/sim/stats` and the balancer.
@@ -53,7 +54,7 @@ impl DpRank {
             // The step loop bounds concurrency itself (`max_num_seqs`, KV blocks).
             slots: (slots > 0 && !step_model).then(|| Arc::new(Semaphore::new(slots))),
             steps: None,
-            counters: RankCounters::default(),
+            counters: Arc::default(),
         }
     }
 
@@ -116,15 +117,16 @@ pub(crate) fn choose(
 /// Counts a request on its rank until dropped.
 pub(crate) struct OnRank {
     rank: usize,
-    engine: Arc<crate::engine::Engine>,
+    counters: Arc<RankCounters>,
 }
 
 impl OnRank {
-    pub fn new(engine: Arc<crate::engine::Engine>, rank: usize) -> Self {
-        let c = &engine.ranks[rank].counters;
-        c.in_flight.fetch_add(1, Relaxed);
-        c.requests.fetch_add(1, Relaxed);
-        OnRank { rank, engine }
+    /// Counts a request on rank `rank` of `ranks` (which must hold it: [`choose`]'s answer).
+    pub fn new(ranks: &[DpRank], rank: usize) -> Self {
+        let counters = ranks[rank].counters.clone();
+        counters.in_flight.fetch_add(1, Relaxed);
+        counters.requests.fetch_add(1, Relaxed);
+        OnRank { rank, counters }
     }
 
     pub fn rank(&self) -> usize {
@@ -134,10 +136,7 @@ impl OnRank {
 
 impl Drop for OnRank {
     fn drop(&mut self) {
-        self.engine.ranks[self.rank]
-            .counters
-            .in_flight
-            .fetch_sub(1, Relaxed);
+        self.counters.in_flight.fetch_sub(1, Relaxed);
     }
 }
 

@@ -216,7 +216,7 @@ async fn run(
         }
     };
     let stream = req.stream;
-    let rank = crate::dp::OnRank::new(engine.clone(), rank);
+    let rank = crate::dp::OnRank::new(&engine.ranks, rank);
     let mut job = Job::new(engine, endpoint, req, base_id, plan, guard, rank);
     if stream {
         return sse_response(job, drop_after);

@@ -176,3 +176,27 @@ fn operations_doc_names_each_top_level_key_in_its_section() {
         );
     }
 }
+
+#[test]
+fn a_data_parallel_size_becomes_the_annotation_and_zero_is_refused() {
+    let text = |size: u32| {
+        format!(
+            "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\ndata_parallel_size = {size}\n\
+             [[decode]]\nurl = \"http://10.0.0.2:8000\"\n"
+        )
+    };
+    let config = Config::from_toml(&text(8)).unwrap();
+    let pods = config.pods().unwrap();
+    assert_eq!(
+        pods[0].annotation(crate::endpoints::ranks::DATA_PARALLEL_SIZE_ANNOTATION),
+        Some("8")
+    );
+    for bad in [0, 5000] {
+        let config = Config::from_toml(&text(bad)).unwrap();
+        let err = config
+            .validate(&kvtransfer::Registry::with_builtins())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("prefill[0].data_parallel_size"), "{err}");
+    }
+}

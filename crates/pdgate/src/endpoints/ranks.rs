@@ -9,8 +9,9 @@
 use kvtransfer::Pod;
 
 /// Pod annotation (and static endpoint `data_parallel_size`): how many data-parallel ranks the
-/// engine serves. Absent or 1: one routing target, no rank header.
-pub const DATA_PARALLEL_SIZE_ANNOTATION: &str = "pdgate.io/data-parallel-size";
+/// engine serves. Absent or 1: one routing target, no rank header. Kubernetes discovery passes
+/// it on from the pod.
+pub const DATA_PARALLEL_SIZE_ANNOTATION: &str = pdkube::config::DATA_PARALLEL_SIZE_ANNOTATION;
 
 /// The largest data-parallel size accepted (wide expert-parallel deployments run 32 to 256
 /// ranks per endpoint; more is a typo).

@@ -202,3 +202,57 @@ fn roleset_pairing_pairs_within_a_roleset_only() {
     let snap = build_snapshot(&pods, &inputs, &loads);
     assert!(snap.pairs(&snap.prefill[0], &snap.decode[0]));
 }
+
+#[test]
+fn a_data_parallel_engine_is_one_endpoint_per_rank() {
+    let ranked = |name: &str, role: &str, size: &str| {
+        let mut p = pod(name, role);
+        p.annotations
+            .insert(ranks::DATA_PARALLEL_SIZE_ANNOTATION.into(), size.into());
+        p
+    };
+    // "sick#dp1" is unhealthy: that rank alone leaves the snapshot.
+    let pods = vec![
+        ranked("p", "prefill", "4"),
+        ranked("sick", "decode", "2"),
+        ranked("bad", "decode", "0"),
+        pod("d", "decode"),
+    ];
+    let reg = Registry::with_builtins();
+    let unhealthy = BTreeSet::from(["sick#dp1".to_string()]);
+    let inputs = SnapshotInputs {
+        registry: &reg,
+        default_connector: "shfs",
+        default_models: &[],
+        unhealthy: &unhealthy,
+        roleset_pairing: false,
+    };
+    let loads = LoadTable::default();
+    let snap = build_snapshot(&pods, &inputs, &loads);
+    let names = |eps: &[Arc<Endpoint>]| -> Vec<(String, Option<u32>)> {
+        eps.iter().map(|e| (e.name.clone(), e.rank)).collect()
+    };
+    assert_eq!(
+        names(&snap.prefill),
+        (0..4)
+            .map(|r| (format!("p#dp{r}"), Some(r)))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        names(&snap.decode),
+        vec![("sick#dp0".to_string(), Some(0)), ("d".to_string(), None)]
+    );
+    // Each rank has its own load counter; all name the engine's pod.
+    let slots: BTreeSet<usize> = snap.prefill.iter().map(|e| e.load.slot()).collect();
+    assert_eq!(slots.len(), 4);
+    assert!(snap.prefill.iter().all(|e| e.engine_name() == "p"));
+    assert_eq!(snap.prefill[2].target().rank, Some(2));
+    let why = |name: &str| {
+        snap.excluded
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, w)| w.clone())
+    };
+    assert_eq!(why("sick#dp1").as_deref(), Some("unhealthy"));
+    assert!(why("bad").is_some_and(|w| w.contains("data-parallel-size")));
+}
