@@ -13,6 +13,7 @@ use pdcache::events::KvEvent;
 
 use crate::clock::SimClock;
 use crate::config::{Connector, Faults, SimConfig};
+use crate::ec_store::EcStore;
 use crate::error::ApiError;
 use crate::kv_events::EventSink;
 use crate::kv_pull::PullClient;
@@ -31,6 +32,8 @@ pub(crate) struct Engine {
     pub counters: Counters,
     pub recent: Recent,
     pub kv: KvStore,
+    /// An encoder's encoded items (`--role encode`); empty otherwise.
+    pub ec: EcStore,
     pub slots: Option<Arc<Semaphore>>,
     pub shutdown: CancellationToken,
     pub client: PullClient,
@@ -90,6 +93,7 @@ impl Engine {
             },
             recent: Recent::default(),
             kv: KvStore::new(cfg.kv_lease),
+            ec: EcStore::new(cfg.kv_lease),
             slots,
             shutdown: CancellationToken::new(),
             client: PullClient::new(),
@@ -199,6 +203,7 @@ impl Engine {
             &self.recent,
         );
         s.last_kv_error = self.last_kv_error();
+        s.ec.last_error = self.ec.last_error();
         s.time_scale = self.cfg.time_scale;
         s.engine_dead = self.is_dead();
         if let Some(cache) = &self.cache
