@@ -26,6 +26,13 @@ fn mm_chat(images: &[&str], stream: bool) -> Value {
     json!({"model":MODEL,"messages":[{"role":"user","content":content}],"max_tokens":8,"stream":stream})
 }
 
+/// Posts a chat completion with these images to the gateway.
+async fn post_images(fleet: &Fleet, images: &[&str], stream: bool) -> reqwest::Response {
+    fleet
+        .post("/v1/chat/completions", &mm_chat(images, stream))
+        .await
+}
+
 /// Engines (`encoders` with their configs) and a gateway: `prefill`/`decode` as in
 /// [`common::start`], the encoders in `[[encode]]`. Passive ejection is off, so an encoder a
 /// test breaks stays in rotation for its requests (active checks take longer than a test to
@@ -68,17 +75,7 @@ async fn shfs_with_encoders(
 }
 
 async fn baseline_text(body: &Value) -> String {
-    let engine = pdsim::spawn(sim(Role::Both, Connector::None))
-        .await
-        .expect("engine");
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", engine.base_url()))
-        .json(body)
-        .send()
-        .await
-        .expect("baseline");
-    assert_eq!(r.status(), 200);
-    text_of(&r.text().await.expect("body"))
+    text_of(&one_engine_answer("/v1/chat/completions", body).await)
 }
 
 /// The `ec_transfer_params` of the last body `engine` received, if any.
@@ -190,12 +187,7 @@ async fn text_only_requests_skip_the_encoder() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_without_encoders_serves_images_as_before() {
     let fleet = pair(Connector::Shfs, |_| {}).await;
-    let r = fleet
-        .post(
-            "/v1/chat/completions",
-            &mm_chat(&["http://img/a.png"], false),
-        )
-        .await;
+    let r = post_images(&fleet, &["http://img/a.png"], false).await;
     assert_eq!(r.status(), 200);
     r.text().await.unwrap();
     let ps = fleet.prefill[0].stats();
@@ -214,12 +206,7 @@ async fn a_connector_without_ec_transfer_params_skips_the_encoder() {
         |_| {},
     )
     .await;
-    let r = fleet
-        .post(
-            "/v1/chat/completions",
-            &mm_chat(&["http://img/a.png"], false),
-        )
-        .await;
+    let r = post_images(&fleet, &["http://img/a.png"], false).await;
     assert_eq!(r.status(), 200);
     r.text().await.unwrap();
     assert_eq!(encoders[0].stats().requests.chat_completions, 0);
@@ -236,12 +223,7 @@ async fn a_concurrent_connector_runs_its_encoders_before_both_legs() {
     )
     .await;
     for stream in [false, true] {
-        let r = fleet
-            .post(
-                "/v1/chat/completions",
-                &mm_chat(&["http://img/m.png"], stream),
-            )
-            .await;
+        let r = post_images(&fleet, &["http://img/m.png"], stream).await;
         assert_eq!(r.status(), 200);
         assert!(!text_of(&r.text().await.unwrap()).is_empty());
     }
@@ -254,12 +236,7 @@ async fn a_concurrent_connector_runs_its_encoders_before_both_legs() {
 async fn an_encoder_down_fails_the_request_with_a_clear_error() {
     let (fleet, mut encoders) = shfs_with_encoders(1, |_| {}).await;
     encoders.pop().unwrap().shutdown().await;
-    let r = fleet
-        .post(
-            "/v1/chat/completions",
-            &mm_chat(&["http://img/a.png"], false),
-        )
-        .await;
+    let r = post_images(&fleet, &["http://img/a.png"], false).await;
     assert_eq!(r.status(), 502);
     let v: Value = r.json().await.unwrap();
     let message = v["error"]["message"].as_str().unwrap();
@@ -283,12 +260,7 @@ async fn a_hanging_encoder_times_out_with_504() {
         hang: true,
         ..Faults::default()
     });
-    let r = fleet
-        .post(
-            "/v1/chat/completions",
-            &mm_chat(&["http://img/a.png"], true),
-        )
-        .await;
+    let r = post_images(&fleet, &["http://img/a.png"], true).await;
     assert_eq!(r.status(), 504);
     let v: Value = r.json().await.unwrap();
     assert!(
@@ -310,12 +282,7 @@ async fn with_fallback_the_prefill_encodes_when_no_encoder_can() {
         error_rate: 1.0,
         ..Faults::default()
     });
-    let r = fleet
-        .post(
-            "/v1/chat/completions",
-            &mm_chat(&["http://img/a.png"], false),
-        )
-        .await;
+    let r = post_images(&fleet, &["http://img/a.png"], false).await;
     assert_eq!(r.status(), 200);
     r.text().await.unwrap();
     let ps = fleet.prefill[0].stats();
@@ -337,12 +304,7 @@ async fn a_failing_encoder_is_retried_on_another() {
         ..Faults::default()
     });
     for _ in 0..3 {
-        let r = fleet
-            .post(
-                "/v1/chat/completions",
-                &mm_chat(&["http://img/r.png"], false),
-            )
-            .await;
+        let r = post_images(&fleet, &["http://img/r.png"], false).await;
         assert_eq!(r.status(), 200);
         r.text().await.unwrap();
     }
@@ -370,9 +332,7 @@ async fn an_encoder_refusing_the_item_is_relayed_as_the_client_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_many_items_are_refused_before_any_leg() {
     let (fleet, encoders) = shfs_with_encoders(1, |c| c.legs.encode_max_items = 2).await;
-    let r = fleet
-        .post("/v1/chat/completions", &mm_chat(&["u1", "u2", "u3"], false))
-        .await;
+    let r = post_images(&fleet, &["u1", "u2", "u3"], false).await;
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["param"], "messages", "{v}");
@@ -396,12 +356,7 @@ async fn a_wrong_handoff_fails_the_prefill() {
     })
     .await;
     encoders[0].set_faults(wrong.clone());
-    let r = fleet
-        .post(
-            "/v1/chat/completions",
-            &mm_chat(&["http://img/w.png"], false),
-        )
-        .await;
+    let r = post_images(&fleet, &["http://img/w.png"], false).await;
     assert_eq!(r.status(), 500);
     let ps = fleet.prefill[0].stats();
     assert_eq!((ps.ec.pulled, ps.ec.failed), (0, 1), "{ps:?}");
@@ -410,12 +365,7 @@ async fn a_wrong_handoff_fails_the_prefill() {
 
     let (fleet, encoders) = shfs_with_encoders(1, |_| {}).await;
     encoders[0].set_faults(wrong);
-    let r = fleet
-        .post(
-            "/v1/chat/completions",
-            &mm_chat(&["http://img/w.png"], false),
-        )
-        .await;
+    let r = post_images(&fleet, &["http://img/w.png"], false).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["x-pdgate-fallback"], "prefill-failed");
     r.text().await.unwrap();
@@ -445,12 +395,7 @@ async fn a_retried_prefill_leg_gets_its_items_encoded_again() {
     });
     let mut served = 0;
     for _ in 0..4 {
-        let r = fleet
-            .post(
-                "/v1/chat/completions",
-                &mm_chat(&["http://img/t.png"], false),
-            )
-            .await;
+        let r = post_images(&fleet, &["http://img/t.png"], false).await;
         assert_eq!(r.status(), 200);
         r.text().await.unwrap();
         served += 1;
