@@ -147,6 +147,20 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     }
 }
 
+/// The prefill leg's body for the current pair: the agent's (bound to the decode), with the
+/// encoders' parameters `ec` for this leg set on it.
+fn prefill_body(
+    pd: &mut Pd,
+    ec: Option<Bytes>,
+) -> Result<kvtransfer::PrefillRequest, GatewayError> {
+    pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
+    let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
+    let body = pd
+        .agent
+        .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
+    encode::attach(body, ec)
+}
+
 /// The prefill leg (retried on other prefills) and the merge of its answer: the decode leg's
 /// body (the client's own when the decode serves alone after a failed prefill).
 pub(crate) async fn prefill_and_merge(
@@ -158,12 +172,7 @@ pub(crate) async fn prefill_and_merge(
     let collected = loop {
         // Each prefill leg loads its items' encoder output once: encoded again for each.
         let ec = pd.encode_for_prefill(&gw, &ex.request_id).await?;
-        pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
-        let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
-        let prefill_request =
-            pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
-        let prefill_request = encode::attach(prefill_request, ec)?;
+        let prefill_request = prefill_body(pd, ec)?;
         let job = PrefillJob::new(
             pd,
             &ex.request_id,
@@ -368,12 +377,7 @@ pub(crate) fn start_prefill(
     limit: Duration,
     ec: Option<Bytes>,
 ) -> Result<AbortOnDropHandle<PartnerResult>, GatewayError> {
-    pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
-    let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
-    let prefill_request = pd
-        .agent
-        .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
-    let prefill_request = encode::attach(prefill_request, ec)?;
+    let prefill_request = prefill_body(pd, ec)?;
     pd.agent
         .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
     let gw = gw.clone();
