@@ -140,21 +140,11 @@ fi
 
 want_router() { [[ " $ARMS " == *" vllm-router-"* || " $ARMS " == *" smg-"* ]]; }
 # matplotlib draws the charts; without it (no registry) the run still prints its table.
-if ! [[ -x "$BENCH_VENV/bin/python" ]] || ! "$BENCH_VENV/bin/python" -c 'import matplotlib' 2>/dev/null; then
-  log "installing matplotlib into $BENCH_VENV (charts)"
-  (timeout 900 python3 -m venv "$BENCH_VENV" && timeout 900 "$BENCH_VENV/bin/pip" install -q matplotlib) \
-    >"$LOGS/pip-matplotlib.log" 2>&1 || log "matplotlib install failed: no charts (see $LOGS/pip-matplotlib.log)"
+ensure_matplotlib "$BENCH_VENV" "$LOGS" || true
+if want_router && ! ensure_peers "$BENCH_VENV" "$LOGS"; then
+  log "leaving the vllm-router and smg arms out"
+  ARMS="$(for a in $ARMS; do [[ $a == vllm-router-* || $a == smg-* ]] || echo "$a"; done | xargs)"
 fi
-if want_router && ! [[ -x "$BENCH_VENV/bin/vllm-router" && -x "$BENCH_VENV/bin/smg" ]]; then
-  log "installing vllm-router==$VLLM_ROUTER_VERSION smg==$SMG_VERSION into $BENCH_VENV"
-  if ! (timeout 900 python3 -m venv "$BENCH_VENV" &&
-    timeout 900 "$BENCH_VENV/bin/pip" install -q "vllm-router==$VLLM_ROUTER_VERSION" "smg==$SMG_VERSION") \
-    >"$LOGS/pip.log" 2>&1; then
-    log "router install failed; leaving vllm-router and smg arms out (see $LOGS/pip.log)"
-    ARMS="$(for a in $ARMS; do [[ $a == vllm-router-* || $a == smg-* ]] || echo "$a"; done | xargs)"
-  fi
-fi
-
 
 # ---- 2. engines ---------------------------------------------------------------------------
 P1=$(free_port) P2=$(free_port) D=$(free_port)

@@ -175,21 +175,11 @@ done
 "$BIN/pdsim" fleet --help >/dev/null 2>&1 || { log "$BIN/pdsim has no 'fleet' subcommand"; exit 1; }
 
 # matplotlib draws the charts; without it (no registry) the run still prints its table.
-if ! [[ -x "$BENCH_VENV/bin/python" ]] || ! "$BENCH_VENV/bin/python" -c 'import matplotlib' 2>/dev/null; then
-  log "installing matplotlib into $BENCH_VENV (charts)"
-  (timeout 900 python3 -m venv "$BENCH_VENV" && timeout 900 "$BENCH_VENV/bin/pip" install -q matplotlib) \
-    >"$LOGS/pip-matplotlib.log" 2>&1 || log "matplotlib install failed: no charts (see $LOGS/pip-matplotlib.log)"
-fi
-
+ensure_matplotlib "$BENCH_VENV" "$LOGS" || true
 want_peers() { [[ " $ARMS " == *" vllm_router "* || " $ARMS " == *" smg "* ]]; }
-if want_peers && ! [[ -x "$BENCH_VENV/bin/vllm-router" && -x "$BENCH_VENV/bin/smg" ]]; then
-  log "installing vllm-router==$VLLM_ROUTER_VERSION smg==$SMG_VERSION into $BENCH_VENV"
-  if ! (timeout 900 python3 -m venv "$BENCH_VENV" &&
-    timeout 900 "$BENCH_VENV/bin/pip" install -q "vllm-router==$VLLM_ROUTER_VERSION" "smg==$SMG_VERSION") \
-    >"$LOGS/pip-peers.log" 2>&1; then
-    log "peer install failed; leaving the vllm_router and smg arms out (see $LOGS/pip-peers.log)"
-    ARMS="$(for a in $ARMS; do [[ $a == vllm_router || $a == smg ]] || echo "$a"; done | xargs)"
-  fi
+if want_peers && ! ensure_peers "$BENCH_VENV" "$LOGS"; then
+  log "leaving the vllm_router and smg arms out"
+  ARMS="$(for a in $ARMS; do [[ $a == vllm_router || $a == smg ]] || echo "$a"; done | xargs)"
 fi
 
 {

@@ -1,4 +1,4 @@
-# Helpers shared by bench/compare.sh and bench/profile.sh (sourced, not run).
+# Helpers shared by the bench scripts (sourced, not run).
 
 # A free TCP port on 127.0.0.1.
 free_port() {
@@ -13,5 +13,30 @@ wait_http() {
     sleep 0.1
   done
   echo "$(basename "$0"): timed out waiting for $url" >&2
+  return 1
+}
+
+# ensure_matplotlib VENV LOGDIR: matplotlib in VENV, for the charts (bounded installs). Without
+# it (no registry) a run still prints its tables; returns non-zero then.
+ensure_matplotlib() {
+  local venv="$1" logs="$2"
+  [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c 'import matplotlib' 2>/dev/null && return 0
+  echo "$(basename "$0"): installing matplotlib into $venv (charts)" >&2
+  (timeout 900 python3 -m venv "$venv" && timeout 900 "$venv/bin/pip" install -q matplotlib) \
+    >"$logs/pip-matplotlib.log" 2>&1 && return 0
+  echo "$(basename "$0"): matplotlib install failed: no charts (see $logs/pip-matplotlib.log)" >&2
+  return 1
+}
+
+# ensure_peers VENV LOGDIR: the peer routers (vllm-router $VLLM_ROUTER_VERSION, SMG
+# $SMG_VERSION) in VENV (bounded installs); non-zero when they cannot be installed.
+ensure_peers() {
+  local venv="$1" logs="$2"
+  [[ -x "$venv/bin/vllm-router" && -x "$venv/bin/smg" ]] && return 0
+  echo "$(basename "$0"): installing vllm-router==$VLLM_ROUTER_VERSION smg==$SMG_VERSION into $venv" >&2
+  (timeout 900 python3 -m venv "$venv" &&
+    timeout 900 "$venv/bin/pip" install -q "vllm-router==$VLLM_ROUTER_VERSION" "smg==$SMG_VERSION") \
+    >"$logs/pip-peers.log" 2>&1 && return 0
+  echo "$(basename "$0"): peer install failed (see $logs/pip-peers.log)" >&2
   return 1
 }

@@ -8,9 +8,15 @@ Two modes:
 - ``--direct``: this script plays the gateway itself (prefill leg per
   contracts.md sections 2-3, then decode with the returned kv_transfer_params).
   Used to prove the engines and the handoff without pdgate.
+
+With ``--ext-proc ADDR --envoy BIN`` it also sends the single-pair cases through
+``pdgate ext-proc`` at ADDR, Envoy's part played by BIN (pdgate's
+``envoy_ext_proc`` example: no Envoy can be installed here), with the same
+output and KV checks.
 """
 
 import argparse
+import subprocess
 import http.client
 import json
 import os
@@ -213,6 +219,29 @@ class PdGateway:
         return request("POST", f"{self.url}/v1/{kind}", body, timeout=timeout)
 
 
+class EnvoyGateway:
+    """Sends the client request through ``pdgate ext-proc``, Envoy played by the example binary."""
+
+    def __init__(self, addr: str, envoy: str) -> None:
+        self.addr = addr
+        self.envoy = envoy
+
+    def send(self, kind: str, body: dict, timeout=REQUEST_TIMEOUT_S) -> Reply:
+        start = time.monotonic()
+        run = subprocess.run(
+            [self.envoy, self.addr, f"/v1/{kind}", json.dumps(body)],
+            capture_output=True,
+            timeout=timeout + 60,
+            check=False,
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"envoy_ext_proc exited {run.returncode}: {run.stderr.decode()[-500:]}")
+        out = json.loads(run.stdout)
+        reply = Reply(out["status"], out["headers"], out["body"].encode(), time.monotonic() - start)
+        reply.destination = out.get("destination")
+        return reply
+
+
 CASES = [(k, s) for k in ("completions", "chat/completions") for s in (False, True)]
 
 
@@ -362,6 +391,16 @@ def phase_single(res: Result, gw, args) -> None:
             "decode engine still healthy after client-supplied kv_transfer_params",
             str(alive.status),
         )
+
+
+def phase_ext_proc(res: Result, args) -> None:
+    """The single-pair cases through ext_proc: the decode named is the one engine it has."""
+    gw = EnvoyGateway(args.ext_proc, args.envoy)
+    want = urllib.parse.urlsplit(args.decode).netloc
+    for i, (kind, stream) in enumerate(CASES):
+        reply = check_pd_case(res, gw, args, kind, stream, f"extproc{i}-{uuid.uuid4().hex[:8]}", "ext_proc 1P1D")
+        if reply is not None and reply.status == 200:
+            res.check(reply.destination == want, f"ext_proc {kind} stream={stream}: routed to the decode", str(reply.destination))
 
 
 def phase_two_prefills(res: Result, gw, args) -> None:
@@ -523,9 +562,13 @@ def main() -> int:
     ap.add_argument("--gateway-one", help="pdgate URL with the first prefill only")
     ap.add_argument("--gateway-two", help="pdgate URL with both prefills")
     ap.add_argument("--direct", action="store_true", help="play the gateway here (no pdgate)")
+    ap.add_argument("--ext-proc", help="pdgate ext-proc address (host:port) with the first prefill only")
+    ap.add_argument("--envoy", help="the envoy_ext_proc example binary (plays Envoy for --ext-proc)")
     args = ap.parse_args()
     if len(args.prefill) != 2 or len(args.prefill_pgid) != 2:
         ap.error("give --prefill and --prefill-pgid twice")
+    if bool(args.ext_proc) != bool(args.envoy):
+        ap.error("give --ext-proc and --envoy together")
     res = Result()
     if args.direct:
         one, two = DirectGateway(args.prefill[:1], args.decode), DirectGateway(args.prefill, args.decode)
@@ -537,6 +580,8 @@ def main() -> int:
         phase_single(res, one, args)
         if not args.direct:
             phase_api_routes(res, one, args)
+        if args.ext_proc:
+            phase_ext_proc(res, args)
         phase_two_prefills(res, two, args)
         if args.direct:
             phase_stale_params(res, args)

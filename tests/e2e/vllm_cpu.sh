@@ -4,7 +4,8 @@
 # Installs vLLM (cached virtualenv), builds a tiny random-weight model (cached),
 # starts a plain baseline engine, two prefill engines and one decode engine, puts
 # pdgate (--kv-connector shfs) in front and runs tests/e2e/check_pd.py:
-# completions and chat, streaming and not, KV transfer proven on the decode
+# completions and chat, streaming and not (also through `pdgate ext-proc`, Envoy played by
+# pdgate's envoy_ext_proc example), KV transfer proven on the decode
 # engine's /metrics, outputs equal to the baseline, /v1/responses and /v1/messages
 # through PD (prefill engine's prompt tokens, NIXL pulls), /tokenize and /detokenize
 # passed through, two prefills both used, a
@@ -131,6 +132,21 @@ else
   start_gateway gateway-2p GW2_PORT cpu_gateway_args --prefill "http://127.0.0.1:$P1_PORT" --prefill "http://127.0.0.1:$P2_PORT"
   log "pdgate ready on :$GW1_PORT (1 prefill) and :$GW2_PORT (2 prefills)"
   CHECK_ARGS+=(--gateway-one "http://127.0.0.1:$GW1_PORT" --gateway-two "http://127.0.0.1:$GW2_PORT")
+  # ext-proc mode with the first prefill, Envoy played by pdgate's example client (built by
+  # `cargo test --workspace` beside the binaries; no Envoy can be installed here).
+  ENVOY="${PDGATE_ENVOY_BIN:-$(dirname "$PDGATE")/examples/envoy_ext_proc}"
+  if [[ ! -x "$ENVOY" ]]; then
+    log "building the envoy_ext_proc example"
+    (cd "$REPO" && timeout 1800 cargo build -q -p pdgate --example envoy_ext_proc)
+    ENVOY="${CARGO_TARGET_DIR:-$REPO/target}/debug/examples/envoy_ext_proc"
+  fi
+  cpu_ext_proc_args() {
+    cpu_gateway_args "$@"
+    GATEWAY_ARGS=(ext-proc "${GATEWAY_ARGS[@]}")
+  }
+  start_gateway ext-proc EXT_PORT cpu_ext_proc_args --prefill "http://127.0.0.1:$P1_PORT"
+  log "pdgate ext-proc ready on :$EXT_PORT"
+  CHECK_ARGS+=(--ext-proc "127.0.0.1:$EXT_PORT" --envoy "$ENVOY")
 fi
 
 # ---- 7. pdgate check: both pairs move their KV (before check_pd.py kills engines) ------

@@ -190,6 +190,15 @@ pub trait KvTransferAgent: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// Whether this connector's prefill engines take vLLM's `ec_transfer_params` (encoder
+    /// disaggregation, [`crate::encoder`]): the gateway sends a multimodal request's items to
+    /// encoders first only then. `false` (the default): the prefill encodes its items itself.
+    /// vLLM's connectors say `true` (the field is vLLM's request field, whatever the KV
+    /// connector); engines that do not have it (SGLang, TensorRT-LLM) say `false`.
+    fn accepts_ec_transfer_params(&self) -> bool {
+        false
+    }
+
     /// Records what the prefill leg must know about the decode the gateway chose for it, before
     /// [`augment_prefill_request`](KvTransferAgent::augment_prefill_request). The default does
     /// nothing: most connectors let the decode find the prefill. A connector whose prefill

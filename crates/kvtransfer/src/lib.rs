@@ -29,6 +29,9 @@
 //!   format), [`NixlAgent`] (Neuron), [`MooncakeAgent`], [`SglangAgent`], [`P2pNcclAgent`]
 //!   (vLLM P2pNcclConnector), [`MoriioAgent`] (vLLM MoRIIOConnector, write and read mode),
 //!   [`TrtllmAgent`] (TensorRT-LLM disaggregated serving).
+//! - [`encoder`]: encoder disaggregation (EPD, vLLM's encoder-cache connector): a chat
+//!   request's multimodal parts as encoder requests, the encoders' answers checked and merged
+//!   into the prefill's `ec_transfer_params`.
 //! - [`registry`]: [`Registry`], agents by connector name. Owned by whoever
 //!   uses it (a gateway builds one at start-up); there is no process-wide one.
 //!
@@ -71,6 +74,7 @@ pub mod agents;
 pub mod body;
 pub mod checks;
 pub mod context;
+pub mod encoder;
 pub mod pod;
 pub mod registry;
 pub mod rules;

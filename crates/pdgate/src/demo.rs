@@ -1,5 +1,6 @@
-//! `pdgate demo`: simulated prefill/decode engines of several connectors (in-process pdsim,
-//! model `demo`) and a gateway in front of them. Works on a machine with nothing else installed.
+//! `pdgate demo`: simulated prefill/decode engines of several connectors and an encoder
+//! (in-process pdsim, model `demo`) and a gateway in front of them. Works on a machine with
+//! nothing else installed.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -29,6 +30,8 @@ const FLEET: &[(Connector, Role)] = &[
     (Connector::Moriio, Role::Decode),
     (Connector::Trtllm, Role::Prefill),
     (Connector::Trtllm, Role::Decode),
+    // Encoder disaggregation: multimodal chat requests are encoded here before their prefill.
+    (Connector::None, Role::Encode),
 ];
 
 /// A running demo: engines plus gateway. Dropping it stops everything.
@@ -50,10 +53,13 @@ impl std::fmt::Debug for Demo {
 
 fn endpoint(engine: &SimHandle, connector: Connector) -> EndpointConfig {
     let mut labels = BTreeMap::new();
-    labels.insert(
-        kvtransfer::CONNECTOR_TYPE_IDENTIFIER.to_string(),
-        connector.as_str().to_string(),
-    );
+    // An encoder has no KV connector (it hands its items over through `ec_transfer_params`).
+    if connector != Connector::None {
+        labels.insert(
+            kvtransfer::CONNECTOR_TYPE_IDENTIFIER.to_string(),
+            connector.as_str().to_string(),
+        );
+    }
     // Connectors whose legs name their peer dial the port where pdsim serves its KV.
     let mut annotations = BTreeMap::new();
     let peer_port = match connector {
@@ -103,6 +109,7 @@ pub async fn start(listen: SocketAddr, latency: LatencyModel) -> Result<Demo, Er
         let ep = endpoint(&engine, *connector);
         match role {
             Role::Prefill => config.prefill.push(ep),
+            Role::Encode => config.encode.push(ep),
             _ => config.decode.push(ep),
         }
         engines.push(engine);
@@ -135,6 +142,11 @@ Try it (each request is prefilled on one engine and decoded on another):
 
   curl -sN {url}/v1/completions -H 'content-type: application/json' \
     -d '{{"model":"{DEMO_MODEL}","prompt":"Once upon a time","max_tokens":16,"stream":true}}'
+
+  # An image goes to the encoder first (encoder -> prefill -> decode; x-pdgate-connector shows
+  # the prefill's connector, the encoder's /sim/stats its "ec" counters):
+  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \
+    -d '{{"model":"{DEMO_MODEL}","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"https://example.com/cat.png"}}}},{{"type":"text","text":"What is this?"}}]}}],"max_tokens":16}}' -i
 
   python3 -c 'from openai import OpenAI; c = OpenAI(base_url="{url}/v1", api_key="none"); print(c.chat.completions.create(model="{DEMO_MODEL}", messages=[{{"role":"user","content":"Hello!"}}], max_tokens=16).choices[0].message.content)'
 

@@ -12,9 +12,12 @@ pub(crate) use config::field_error;
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode};
 
-/// One of the two engine requests of a PD request (a pass-through request has only a decode leg).
+/// One of the engine requests of a PD request (a pass-through request has only a decode leg; a
+/// multimodal request behind encoders has encoder legs first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Leg {
+    /// An encoder engine encodes one multimodal item (encoder disaggregation).
+    Encode,
     /// The prefill engine computes the prompt's KV cache.
     Prefill,
     /// The decode engine streams the tokens.
@@ -25,6 +28,7 @@ impl Leg {
     /// A bounded label for metrics and logs.
     pub fn as_str(self) -> &'static str {
         match self {
+            Leg::Encode => "encode",
             Leg::Prefill => "prefill",
             Leg::Decode => "decode",
         }

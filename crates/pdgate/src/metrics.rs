@@ -50,6 +50,11 @@ struct RoleLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
 }
@@ -120,6 +125,7 @@ pub struct Metrics {
     recomputes: Family<ConnectorLabels, Counter>,
     fallbacks: Family<ConnectorLabels, Counter>,
     retries: Family<LegLabels, Counter>,
+    encodes: Family<OutcomeLabels, Counter>,
     in_flight: Family<EndpointLabels, Gauge>,
     computing: Family<EndpointLabels, Gauge>,
     endpoints: Family<RoleLabels, Gauge>,
@@ -159,6 +165,7 @@ impl Metrics {
         let recomputes = Family::<ConnectorLabels, Counter>::default();
         let fallbacks = Family::<ConnectorLabels, Counter>::default();
         let retries = Family::<LegLabels, Counter>::default();
+        let encodes = Family::<OutcomeLabels, Counter>::default();
         let in_flight = Family::<EndpointLabels, Gauge>::default();
         let computing = Family::<EndpointLabels, Gauge>::default();
         let endpoints = Family::<RoleLabels, Gauge>::default();
@@ -201,6 +208,11 @@ impl Metrics {
             "retries",
             "Legs retried on another endpoint",
             retries.clone(),
+        );
+        registry.register(
+            "encodes",
+            "Multimodal requests sent to encoders, by outcome: encoded, failed, fallback (the prefill encoded the items itself)",
+            encodes.clone(),
         );
         registry.register(
             "endpoint_in_flight",
@@ -334,6 +346,7 @@ impl Metrics {
             recomputes,
             fallbacks,
             retries,
+            encodes,
             in_flight,
             computing,
             endpoints,
@@ -357,6 +370,11 @@ impl Metrics {
                 connector: connector.to_string(),
             })
             .inc();
+    }
+
+    /// Counts a request's encoder legs by outcome (`encoded`, `failed`, `fallback`: a closed set).
+    pub fn count_encode(&self, outcome: &'static str) {
+        self.encodes.get_or_create(&OutcomeLabels { outcome }).inc();
     }
 
     /// Counts a fallback to decode-only.

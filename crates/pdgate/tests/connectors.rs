@@ -10,17 +10,7 @@ use pdsim::{Connector, Role};
 use serde_json::{Value, json};
 
 async fn baseline_text(body: &Value, path: &str) -> String {
-    let engine = pdsim::spawn(sim(Role::Both, Connector::None))
-        .await
-        .expect("engine");
-    let r = reqwest::Client::new()
-        .post(format!("{}{}", engine.base_url(), path))
-        .json(body)
-        .send()
-        .await
-        .expect("baseline");
-    assert_eq!(r.status(), 200);
-    text_of(&r.text().await.expect("body"))
+    text_of(&one_engine_answer(path, body).await)
 }
 
 async fn end_to_end(connector: Connector) {
@@ -59,19 +49,7 @@ async fn end_to_end(connector: Connector) {
             Some(id.as_str())
         );
     }
-    let d = fleet.decode[0].stats();
-    assert_eq!(
-        d.recomputed, 0,
-        "{connector:?}: decode recomputed instead of loading KV"
-    );
-    assert_eq!(d.transfers_failed, 0, "{connector:?}");
-    if connector != Connector::Sglang {
-        assert_eq!(
-            d.transfers_pulled,
-            cases.len() as u64,
-            "{connector:?}: {d:?}"
-        );
-    }
+    assert_kv_loaded(&fleet.decode[0], connector, cases.len());
     fleet.wait_idle().await;
 }
 

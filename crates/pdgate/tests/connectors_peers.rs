@@ -12,17 +12,7 @@ use pdsim::{Connector, Role};
 use serde_json::Value;
 
 async fn baseline_text(body: &Value, path: &str) -> String {
-    let engine = pdsim::spawn(sim(Role::Both, Connector::None))
-        .await
-        .expect("engine");
-    let r = reqwest::Client::new()
-        .post(format!("{}{}", engine.base_url(), path))
-        .json(body)
-        .send()
-        .await
-        .expect("baseline");
-    assert_eq!(r.status(), 200);
-    text_of(&r.text().await.expect("body"))
+    text_of(&one_engine_answer(path, body).await)
 }
 
 async fn end_to_end(connector: Connector) {
@@ -56,18 +46,8 @@ async fn end_to_end(connector: Connector) {
             baseline_text(body, path).await,
             "{connector:?} {path}"
         );
-        let p = fleet.prefill[0]
-            .stats()
-            .recent_requests
-            .last()
-            .unwrap()
-            .clone();
-        let d = fleet.decode[0]
-            .stats()
-            .recent_requests
-            .last()
-            .unwrap()
-            .clone();
+        let p = last_request(&fleet.prefill[0]);
+        let d = last_request(&fleet.decode[0]);
         // One id on both legs.
         assert_eq!(p.request_id, d.request_id, "{connector:?}");
         let leg_id = p.request_id.unwrap();

@@ -27,17 +27,7 @@ async fn ext_pair(connector: Connector, tweak: impl FnOnce(&mut pdgate::Config))
 }
 
 async fn baseline_text(body: &Value, path: &str) -> String {
-    let engine = pdsim::spawn(sim(Role::Both, Connector::None))
-        .await
-        .expect("engine");
-    let r = reqwest::Client::new()
-        .post(format!("{}{}", engine.base_url(), path))
-        .json(body)
-        .send()
-        .await
-        .expect("baseline");
-    assert_eq!(r.status(), 200);
-    text_of(&r.text().await.expect("body"))
+    text_of(&one_engine_answer(path, body).await)
 }
 
 /// The proxy tests' handoff checks, through the processor: the decode loaded the prefill's KV
@@ -79,34 +69,12 @@ async fn hands_off(connector: Connector) {
             "{connector:?} {path}"
         );
         // One id on both legs (a connector that addresses its engines through it chose it).
-        let p = fleet.prefill[0]
-            .stats()
-            .recent_requests
-            .last()
-            .unwrap()
-            .clone();
-        let d = fleet.decode[0]
-            .stats()
-            .recent_requests
-            .last()
-            .unwrap()
-            .clone();
+        let p = last_request(&fleet.prefill[0]);
+        let d = last_request(&fleet.decode[0]);
         assert_eq!(p.request_id, d.request_id, "{connector:?}");
         assert_eq!(d.body.as_bytes(), &r.sent_body[..]);
     }
-    let d = fleet.decode[0].stats();
-    assert_eq!(
-        d.recomputed, 0,
-        "{connector:?}: decode recomputed instead of loading KV"
-    );
-    assert_eq!(d.transfers_failed, 0, "{connector:?}");
-    if connector != Connector::Sglang {
-        assert_eq!(
-            d.transfers_pulled,
-            cases.len() as u64,
-            "{connector:?}: {d:?}"
-        );
-    }
+    assert_kv_loaded(&fleet.decode[0], connector, cases.len());
     fleet.wait_idle().await;
     let metrics = fleet.metrics().await;
     assert_eq!(

@@ -50,17 +50,7 @@ fn api_text(body: &str) -> String {
 }
 
 async fn one_engine_text(path: &str, body: &Value) -> String {
-    let engine = pdsim::spawn(sim(Role::Both, Connector::None))
-        .await
-        .expect("engine");
-    let r = reqwest::Client::new()
-        .post(format!("{}{}", engine.base_url(), path))
-        .json(body)
-        .send()
-        .await
-        .expect("one engine");
-    assert_eq!(r.status(), 200);
-    api_text(&r.text().await.unwrap())
+    api_text(&one_engine_answer(path, body).await)
 }
 
 fn body_of(recent: &pdsim::stats::RecentRequest) -> Value {

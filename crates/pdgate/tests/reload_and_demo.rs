@@ -188,9 +188,33 @@ async fn the_demo_serves_every_connector() {
         connectors.into_iter().collect::<Vec<_>>(),
         ["mooncake", "moriio", "nixl", "p2pnccl", "shfs", "trtllm"]
     );
-    for engine in &demo.engines {
-        assert_eq!(engine.stats().recomputed, 0);
+    // Images go to the demo's encoder before the prefills of connectors that carry
+    // `ec_transfer_params`; the others' prefills encode them themselves.
+    for i in 0..24 {
+        let body = json!({"model": "demo", "max_tokens": 8, "stream": i % 2 == 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": format!("https://example.com/{i}.png")}},
+            {"type": "text", "text": "what is this"}]}]});
+        let r = http
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!text_of(&r.text().await.unwrap()).is_empty());
     }
+    let (mut served, mut pulled, mut local) = (0, 0, 0);
+    for engine in &demo.engines {
+        let s = engine.stats();
+        assert_eq!(s.recomputed, 0);
+        assert_eq!(s.ec.failed, 0, "{s:?}");
+        served += s.ec.served;
+        pulled += s.ec.pulled;
+        local += s.ec.encoded_locally;
+    }
+    assert!(served > 0, "the encoder served no item");
+    assert_eq!(served, pulled);
+    assert_eq!(pulled + local, 24);
 }
 
 /// The example configuration (`deploy/pdgate.toml`, shown in the README), as written, with its four addresses pointed at pdsim

@@ -7,7 +7,8 @@ use serde::Deserialize;
 
 use crate::KubeDiscoveryError;
 
-/// Canonical AIBrix label: the pod's role (`prefill`, `decode`, anything else is combined).
+/// Canonical AIBrix label: the pod's role (`prefill`, `decode`, `encode`; anything else is
+/// combined).
 pub const ROLE_LABEL: &str = labels::ROLE_NAME;
 /// Canonical AIBrix label: the roleset that groups prefill and decode pods.
 pub const ROLESET_LABEL: &str = labels::ROLESET_NAME;

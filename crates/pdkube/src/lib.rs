@@ -1,6 +1,7 @@
 //! pdkube: Kubernetes discovery for pdgate.
 //!
-//! Finds AIBrix-labelled (or llm-d-labelled, via key overrides) prefill and decode engine pods
+//! Finds AIBrix-labelled (or llm-d-labelled, via key overrides) prefill, decode and encoder
+//! ([`ROLE_ENCODE`]) engine pods
 //! and publishes the routable set as an immutable snapshot on a `tokio::sync::watch` channel.
 //! The request path only ever reads the latest snapshot; it never waits on the API server.
 //!
@@ -45,7 +46,10 @@ pub mod pool;
 pub mod watch;
 
 pub use config::{KubeDiscoveryConfig, LabelKeys};
-pub use pods::{SkipReason, classify_pod, pair_rolesets, routable_from, routable_pods};
+pub use pods::{
+    ROLE_DECODE, ROLE_ENCODE, ROLE_PREFILL, SkipReason, classify_pod, pair_rolesets, routable_from,
+    routable_pods,
+};
 pub use watch::{client_from_env, client_from_kubeconfig, install_crypto_provider, run};
 
 /// The endpoint type discovery publishes: `kvtransfer::Pod`, with `ready == true`, `ip` set,

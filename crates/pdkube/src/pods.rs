@@ -17,6 +17,10 @@ use crate::config::{
 pub const ROLE_PREFILL: &str = "prefill";
 /// Role value of a decode pod.
 pub const ROLE_DECODE: &str = "decode";
+/// Role value of an encoder pod (encoder disaggregation: multimodal items are encoded there
+/// before the prefill). Published like any pod; roleset pairing keeps encoders whatever their
+/// roleset (one encoder serves the prefills of every roleset, as vLLM's EPD proxy uses them).
+pub const ROLE_ENCODE: &str = "encode";
 
 /// Why a pod is not routable. Closed set, safe as a metrics label via [`SkipReason::as_str`].
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -194,7 +198,7 @@ pub fn routable_from<'a>(
     out
 }
 
-/// Roleset pairing: keeps combined pods (role neither prefill nor decode), and keeps prefill and
+/// Roleset pairing: keeps combined and encoder pods (role neither prefill nor decode), and keeps prefill and
 /// decode pods only when their (namespace, roleset) holds at least one prefill and one decode
 /// among `pods`. Input order is kept.
 pub fn pair_rolesets(pods: Vec<EndpointPod>) -> Vec<EndpointPod> {

@@ -243,6 +243,33 @@ fn role_absent_or_other_is_combined() {
 }
 
 #[test]
+fn encoder_pods_keep_their_role_under_either_key_scheme() {
+    let p = pod("e", "10.0.0.9", &[("role-name", " Encode ")]);
+    let e = classify_pod(&p, &keys()).expect("routable");
+    assert_eq!(
+        e.labels.get(ROLE_LABEL).map(String::as_str),
+        Some(ROLE_ENCODE)
+    );
+    let llm_d = LabelKeys {
+        role: "llm-d.ai/role".to_owned(),
+        ..LabelKeys::default()
+    };
+    let p = pod("e", "10.0.0.9", &[("llm-d.ai/role", "encode")]);
+    let e = classify_pod(&p, &llm_d).expect("routable");
+    assert_eq!(
+        e.labels.get(ROLE_LABEL).map(String::as_str),
+        Some(ROLE_ENCODE)
+    );
+    // Not a prefill or decode: roleset pairing keeps it, in a roleset or not.
+    let kept = pair_rolesets(vec![
+        ep("e1", Some(ROLE_ENCODE), None),
+        ep("e2", Some(ROLE_ENCODE), Some("lonely")),
+        ep("p", Some("prefill"), Some("lonely")),
+    ]);
+    assert_eq!(names(&kept), ["e1", "e2"]);
+}
+
+#[test]
 fn deletions_disappear() {
     let pods = vec![prefill("a", "10.0.0.1"), prefill("b", "10.0.0.2")];
     assert_eq!(names(&routable_pods(&pods, &keys())), ["a", "b"]);

@@ -50,6 +50,9 @@ pub enum Role {
     Decode,
     /// A combined engine: serves plain requests and may both produce and consume KV.
     Both,
+    /// An encoder-only engine (encoder disaggregation): answers a chat request's multimodal
+    /// items with `ec_transfer_params` and serves them to the prefill that loads them.
+    Encode,
 }
 
 impl Role {
@@ -59,6 +62,7 @@ impl Role {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
             Role::Both => "both",
+            Role::Encode => "encode",
         }
     }
 
@@ -70,6 +74,12 @@ impl Role {
     /// Whether this role loads KV from a remote prefill.
     pub fn consumes(self) -> bool {
         matches!(self, Role::Decode | Role::Both)
+    }
+
+    /// Whether this role loads encoder output named by `ec_transfer_params` (an EC consumer:
+    /// the prefill of an E/P/D fleet, or a combined engine behind an encoder).
+    pub fn loads_encoder_output(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
     }
 }
 
@@ -86,10 +96,11 @@ impl FromStr for Role {
             "prefill" => Ok(Role::Prefill),
             "decode" => Ok(Role::Decode),
             "both" => Ok(Role::Both),
+            "encode" => Ok(Role::Encode),
             _ => Err(ParseEnumError {
                 what: "role",
                 value: s.to_owned(),
-                valid: "prefill, decode, both",
+                valid: "prefill, decode, both, encode",
             }),
         }
     }
@@ -260,7 +271,7 @@ pub struct Faults {
     pub recompute_on_kv_failure: bool,
     /// Prefill (shfs): the side-channel port advertised in `kv_transfer_params.remote_port`
     /// instead of the one it listens on, as when `VLLM_NIXL_SIDE_CHANNEL_PORT` disagrees with
-    /// the engine's real side channel.
+    /// the engine's real side channel. Encoder: the port advertised in `ec_transfer_params`.
     pub advertise_side_channel_port: Option<u16>,
 }
 
@@ -398,7 +409,7 @@ pub struct SimConfig {
     pub bootstrap_listen: SocketAddr,
     /// `remote_host` advertised by a prefill (default `localhost`, like vLLM).
     pub advertise_host: String,
-    /// How long a prefill keeps KV for a decode (default 30 s).
+    /// How long a prefill keeps KV for a decode, and an encoder its encoded items (default 30 s).
     pub kv_lease: Duration,
     /// Bound on every handoff wait: mooncake decode waiting for KV, sglang rendezvous, pulls (default 10 s).
     pub handoff_timeout: Duration,

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::SimClock;
 use crate::config::{Connector, Faults, SimConfig};
 use crate::dp::DpRank;
+use crate::ec_store::EcStore;
 use crate::error::ApiError;
 use crate::kv_pull::PullClient;
 use crate::kv_store::KvStore;
@@ -27,6 +28,8 @@ pub(crate) struct Engine {
     pub counters: Counters,
     pub recent: Recent,
     pub kv: KvStore,
+    /// An encoder's encoded items (`--role encode`); empty otherwise.
+    pub ec: EcStore,
     pub shutdown: CancellationToken,
     pub client: PullClient,
     pub side_channel_port: Option<u16>,
@@ -83,6 +86,7 @@ impl Engine {
             },
             recent: Recent::default(),
             kv: KvStore::new(cfg.kv_lease),
+            ec: EcStore::new(cfg.kv_lease),
             shutdown: CancellationToken::new(),
             client: PullClient::new(),
             side_channel_port,
@@ -206,6 +210,7 @@ impl Engine {
             &self.recent,
         );
         s.last_kv_error = self.last_kv_error();
+        s.ec.last_error = self.ec.last_error();
         s.time_scale = self.cfg.time_scale;
         s.engine_dead = self.is_dead();
         for rank in &self.ranks {

@@ -60,7 +60,7 @@ impl FleetSpec {
         c.latency = self.latency.clone();
         c.advertise_host = "127.0.0.1".to_owned();
         let profile = match role {
-            Role::Prefill => &self.prefill_profile,
+            Role::Prefill | Role::Encode => &self.prefill_profile,
             Role::Decode | Role::Both => &self.decode_profile,
         };
         if let Some(p) = profile {

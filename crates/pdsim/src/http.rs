@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::stream;
 
-use crate::config::Faults;
+use crate::config::{Faults, Role};
 
 /// Pause before an injected connection drop so earlier bytes are flushed first.
 const DROP_FLUSH: Duration = Duration::from_millis(20);
@@ -191,6 +191,11 @@ async fn run(
     mut guard: InFlight,
     drop_after: Option<u32>,
 ) -> Response {
+    if engine.cfg.role == Role::Encode {
+        let answer = crate::encoder::answer(&engine, endpoint, body, base_id).await;
+        guard.finish();
+        return answer;
+    }
     let prepared = parse_with(endpoint, body, &engine.cfg.model, &engine.tok).and_then(|req| {
         let total = u64::from(req.prompt.count) + u64::from(req.max_tokens);
         let max_model_len = engine.cfg.context_window();
@@ -215,6 +220,14 @@ async fn run(
             return e.into_response();
         }
     };
+    // An encoder-cache consumer loads its items' encoder output before it computes the prompt.
+    if !req.mm.is_empty()
+        && engine.cfg.role.loads_encoder_output()
+        && let Err(e) = crate::encoder::load(&engine, &req, base_id).await
+    {
+        guard.finish();
+        return e.into_response();
+    }
     let stream = req.stream;
     let rank = crate::dp::OnRank::new(&engine.ranks, rank);
     let mut job = Job::new(engine, endpoint, req, base_id, plan, guard, rank);

@@ -17,6 +17,9 @@
 //! - `tokens`: the deterministic word tokenizer, or a Hugging Face one (`pdcache::tokenizer`).
 //! - `kv_store`: the prefill's KV kept for its decode; `kv_servers`: the side channel and
 //!   bootstrap servers that serve it; `kv_pull`: the decode's pull client.
+//! - `encoder`: encoder disaggregation: the encoder role (`Role::Encode`) and the prefill's
+//!   loads of encoder output; `mm`: a request's multimodal items and their hashes; `ec_store`:
+//!   what an encoder keeps for its prefills.
 //! - [`stats`]: [`SimStats`], also rendered as Prometheus text on `/metrics`.
 //!
 //! ```no_run
@@ -37,6 +40,8 @@ mod addressed;
 mod clock;
 pub mod config;
 mod dp;
+mod ec_store;
+mod encoder;
 mod engine;
 mod error;
 pub mod fleet;
@@ -47,6 +52,7 @@ mod kv_events;
 mod kv_pull;
 mod kv_servers;
 mod kv_store;
+mod mm;
 mod plan;
 mod prefix_cache;
 pub mod profile;
@@ -74,7 +80,7 @@ pub use config::{
 };
 pub use error::ApiError;
 pub use profile::Profile;
-pub use stats::{EndpointCounts, RankStats, RecentRequest, SimStats};
+pub use stats::{EcStats, EndpointCounts, RankStats, RecentRequest, SimStats};
 
 use arc_swap::ArcSwap;
 use engine::Engine;
@@ -114,7 +120,8 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     let listener = TcpListener::bind(config.listen).await?;
     let addr = listener.local_addr()?;
     let produces = config.role.produces();
-    let side = if produces && config.connector.has_side_channel() {
+    let encodes = config.role == Role::Encode;
+    let side = if encodes || (produces && config.connector.has_side_channel()) {
         Some(TcpListener::bind(config.side_channel_listen).await?)
     } else {
         None
@@ -181,12 +188,12 @@ pub async fn spawn(config: SimConfig) -> std::io::Result<SimHandle> {
     }
     serve(&mut tasks, listener, http::router(engine.clone()), &engine);
     if let Some(l) = side {
-        serve(
-            &mut tasks,
-            l,
-            kv_servers::side_channel_router(engine.clone()),
-            &engine,
-        );
+        let router = if encodes {
+            encoder::side_channel_router(engine.clone())
+        } else {
+            kv_servers::side_channel_router(engine.clone())
+        };
+        serve(&mut tasks, l, router, &engine);
     }
     if let Some(l) = boot {
         serve(

@@ -26,7 +26,9 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[derive(Debug, Parser)]
 #[command(name = "pdsim", version, about, long_about, after_long_help = AFTER_HELP)]
 struct Args {
-    /// Engine role: prefill (produces KV), decode (consumes KV) or both (plain, single engine).
+    /// Engine role: prefill (produces KV), decode (consumes KV), both (plain, single engine) or
+    /// encode (encoder-only: answers multimodal chat requests with ec_transfer_params and serves
+    /// the encoded items on its side channel).
     #[arg(long, env = "PDSIM_ROLE", default_value = "both")]
     role: Role,
     /// KV connector reproduced: shfs (vLLM NixlConnector params), nixl (Neuron,

@@ -7,6 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::mm::{self, MmItem};
 use crate::tokens::{PromptTokens, Tok, Tokenizer};
 
 /// Which OpenAI endpoint a request came through.
@@ -100,6 +101,8 @@ struct Wire<'a> {
     rid: Option<String>,
     #[serde(default)]
     disaggregated_params: Option<Map<String, Value>>,
+    #[serde(default)]
+    ec_transfer_params: Option<Map<String, Value>>,
 }
 
 /// A validated generation request.
@@ -119,6 +122,10 @@ pub(crate) struct GenRequest {
     pub rid: Option<String>,
     /// TensorRT-LLM `disaggregated_params` (phase and transfer state).
     pub disaggregated_params: Option<Map<String, Value>>,
+    /// The chat request's multimodal items (empty for other endpoints).
+    pub mm: Vec<MmItem>,
+    /// Encoder-cache transfer parameters, keyed by item hash (encoder disaggregation).
+    pub ec_transfer_params: Option<Map<String, Value>>,
 }
 
 /// SGLang bootstrap fields as received (any of them may be missing or mistyped).
@@ -255,7 +262,17 @@ pub(crate) fn parse_with(
         Some(raw) => parse_stop(raw)?,
     };
     let disagg_prefill_resp = w.disagg_prefill_resp.map(|r| r.to_owned());
+    let mm = match (endpoint, w.messages) {
+        // Most chats have no media: the list is read again only when it may have some.
+        (Endpoint::Chat, Some(raw)) if mm::PART_TYPES.iter().any(|t| raw.get().contains(t)) => {
+            let messages: Value = serde_json::from_str(raw.get()).map_err(|e| bad_json(&e))?;
+            mm::items(&messages).map_err(ApiError::bad)?
+        }
+        _ => Vec::new(),
+    };
     Ok(GenRequest {
+        mm,
+        ec_transfer_params: w.ec_transfer_params,
         prompt,
         max_tokens,
         min_tokens,

@@ -62,6 +62,18 @@ pub(crate) struct Counters {
     pub busy_micros: AtomicU64,
     /// The engine runs the step loop (`running` is its running set, not `in_flight`).
     pub step_model: bool,
+    /// Encoder: items encoded (one per item of each request).
+    pub ec_encoded: AtomicU64,
+    /// Encoder: items handed to a consumer over the side channel.
+    pub ec_served: AtomicU64,
+    /// Encoder: pulls refused (unknown, reused, expired, fault).
+    pub ec_refused: AtomicU64,
+    /// Consumer: items loaded from an encoder.
+    pub ec_pulled: AtomicU64,
+    /// Consumer: requests that failed to load an item from an encoder.
+    pub ec_failed: AtomicU64,
+    /// Consumer: items without encoder parameters, encoded here.
+    pub ec_local: AtomicU64,
 }
 
 /// Upper bounds of the computed-tokens histogram (vLLM's token-count buckets).
@@ -168,6 +180,27 @@ pub struct RecentRequest {
     pub body: String,
 }
 
+/// Encoder disaggregation: what an encoder encoded and served, what a consumer (prefill)
+/// loaded from encoders or encoded itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EcStats {
+    /// Encoder: items encoded (one per multimodal item of each request).
+    pub encoded: u64,
+    /// Encoder: items handed to a consumer over its side channel.
+    pub served: u64,
+    /// Encoder: pulls refused (unknown item, already transferred, expired, fault).
+    pub refused: u64,
+    /// Consumer: items loaded from an encoder (once per distinct item of a request).
+    pub pulled: u64,
+    /// Consumer: item loads that failed (the request failed with them).
+    pub failed: u64,
+    /// Consumer: items without encoder parameters, encoded here.
+    pub encoded_locally: u64,
+    /// Consumer: why the last load failed.
+    pub last_error: Option<String>,
+}
+
 /// A snapshot of the engine's counters: what `GET /sim/stats` returns.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SimStats {
@@ -263,6 +296,9 @@ pub struct SimStats {
     /// Per data-parallel rank (`--data-parallel-size`; one entry for an engine of one rank).
     #[serde(default)]
     pub data_parallel_ranks: Vec<RankStats>,
+    /// Encoder disaggregation counters.
+    #[serde(default)]
+    pub ec: EcStats,
 }
 
 /// One data-parallel rank's counters.
@@ -337,6 +373,15 @@ impl Counters {
             time_scale: 1.0,
             kv_cache_free_blocks: 0,
             data_parallel_ranks: Vec::new(),
+            ec: EcStats {
+                encoded: self.ec_encoded.load(Relaxed),
+                served: self.ec_served.load(Relaxed),
+                refused: self.ec_refused.load(Relaxed),
+                pulled: self.ec_pulled.load(Relaxed),
+                failed: self.ec_failed.load(Relaxed),
+                encoded_locally: self.ec_local.load(Relaxed),
+                last_error: None,
+            },
         }
     }
 
@@ -422,6 +467,24 @@ impl Counters {
             let _ = writeln!(
                 out,
                 "pdsim_kv_transfers_total{{{l},role=\"{role}\",connector=\"{connector}\",outcome=\"{outcome}\"}} {}",
+                v.load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP pdsim_ec_items_total Encoder-cache items by outcome (encoder disaggregation).\n# TYPE pdsim_ec_items_total counter"
+        );
+        for (outcome, v) in [
+            ("encoded", &self.ec_encoded),
+            ("served", &self.ec_served),
+            ("refused", &self.ec_refused),
+            ("pulled", &self.ec_pulled),
+            ("failed", &self.ec_failed),
+            ("encoded_locally", &self.ec_local),
+        ] {
+            let _ = writeln!(
+                out,
+                "pdsim_ec_items_total{{{l},role=\"{role}\",outcome=\"{outcome}\"}} {}",
                 v.load(Relaxed)
             );
         }

@@ -101,6 +101,10 @@ impl KvTransferAgent for MooncakeAgent {
         true
     }
 
+    fn accepts_ec_transfer_params(&self) -> bool {
+        true
+    }
+
     fn dispatch(&self) -> Dispatch {
         Dispatch::Concurrent
     }

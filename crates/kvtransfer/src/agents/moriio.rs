@@ -145,6 +145,10 @@ impl MoriioAgent {
 }
 
 impl KvTransferAgent for MoriioAgent {
+    fn accepts_ec_transfer_params(&self) -> bool {
+        true
+    }
+
     fn connector_type(&self) -> &'static str {
         if self.read {
             CONNECTOR_TYPE_MORIIO_READ

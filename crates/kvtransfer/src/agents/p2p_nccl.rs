@@ -80,6 +80,10 @@ impl KvTransferAgent for P2pNcclAgent {
         CONNECTOR_TYPE_P2P_NCCL
     }
 
+    fn accepts_ec_transfer_params(&self) -> bool {
+        true
+    }
+
     /// A P2pNccl consumer expects every prompt from its producer: a plain request would wait for
     /// KV that no prefill sends.
     fn allows_decode_only(&self) -> bool {

@@ -30,6 +30,10 @@ impl KvTransferAgent for ShfsAgent {
         true
     }
 
+    fn accepts_ec_transfer_params(&self) -> bool {
+        true
+    }
+
     fn augment_prefill_request(
         &self,
         _ctx: &mut RoutingContext,

@@ -1,4 +1,5 @@
-//! A statically configured endpoint (`[[prefill]]`, `[[decode]]`, `--prefill URL`) as a pod.
+//! A statically configured endpoint (`[[prefill]]`, `[[decode]]`, `[[encode]]`, `--prefill URL`)
+//! as a pod.
 
 use kvtransfer::Pod;
 

@@ -117,6 +117,10 @@ pub struct RunArgs {
     /// A decode engine base URL (repeatable). Replaces the file's [[decode]] list.
     #[arg(long = "decode", value_name = "URL")]
     pub decode: Vec<String>,
+    /// An encoder engine base URL (repeatable; encoder disaggregation: multimodal chat requests
+    /// are encoded there before their prefill). Replaces the file's [[encode]] list.
+    #[arg(long = "encode", value_name = "URL")]
+    pub encode: Vec<String>,
     /// Model served by endpoints that declare none (repeatable).
     #[arg(long = "model", value_name = "NAME")]
     pub models: Vec<String>,
@@ -267,6 +271,7 @@ impl RunArgs {
     fn is_plain(&self) -> bool {
         self.prefill.is_empty()
             && self.decode.is_empty()
+            && self.encode.is_empty()
             && self.models.is_empty()
             && self.namespace.is_none()
             && self.selector.is_none()
@@ -286,6 +291,9 @@ impl RunArgs {
         }
         if !self.decode.is_empty() {
             table.insert("decode".into(), endpoints(&self.decode));
+        }
+        if !self.encode.is_empty() {
+            table.insert("encode".into(), endpoints(&self.encode));
         }
         if !self.models.is_empty() {
             let models = self

@@ -82,6 +82,9 @@ pub struct Config {
     pub prefill: Vec<EndpointConfig>,
     /// Decode engines.
     pub decode: Vec<EndpointConfig>,
+    /// Encoder engines (encoder disaggregation, `[[encode]]`): a multimodal chat request's
+    /// items are encoded there before its prefill.
+    pub encode: Vec<EndpointConfig>,
     /// The selection policy of each role.
     pub policy: PolicyConfig,
     /// Leg timeouts, prefill failure, retries.
@@ -190,6 +193,7 @@ impl Config {
         "models",
         "prefill",
         "decode",
+        "encode",
         "kubernetes",
         "cache",
         "security",
@@ -295,8 +299,13 @@ impl Config {
 
     /// The statically configured endpoints as pods, with roles, models and connectors as labels.
     pub fn pods(&self) -> Result<Vec<Pod>, ConfigError> {
-        let mut pods = Vec::with_capacity(self.prefill.len() + self.decode.len());
-        for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+        let mut pods =
+            Vec::with_capacity(self.prefill.len() + self.decode.len() + self.encode.len());
+        for (role, list) in [
+            ("prefill", &self.prefill),
+            ("decode", &self.decode),
+            ("encode", &self.encode),
+        ] {
             for (i, ep) in list.iter().enumerate() {
                 pods.push(endpoint::endpoint_pod(
                     role,

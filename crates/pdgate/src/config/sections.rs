@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ConfigError, field_error};
 
-/// What to do when the prefill leg fails with a 5xx, a transport error or a timeout.
+/// What to do when the prefill leg (`on_prefill_failure`) or every encoder of an item
+/// (`on_encode_failure`) fails with a 5xx, a transport error or a timeout.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PrefillFailurePolicy {
@@ -111,6 +112,16 @@ pub struct LegsConfig {
     pub on_prefill_failure: PrefillFailurePolicy,
     /// Retries of a failed leg on another endpoint (0 disables retries).
     pub max_retries: u32,
+    /// Bound on each encoder leg (encoder disaggregation), answer included.
+    #[serde(with = "crate::durations::text")]
+    pub encode_timeout: Duration,
+    /// Most multimodal items of one request sent to encoders; a request with more is refused
+    /// (400) when the fleet has encoders.
+    pub encode_max_items: usize,
+    /// What to do when no encoder could encode an item (5xx, transport error, timeout):
+    /// `fail` the request (502/504), or `fallback`: send the prefill the request without
+    /// encoder parameters, so it encodes the items itself.
+    pub on_encode_failure: PrefillFailurePolicy,
 }
 
 impl Default for LegsConfig {
@@ -121,6 +132,9 @@ impl Default for LegsConfig {
             stream_idle_timeout: Duration::from_secs(120),
             on_prefill_failure: PrefillFailurePolicy::Fallback,
             max_retries: 1,
+            encode_timeout: Duration::from_secs(30),
+            encode_max_items: 32,
+            on_encode_failure: PrefillFailurePolicy::Fail,
         }
     }
 }
@@ -171,9 +185,13 @@ impl LegsConfig {
             ("prefill_timeout", self.prefill_timeout),
             ("decode_timeout", self.decode_timeout),
             ("stream_idle_timeout", self.stream_idle_timeout),
+            ("encode_timeout", self.encode_timeout),
         ])?;
         if self.max_retries > 10 {
             return Err(field_error("max_retries", "must be at most 10"));
+        }
+        if self.encode_max_items == 0 {
+            return Err(field_error("encode_max_items", "must be greater than zero"));
         }
         Ok(())
     }

@@ -49,11 +49,7 @@ pub(crate) fn probe_targets(gw: &Gateway, pods: &[Pod]) -> Vec<ProbeTarget> {
 
 /// The engine's probe (named after the pod).
 fn probe_target(gw: &Gateway, pod: &Pod) -> Option<ProbeTarget> {
-    let role = match pod.label(kvtransfer::labels::ROLE_NAME) {
-        Some("prefill") => Role::Prefill,
-        Some("decode") => Role::Decode,
-        _ => return None,
-    };
+    let role = Role::of_label(pod.label(kvtransfer::labels::ROLE_NAME))?;
     let base = crate::endpoints::base_url(pod)?;
     let query_url = if needs_lookup(gw, pod) {
         let host = pod.url_host()?;

@@ -40,6 +40,9 @@ pub(crate) const ENGINE_KEY_ANNOTATION: &str = "pdgate.internal/engine-api-key";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
+    /// Encodes a multimodal request's items before its prefill (encoder disaggregation; role
+    /// label `encode`).
+    Encode,
     /// Computes the prompt's KV cache.
     Prefill,
     /// Streams the tokens.
@@ -50,8 +53,20 @@ impl Role {
     /// Label value and metrics label.
     pub fn as_str(self) -> &'static str {
         match self {
+            Role::Encode => "encode",
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+        }
+    }
+
+    /// The role a pod's role label names (`prefill`, `decode`, `encode`); `None` for anything
+    /// else (a combined pod, which pdgate does not route to).
+    pub fn of_label(label: Option<&str>) -> Option<Role> {
+        match label {
+            Some("prefill") => Some(Role::Prefill),
+            Some("decode") => Some(Role::Decode),
+            Some("encode") => Some(Role::Encode),
+            _ => None,
         }
     }
 }
@@ -148,12 +163,13 @@ pub struct Endpoint {
     pub addr: crate::engine::EngineAddr,
     /// The pod, as discovery (and bootstrap lookups) described it.
     pub pod: Pod,
-    /// Prefill or decode.
+    /// Encode, prefill or decode.
     pub role: Role,
     /// Models served; empty means any.
     pub models: Vec<String>,
-    /// The connector, from the pod's label or else the global default (both roles): a decode
-    /// pairs only with prefills of its connector.
+    /// The connector, from the pod's label or else the global default (prefill and decode): a
+    /// decode pairs only with prefills of its connector. `None` for an encoder (it hands its
+    /// items over through `ec_transfer_params`, whatever the KV connector of the prefill).
     pub connector: Option<String>,
     /// The agent for a prefill endpoint.
     pub agent: Option<Arc<dyn KvTransferAgent>>,
@@ -213,6 +229,8 @@ impl Endpoint {
 /// The routable set at one instant. Immutable; replaced whole.
 #[derive(Debug, Default)]
 pub struct Snapshot {
+    /// Encoder endpoints (encoder disaggregation); empty in a fleet without encoders.
+    pub encode: Vec<Arc<Endpoint>>,
     /// Prefill endpoints.
     pub prefill: Vec<Arc<Endpoint>>,
     /// Decode endpoints.
@@ -369,16 +387,12 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
     let mut models = BTreeSet::new();
     let mut names = BTreeSet::new();
     for pod in pods {
-        let role = match pod.label(kvtransfer::labels::ROLE_NAME) {
-            Some("prefill") => Role::Prefill,
-            Some("decode") => Role::Decode,
-            _ => {
-                snap.excluded.push((
-                    pod.name.clone(),
-                    "role is neither prefill nor decode".into(),
-                ));
-                continue;
-            }
+        let Some(role) = Role::of_label(pod.label(kvtransfer::labels::ROLE_NAME)) else {
+            snap.excluded.push((
+                pod.name.clone(),
+                "role is neither prefill, decode nor encode".into(),
+            ));
+            continue;
         };
         let Some(base_url) = base_url(pod) else {
             snap.excluded.push((pod.name.clone(), "no IP".into()));
@@ -407,7 +421,7 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
         let label = pod
             .label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER)
             .unwrap_or_default();
-        if !label.trim().is_empty() && !inputs.registry.contains(label) {
+        if role != Role::Encode && !label.trim().is_empty() && !inputs.registry.contains(label) {
             // A misspelt label must not quietly become the default connector: the engine would
             // be paired with peers that speak another transfer protocol.
             let mut names = inputs.registry.valid_agent_names();
@@ -436,6 +450,7 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 }
             },
             Role::Decode => (Some(connector), None),
+            Role::Encode => (None, None),
         };
         if agent.as_ref().is_some_and(|a| a.needs_bootstrap_lookup())
             && pod.mooncake_bootstrap.is_none()
@@ -493,6 +508,7 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 agent: agent.clone(),
             });
             match role {
+                Role::Encode => snap.encode.push(endpoint),
                 Role::Prefill => snap.prefill.push(endpoint),
                 Role::Decode => snap.decode.push(endpoint),
             }

@@ -100,6 +100,33 @@ fn unlabelled_decodes_have_the_default_connector_and_unknown_labels_are_excluded
 }
 
 #[test]
+fn encoders_are_their_own_role_without_a_connector() {
+    let pods = vec![
+        pod("p", "prefill"),
+        pod("d", "decode"),
+        // An encoder's connector label is not read (a typo does not exclude it).
+        pod("e1", "encode").with_label(kvtransfer::CONNECTOR_TYPE_IDENTIFIER, "none"),
+        pod("e2", "encode").with_label("model.aibrix.ai/name", "vision"),
+        pod("combined", "worker"),
+    ];
+    let snap = build(&pods, &LoadTable::default());
+    let names: Vec<_> = snap.encode.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["e1", "e2"]);
+    assert!(
+        snap.encode
+            .iter()
+            .all(|e| e.connector.is_none() && e.agent.is_none())
+    );
+    assert_eq!(snap.encode[0].role.as_str(), "encode");
+    assert!(snap.encode[1].serves(Some("vision")) && !snap.encode[1].serves(Some("m")));
+    // Encoders change nothing of prefill/decode pairing.
+    assert!(snap.has_routable_pair() && snap.every_pair);
+    assert_eq!(snap.excluded.len(), 1, "{:?}", snap.excluded);
+    assert_eq!(Role::of_label(Some("encode")), Some(Role::Encode));
+    assert_eq!(Role::of_label(Some("Encode")), None);
+}
+
+#[test]
 fn loads_survive_rebuilds_and_drain() {
     let loads = LoadTable::default();
     let snap = build(&[pod("p", "prefill"), pod("d", "decode")], &loads);

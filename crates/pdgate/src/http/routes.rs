@@ -54,6 +54,7 @@ pub(crate) async fn ready(State(gw): State<Arc<Gateway>>) -> Answer {
         "ready": ready,
         "draining": draining,
         "reason": reason,
+        "encode": snap.encode.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "prefill": snap.prefill.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "decode": snap.decode.iter().map(|e| &e.name).collect::<Vec<_>>(),
         "excluded": snap.excluded.iter().map(|(n, why)| serde_json::json!({"endpoint": n, "reason": why})).collect::<Vec<_>>(),
@@ -134,6 +135,7 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
     }
     let snap = gw.store.load();
     gw.metrics.set_fleet([
+        ("encode", held(&snap.encode)),
         ("prefill", held(&snap.prefill)),
         ("decode", held(&snap.decode)),
     ]);

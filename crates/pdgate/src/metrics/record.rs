@@ -4,13 +4,14 @@ use super::*;
 
 /// Every outcome of `pdgate_requests_total` (a closed set). Each response is counted once,
 /// under exactly one of them.
-pub const OUTCOMES: [&str; 11] = [
+pub const OUTCOMES: [&str; 12] = [
     "success",
     "fallback",
     "client_error",
     "rejected",
     "routing_error",
     "timeout",
+    "encode_error",
     "prefill_error",
     "decode_error",
     "decode_stream_error",
@@ -44,6 +45,7 @@ fn outcome_of(err: &GatewayError, head_sent: bool) -> &'static str {
     }
     match source {
         Source::Client => "client_error",
+        Source::Engine(Leg::Encode) => "encode_error",
         Source::Engine(Leg::Prefill) => "prefill_error",
         Source::Engine(Leg::Decode) => "decode_error",
         Source::Routing => "routing_error",
@@ -243,6 +245,8 @@ impl RequestRecord {
         // An engine that failed the request is the one the log names for its leg.
         if let GatewayError::Upstream { leg, endpoint, .. } = err {
             match leg {
+                // The access log names the prefill and decode; an encoder's name is in the error.
+                Leg::Encode => {}
                 Leg::Prefill => endpoint.clone_into(&mut self.prefill),
                 Leg::Decode => endpoint.clone_into(&mut self.decode),
             }

@@ -73,7 +73,14 @@ pub(crate) async fn delegate(
             }
             (PrefillBy::Gateway, Dispatch::Concurrent) => {
                 let limit = legs::concurrent_prefill_limit(&gw);
-                partner = Some(legs::start_prefill(&gw, &ex.request_id, &mut pd, limit)?);
+                let ec = pd.encode_for_prefill(&gw, &ex.request_id).await?;
+                partner = Some(legs::start_prefill(
+                    &gw,
+                    &ex.request_id,
+                    &mut pd,
+                    limit,
+                    ec,
+                )?);
                 pd.ctx.req_body.clone()
             }
         }

@@ -25,7 +25,7 @@ use crate::pd::decode_head::{self, DecodeHead};
 use crate::pd::handover::{FirstByte, first_byte, next_frame};
 use crate::pd::relay::{self, PartnerResult};
 use crate::pd::retry::{self, fall_back, kv_wait_failure, retry_both_legs};
-use crate::pd::{Answer, Exchange, Pd, abort, select, usage};
+use crate::pd::{Answer, Exchange, Pd, abort, encode, select, usage};
 use crate::state::Gateway;
 
 /// The prefill leg, owned, so it can run on its own task beside the decode leg.
@@ -147,6 +147,20 @@ pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, 
     }
 }
 
+/// The prefill leg's body for the current pair: the agent's (bound to the decode), with the
+/// encoders' parameters `ec` for this leg set on it.
+fn prefill_body(
+    pd: &mut Pd,
+    ec: Option<Bytes>,
+) -> Result<kvtransfer::PrefillRequest, GatewayError> {
+    pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
+    let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
+    let body = pd
+        .agent
+        .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
+    encode::attach(body, ec)
+}
+
 /// The prefill leg (retried on other prefills) and the merge of its answer: the decode leg's
 /// body (the client's own when the decode serves alone after a failed prefill).
 pub(crate) async fn prefill_and_merge(
@@ -156,11 +170,9 @@ pub(crate) async fn prefill_and_merge(
     let gw = ex.gw.clone();
     let mut tried = vec![pd.prefill.name.clone()];
     let collected = loop {
-        pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
-        let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
-        let prefill_request =
-            pd.agent
-                .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
+        // Each prefill leg loads its items' encoder output once: encoded again for each.
+        let ec = pd.encode_for_prefill(&gw, &ex.request_id).await?;
+        let prefill_request = prefill_body(pd, ec)?;
         let job = PrefillJob::new(
             pd,
             &ex.request_id,
@@ -356,18 +368,16 @@ pub(crate) fn concurrent_prefill_limit(gw: &Gateway) -> Duration {
 
 /// Starts the prefill leg of a concurrent connector on its own task (aborted when dropped),
 /// after the agent shaped both legs: the decode leg's body is then `pd.ctx.req_body`. The task
-/// answers the cached prompt tokens the prefill reports.
+/// answers the cached prompt tokens the prefill reports. `ec`: the encoders' parameters for
+/// this prefill leg ([`Pd::encode_for_prefill`]).
 pub(crate) fn start_prefill(
     gw: &Arc<Gateway>,
     request_id: &str,
     pd: &mut Pd,
     limit: Duration,
+    ec: Option<Bytes>,
 ) -> Result<AbortOnDropHandle<PartnerResult>, GatewayError> {
-    pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
-    let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
-    let prefill_request = pd
-        .agent
-        .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
+    let prefill_request = prefill_body(pd, ec)?;
     pd.agent
         .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
     let gw = gw.clone();
@@ -398,7 +408,8 @@ async fn attempt(
         Decode(Result<Option<(DecodeHead, Duration)>, GatewayError>),
     }
     let gw = ex.gw.clone();
-    let prefill_task = start_prefill(&gw, &ex.request_id, pd, state.limit)?;
+    let ec = pd.encode_for_prefill(&gw, &ex.request_id).await?;
+    let prefill_task = start_prefill(&gw, &ex.request_id, pd, state.limit, ec)?;
     let mut partner = Some(prefill_task);
     let decode_sent = tokio::time::Instant::now();
     // The prefill's cached tokens, when it answers before the decode's head.

@@ -1,7 +1,8 @@
 //! The PD exchange: one [`Exchange`] per request, in four steps.
 //!
 //! 1. [`view`]: parse the body once and read what the request is (model, stream, batch shape).
-//! 2. [`select`]: choose the prefill/decode pair (and, on failure, another endpoint for a leg).
+//! 2. [`select`]: choose the prefill/decode pair (and, on failure, another endpoint for a leg);
+//!    [`encode`]: whether a multimodal request's items go to encoders before each prefill leg.
 //! 3. [`legs`]: run the two legs the way the prefill's agent wants them, sequential (prefill,
 //!    merge, decode) or concurrent (both at once, a failed prefill cancels the decode), up to
 //!    the decode's response head.
@@ -16,6 +17,7 @@ pub(crate) mod abort;
 pub mod bench;
 pub(crate) mod decode_head;
 pub(crate) mod delegate;
+pub(crate) mod encode;
 pub(crate) mod handover;
 pub(crate) mod legs;
 pub(crate) mod relay;
@@ -114,6 +116,26 @@ pub(crate) struct Pd {
     /// Prompt tokens `prefill` is predicted to compute ([`select::Pair::prefill_tokens`]; 0
     /// unknown), counted in its load while a prefill leg runs there.
     pub(crate) prefill_tokens: u32,
+    /// The encoder requests of a multimodal request behind encoders ([`encode::work`]).
+    pub(crate) encode: Option<encode::Work>,
+}
+
+impl Pd {
+    /// Runs the encoder legs for the next prefill leg ([`encode::for_prefill_leg`]).
+    pub(crate) async fn encode_for_prefill(
+        &self,
+        gw: &Arc<Gateway>,
+        request_id: &str,
+    ) -> Result<Option<Bytes>, GatewayError> {
+        encode::for_prefill_leg(
+            gw,
+            self.encode.as_ref(),
+            request_id,
+            self.model.as_deref(),
+            &self.forwarded,
+        )
+        .await
+    }
 }
 
 impl Pd {
@@ -317,6 +339,18 @@ pub(crate) async fn plan(
     } else {
         route.prefill_base(&clean)
     };
+    let encode = if decode_only {
+        None
+    } else {
+        encode::work(
+            &gw,
+            &snapshot,
+            &clean,
+            route,
+            view.model.as_deref(),
+            agent.as_ref(),
+        )?
+    };
     let pd = Pd {
         route,
         forwarded,
@@ -330,6 +364,7 @@ pub(crate) async fn plan(
         prefill_cached: None,
         prefill_base,
         prefill_tokens,
+        encode,
     };
     Ok(Plan { pd, decode_only })
 }

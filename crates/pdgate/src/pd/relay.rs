@@ -254,8 +254,14 @@ impl Body for RelayBody {
             };
             match outcome {
                 Err(err) => return fail(this.done, *this.sse, this.guards, this.record, err),
-                Ok(Some(cached)) => *this.cached_tokens = Some(cached),
-                Ok(None) => {}
+                Ok(cached) => {
+                    // A concurrent prefill that answers after the decode's head ends its leg
+                    // here: its duration (and, before the first byte, the handoff) is timed.
+                    this.record.prefill_done();
+                    if cached.is_some() {
+                        *this.cached_tokens = cached;
+                    }
+                }
             }
         }
         let polled = match this.prefix.take() {

@@ -80,6 +80,7 @@ pub(crate) fn within(
         });
     }
     Ok(Snapshot {
+        encode: snap.encode.clone(),
         prefill: snap.prefill.clone(),
         decode,
         models: snap.models.clone(),
@@ -199,6 +200,8 @@ pub(crate) fn retry_target(
                 .collect(),
             &gw.decode_policy,
         ),
+        // Encoder legs choose their own retries (`pd::encode`).
+        Leg::Encode => return None,
     };
     let candidates = gw.health.hold_back_probed(candidates);
     // A lone candidate needs no policy (and takes no round-robin turn from new requests).

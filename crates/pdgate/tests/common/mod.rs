@@ -99,6 +99,30 @@ pub async fn start_unready(
     decode: Vec<SimConfig>,
     tweak: impl FnOnce(&mut Config),
 ) -> Fleet {
+    launch(prefill, decode, tweak, None).await
+}
+
+/// Like [`start`], pdgate serving as Envoy's external processor: `gateway.addr()` serves the
+/// ext_proc service (gRPC) and the operational routes (`/ready`, `/metrics`).
+pub async fn start_ext_proc(
+    prefill: Vec<SimConfig>,
+    decode: Vec<SimConfig>,
+    tweak: impl FnOnce(&mut Config),
+    options: pdgate::ExtProcOptions,
+) -> Fleet {
+    let fleet = launch(prefill, decode, tweak, Some(options)).await;
+    fleet.wait_ready(true).await;
+    fleet
+}
+
+/// The engines and a gateway in front of them: the proxy, or the external processor when
+/// `ext_proc` carries its options.
+async fn launch(
+    prefill: Vec<SimConfig>,
+    decode: Vec<SimConfig>,
+    tweak: impl FnOnce(&mut Config),
+    ext_proc: Option<pdgate::ExtProcOptions>,
+) -> Fleet {
     let (mut config, p, d) = engines(prefill, decode).await;
     // The suites assert on who served what.
     config.security.expose_target_headers = true;
@@ -106,9 +130,11 @@ pub async fn start_unready(
     let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("config");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let pods = gw.config.pods().expect("pods");
-    let gateway = RunningGateway::start(gw, listener, pods)
-        .await
-        .expect("gateway");
+    let gateway = match ext_proc {
+        None => RunningGateway::start(gw, listener, pods).await,
+        Some(options) => RunningGateway::start_ext_proc(gw, listener, pods, options).await,
+    }
+    .expect("gateway");
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()
@@ -121,35 +147,44 @@ pub async fn start_unready(
     }
 }
 
-/// Like [`start`], pdgate serving as Envoy's external processor: `gateway.addr()` serves the
-/// ext_proc service (gRPC) and the operational routes (`/ready`, `/metrics`).
-pub async fn start_ext_proc(
-    prefill: Vec<SimConfig>,
-    decode: Vec<SimConfig>,
-    tweak: impl FnOnce(&mut Config),
-    options: pdgate::ExtProcOptions,
-) -> Fleet {
-    let (mut config, p, d) = engines(prefill, decode).await;
-    config.security.expose_target_headers = true;
-    tweak(&mut config);
-    let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("config");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let pods = gw.config.pods().expect("pods");
-    let gateway = RunningGateway::start_ext_proc(gw, listener, pods, options)
+/// What one engine serving both phases (no connector) answers `body` at `path`: the body,
+/// after asserting a 200. The outputs a PD pair must reproduce.
+pub async fn one_engine_answer(path: &str, body: &Value) -> String {
+    let engine = pdsim::spawn(sim(Role::Both, Connector::None))
         .await
-        .expect("gateway");
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("client");
-    let fleet = Fleet {
-        prefill: p,
-        decode: d,
-        gateway,
-        http,
-    };
-    fleet.wait_ready(true).await;
-    fleet
+        .expect("engine");
+    let r = reqwest::Client::new()
+        .post(format!("{}{}", engine.base_url(), path))
+        .json(body)
+        .send()
+        .await
+        .expect("one engine");
+    assert_eq!(r.status(), 200);
+    r.text().await.expect("body")
+}
+
+/// The last request `engine` received.
+pub fn last_request(engine: &SimHandle) -> pdsim::stats::RecentRequest {
+    engine
+        .stats()
+        .recent_requests
+        .last()
+        .expect("the engine received a request")
+        .clone()
+}
+
+/// The decode loaded the prefill's KV for each of `requests` (SGLang's push is not counted
+/// as a pull), and recomputed or failed none.
+pub fn assert_kv_loaded(decode: &SimHandle, connector: Connector, requests: usize) {
+    let d = decode.stats();
+    assert_eq!(
+        d.recomputed, 0,
+        "{connector:?}: decode recomputed instead of loading KV"
+    );
+    assert_eq!(d.transfers_failed, 0, "{connector:?}");
+    if connector != Connector::Sglang {
+        assert_eq!(d.transfers_pulled, requests as u64, "{connector:?}: {d:?}");
+    }
 }
 
 /// One prefill and one decode of `connector`.

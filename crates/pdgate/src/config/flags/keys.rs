@@ -124,6 +124,21 @@ pub const KEYS: &[Key] = &[
         "Retries of a failed leg on another endpoint; 0 disables",
     ),
     key(
+        "legs",
+        "encode_timeout",
+        "Bound on each encoder leg (encoder disaggregation)",
+    ),
+    key(
+        "legs",
+        "encode_max_items",
+        "Most multimodal items of one request sent to encoders; more is a 400 (with encoders in the fleet)",
+    ),
+    key(
+        "legs",
+        "on_encode_failure",
+        "When no encoder could encode an item (5xx, transport error, timeout): `fail` answers the error; `fallback` sends the prefill the request without encoder parameters (it encodes the items itself)",
+    ),
+    key(
         "pool",
         "connect_timeout",
         "Bound on connecting to an engine",

@@ -1,0 +1,238 @@
+//! Encoder legs (encoder disaggregation, docs/contracts.md §14): a multimodal chat request goes
+//! encoder -> prefill -> decode.
+//!
+//! [`work`] decides, once per request, whether it goes to encoders at all: a chat request with
+//! multimodal parts, a prefill leg that will run on a connector whose engines take
+//! `ec_transfer_params`, and encoders in the fleet for the model. Otherwise nothing changes (a
+//! text-only request, a fleet without encoders). [`for_prefill_leg`] runs the encoder legs
+//! before each prefill leg, one per item, at once (each item's encoder output is handed over
+//! once, so a prefill leg that runs again needs its items encoded again); each leg is bounded
+//! by `encode_timeout`, a failed one is retried on another encoder (`max_retries`, the retry
+//! budget). [`attach`] sets the merged parameters on the prefill leg the agent built.
+//!
+//! An encoder that answers a 4xx fails the request with its answer (the item itself is bad). An
+//! item no encoder could encode fails the request (502/504, `on_encode_failure = "fail"`, the
+//! default) or lets the prefill encode every item itself (`"fallback"`).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::future::try_join_all;
+use http::{HeaderMap, Method};
+use kvtransfer::JsonBody;
+use kvtransfer::encoder::{self, EncodedItem};
+use tokio::time::timeout;
+use tracing::{Instrument, info_span, warn};
+
+use crate::config::PrefillFailurePolicy;
+use crate::endpoints::policy::{LeastRequest, Policy};
+use crate::endpoints::{Endpoint, LoadGuard, Snapshot};
+use crate::engine::client::{self, LegRequest};
+use crate::error::{GatewayError, Leg, UpstreamKind};
+use crate::metrics::Cause;
+use crate::route::Route;
+use crate::state::Gateway;
+
+/// Where encoders are sent a request's items.
+const ENCODE_PATH: &str = "/v1/chat/completions";
+
+/// The encoder requests of one multimodal request, built once from the client's body.
+#[derive(Debug)]
+pub(crate) struct Work {
+    requests: Vec<Bytes>,
+}
+
+/// The encoder requests of `clean` when it goes to encoders (see the module docs); `None`
+/// otherwise.
+///
+/// # Errors
+/// A 400 for a request with more multimodal items than `encode_max_items`.
+pub(crate) fn work(
+    gw: &Gateway,
+    snapshot: &Snapshot,
+    clean: &JsonBody,
+    route: Route,
+    model: Option<&str>,
+    agent: &dyn kvtransfer::KvTransferAgent,
+) -> Result<Option<Work>, GatewayError> {
+    if route != Route::Chat
+        || !agent.accepts_ec_transfer_params()
+        || !snapshot.encode.iter().any(|e| e.serves(model))
+    {
+        return Ok(None);
+    }
+    let requests = encoder::encoder_requests(clean);
+    if requests.is_empty() {
+        return Ok(None);
+    }
+    let max = gw.config.legs.encode_max_items;
+    if requests.len() > max {
+        return Err(GatewayError::bad_request(
+            format!(
+                "the request has {} multimodal items; at most {max} are accepted",
+                requests.len()
+            ),
+            Some("messages"),
+        ));
+    }
+    Ok(Some(Work { requests }))
+}
+
+/// The prefill leg with the encoders' parameters (when there are any) as its
+/// `ec_transfer_params`.
+///
+/// # Errors
+/// An internal error when the agent's prefill body is not a JSON object.
+pub(crate) fn attach(
+    mut request: kvtransfer::PrefillRequest,
+    params: Option<Bytes>,
+) -> Result<kvtransfer::PrefillRequest, GatewayError> {
+    if let Some(params) = params {
+        request.body = encoder::with_ec_params(&request.body, &params)
+            .map_err(|e| GatewayError::Internal(format!("prefill body: {e}")))?;
+    }
+    Ok(request)
+}
+
+/// Runs the encoder legs of `work` for one prefill leg: the `ec_transfer_params` the prefill
+/// leg carries (`None`: no encoder handed anything over, or the fallback).
+///
+/// # Errors
+/// An encoder's 4xx as it answered, or (`on_encode_failure = "fail"`) the failure of an item no
+/// encoder could encode.
+pub(crate) async fn for_prefill_leg(
+    gw: &Arc<Gateway>,
+    work: Option<&Work>,
+    request_id: &str,
+    model: Option<&str>,
+    forwarded: &HeaderMap,
+) -> Result<Option<Bytes>, GatewayError> {
+    let Some(work) = work else {
+        return Ok(None);
+    };
+    let snap = gw.store.load();
+    let encoders: Vec<Arc<Endpoint>> = snap
+        .encode
+        .iter()
+        .filter(|e| e.serves(model))
+        .cloned()
+        .collect();
+    let span = info_span!("encode", request_id, items = work.requests.len());
+    let legs = work.requests.iter().enumerate().map(|(i, body)| {
+        let id = format!("{request_id}:{i}:{:06x}", rand::random::<u32>() & 0xff_ffff);
+        item(gw, &encoders, forwarded, id, body.clone(), model)
+    });
+    match try_join_all(legs).instrument(span).await {
+        Ok(items) => {
+            gw.metrics.count_encode("encoded");
+            let items: Vec<EncodedItem> = items.into_iter().flatten().collect();
+            Ok(encoder::merge_ec_params(&items))
+        }
+        Err(err)
+            if gw.config.legs.on_encode_failure == PrefillFailurePolicy::Fallback
+                && !err.status().is_client_error() =>
+        {
+            warn!(id = %request_id, error = %err, "no encoder encoded an item; the prefill encodes the request's items itself");
+            gw.metrics.count_encode("fallback");
+            Ok(None)
+        }
+        Err(err) => {
+            gw.metrics.count_encode("failed");
+            Err(err)
+        }
+    }
+}
+
+/// One item on the least loaded encoder, retried on another one after a retryable failure.
+async fn item(
+    gw: &Gateway,
+    encoders: &[Arc<Endpoint>],
+    forwarded: &HeaderMap,
+    id: String,
+    body: Bytes,
+    model: Option<&str>,
+) -> Result<Option<EncodedItem>, GatewayError> {
+    let cap = gw.config.limits.max_in_flight_per_endpoint;
+    let mut tried: Vec<String> = Vec::new();
+    loop {
+        let open: Vec<Arc<Endpoint>> = encoders
+            .iter()
+            .filter(|e| !tried.contains(&e.name))
+            .filter(|e| cap == 0 || e.load.in_flight() < cap)
+            .cloned()
+            .collect();
+        let open = gw.health.hold_back_probed(open);
+        let Some(encoder) = LeastRequest.pick(&open).and_then(|i| open.get(i)) else {
+            return Err(GatewayError::NoEndpoint {
+                what: "encode",
+                model: model.unwrap_or_default().to_string(),
+            });
+        };
+        let encoder = encoder.clone();
+        let err = match leg(gw, &encoder, forwarded, &id, body.clone()).await {
+            Ok(item) => return Ok(item),
+            Err(err) => err,
+        };
+        let again = err.retryable()
+            && tried.len() < gw.config.legs.max_retries as usize
+            && encoders.len() > tried.len() + 1;
+        if !again || !gw.retry_budget.try_withdraw() {
+            return Err(err);
+        }
+        gw.metrics.count_retry(Leg::Encode);
+        warn!(id = %id, from = %encoder.name, error = %err, "encoder leg failed; retrying on another encoder");
+        tried.push(encoder.name.clone());
+    }
+}
+
+/// One encoder leg: the request, its whole answer within `encode_timeout`, the answer checked.
+async fn leg(
+    gw: &Gateway,
+    encoder: &Endpoint,
+    forwarded: &HeaderMap,
+    id: &str,
+    body: Bytes,
+) -> Result<Option<EncodedItem>, GatewayError> {
+    let _load = LoadGuard::acquire(&encoder.load);
+    gw.health.begin(&encoder.name);
+    let limit = gw.config.legs.encode_timeout;
+    let request = LegRequest {
+        leg: Leg::Encode,
+        endpoint: encoder.target(),
+        path: ENCODE_PATH,
+        method: Method::POST,
+        body,
+        request_id: id,
+        headers: forwarded,
+        extra: &[],
+    };
+    let work = async {
+        let head = client::send(&gw.client, request).await?;
+        client::collect(Leg::Encode, encoder.target(), head).await
+    };
+    let started = tokio::time::Instant::now();
+    let result = timeout(limit, work)
+        .await
+        .unwrap_or_else(|_| Err(client::timed_out(Leg::Encode, encoder.target(), limit)));
+    let outcome = match &result {
+        Ok(c) if c.status.is_server_error() => Err(Cause::ServerError),
+        Ok(_) => Ok(()),
+        Err(e) => Err(Cause::of(e)),
+    };
+    gw.health.observe(&encoder.name, outcome);
+    if outcome.is_ok() {
+        gw.health.observe_latency(&encoder.name, started.elapsed());
+    }
+    let collected = result?;
+    if !collected.status.is_success() {
+        return Err(client::status_error(Leg::Encode, collected));
+    }
+    encoder::check_encoder_answer(&collected.body).map_err(|e| {
+        client::upstream(
+            Leg::Encode,
+            encoder.target(),
+            UpstreamKind::Broken,
+            format!("answered what cannot be used: {e}"),
+        )
+    })
+}
