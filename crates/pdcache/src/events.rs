@@ -144,13 +144,13 @@ impl BlockStored {
 }
 
 impl BlockStored {
-    /// The same blocks stored for LoRA adapter `name` (vLLM's `lora_int_id` `id`): `lora_id`,
-    /// `lora_name` and each block's extra keys `(name,)`, as vLLM's block pool sends them.
-    pub fn for_lora(mut self, name: &str, id: i64) -> Self {
+    /// Marks the blocks as stored for LoRA adapter `name` (vLLM's `lora_int_id` `id`):
+    /// `lora_id`, `lora_name` and each block's extra keys `(name,)`, as vLLM's block pool
+    /// sends them.
+    pub fn set_lora(&mut self, name: &str, id: i64) {
         self.lora_id = Some(id);
         self.lora_name = Some(name.to_owned());
         self.extra_keys = Some(vec![Some(ExtraKeys::lora(name)); self.block_hashes.len()]);
-        self
     }
 }
 

@@ -35,6 +35,8 @@ pub(crate) fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/responses", post(responses))
         .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(crate::lora::load))
+        .route("/v1/unload_lora_adapter", post(crate::lora::unload))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/abort_request", post(abort_request))
@@ -196,7 +198,7 @@ async fn run(
         guard.finish();
         return answer;
     }
-    let prepared = parse_with(endpoint, body, &engine.cfg.model, &engine.tok).and_then(|req| {
+    let prepared = parse_with(endpoint, body, engine.served(), &engine.tok).and_then(|req| {
         let total = u64::from(req.prompt.count) + u64::from(req.max_tokens);
         let max_model_len = engine.cfg.context_window();
         if total > u64::from(max_model_len) {
@@ -216,6 +218,9 @@ async fn run(
     let (req, plan, rank) = match prepared {
         Ok(x) => x,
         Err(e) => {
+            if matches!(e, ApiError::ModelNotFound { .. }) {
+                count(&engine.counters.model_not_found);
+            }
             guard.finish();
             return e.into_response();
         }
@@ -278,7 +283,7 @@ fn head(job: &Job) -> Head<'_> {
         endpoint: job.endpoint,
         id: &job.id_json,
         created: job.created,
-        model: &job.engine.model_json,
+        model: &job.model_json,
     }
 }
 
@@ -498,13 +503,18 @@ async fn models(State(engine): State<Arc<Engine>>) -> Response {
     count(&engine.counters.models);
     let created = engine.clock.now_unix() as u64;
     let m = &engine.cfg.model;
-    let body = serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": m, "object": "model", "created": created, "owned_by": "vllm",
-            "root": m, "parent": null, "max_model_len": engine.cfg.context_window(),
-        }]
-    });
+    let mut data = vec![serde_json::json!({
+        "id": m, "object": "model", "created": created, "owned_by": "vllm",
+        "root": m, "parent": null, "max_model_len": engine.cfg.context_window(),
+    })];
+    // vLLM lists each adapter after the base model, without `max_model_len`.
+    data.extend(engine.adapters.list().iter().map(|l| {
+        serde_json::json!({
+            "id": l.name, "object": "model", "created": created, "owned_by": "vllm",
+            "root": l.path, "parent": m, "max_model_len": null,
+        })
+    }));
+    let body = serde_json::json!({ "object": "list", "data": data });
     axum::Json(body).into_response()
 }
 

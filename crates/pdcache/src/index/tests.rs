@@ -507,15 +507,15 @@ fn adapter_events_land_in_the_adapter_space_only() {
     let (mut idx, t0) = index(100);
     let a = ep(&mut idx);
     let tokens: Vec<u32> = (0..8).collect();
-    let first = BlockStored::new(vec![BlockHash::Uint(11)], None, tokens[..4].to_vec(), 4)
-        .for_lora("sql", 1);
-    let second = BlockStored::new(
+    let mut first = BlockStored::new(vec![BlockHash::Uint(11)], None, tokens[..4].to_vec(), 4);
+    first.set_lora("sql", 1);
+    let mut second = BlockStored::new(
         vec![BlockHash::Uint(12)],
         Some(BlockHash::Uint(11)),
         tokens[4..].to_vec(),
         4,
-    )
-    .for_lora("sql", 1);
+    );
+    second.set_lora("sql", 1);
     idx.apply_event(a, &KvEvent::BlockStored(first), t0);
     idx.apply_event(a, &KvEvent::BlockStored(second), t0);
     let sql = token_keys_in(Space::adapter("sql"), &tokens, 4);
@@ -528,8 +528,8 @@ fn adapter_events_land_in_the_adapter_space_only() {
     let other = token_keys_in(Space::adapter("chat"), &tokens, 4);
     assert_eq!(matches(&idx, &other), [], "not another adapter's");
     // An adapter block with more than its name in the extra keys (a salt) stays apart.
-    let mut salted = BlockStored::new(vec![BlockHash::Uint(21)], None, tokens[..4].to_vec(), 4)
-        .for_lora("chat", 2);
+    let mut salted = BlockStored::new(vec![BlockHash::Uint(21)], None, tokens[..4].to_vec(), 4);
+    salted.set_lora("chat", 2);
     salted.extra_keys = Some(vec![Some(ExtraKeys(vec![
         0x92, 0xa4, b'c', b'h', b'a', b't', 0xa1, b's',
     ]))]);
