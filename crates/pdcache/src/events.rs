@@ -805,13 +805,13 @@ mod tests {
     #[test]
     fn lora_extra_keys_are_the_name_tuple_and_round_trip() {
         assert_eq!(ExtraKeys::lora("ad").0, [0x91, 0xa2, b'a', b'd']);
-        let stored = BlockStored::new(
+        let mut stored = BlockStored::new(
             vec![BlockHash::Uint(1), BlockHash::Uint(2)],
             None,
             vec![0; 8],
             4,
-        )
-        .for_lora("ad", 3);
+        );
+        stored.set_lora("ad", 3);
         assert_eq!(stored.lora_id, Some(3));
         let batch = EventBatch {
             ts: 0.0,

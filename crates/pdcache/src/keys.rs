@@ -22,8 +22,10 @@
 //!
 //! Keys live in a [`Space`]: the base model's, or one LoRA adapter's. An engine never reuses a
 //! base block for an adapter request or one adapter's block for another (vLLM puts the adapter
-//! name into every block's hash), so each space chains from its own seeds and prefixes in
-//! different spaces never match.
+//! name into every block's hash), so prefixes in different spaces must never match. A space is
+//! a 64-bit mask XORed onto every key of the base chain: the same prefix gets a different key
+//! per space, a key maps back to its chain by the same mask (events chain onto a stored
+//! parent), and a view computed in the base space moves to an adapter's with [`Space::apply`].
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -37,26 +39,25 @@ pub const TOKEN_SEED: u64 = 0x7064_6361_6368_6574;
 /// Seed of the first text block ("pdcache/text").
 pub const TEXT_SEED: u64 = 0x7064_6361_6368_7478;
 
-/// The key space of the base model or of one LoRA adapter: the seeds its chains start from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Seed of an adapter's mask ("pdcache/lora").
+const LORA_SEED: u64 = 0x7064_6361_6368_6c6f;
+
+/// The key space of the base model or of one LoRA adapter: a mask XORed onto each key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Space {
-    token_seed: u64,
-    text_seed: u64,
+    mask: u64,
 }
 
 impl Space {
-    /// The base model's space.
-    pub const BASE: Space = Space {
-        token_seed: TOKEN_SEED,
-        text_seed: TEXT_SEED,
-    };
+    /// The base model's space (keys as chained).
+    pub const BASE: Space = Space { mask: 0 };
 
     /// The space of LoRA adapter `name` (the name the engine serves it under, which is what
     /// vLLM hashes; two engines loading the same weights under different names share nothing).
     pub fn adapter(name: &str) -> Space {
+        // Never the base mask, however unlikely a zero hash is.
         Space {
-            token_seed: xxh3_64_with_seed(name.as_bytes(), TOKEN_SEED),
-            text_seed: xxh3_64_with_seed(name.as_bytes(), TEXT_SEED),
+            mask: xxh3_64_with_seed(name.as_bytes(), LORA_SEED).max(1),
         }
     }
 
@@ -64,11 +65,19 @@ impl Space {
     pub fn of(adapter: Option<&str>) -> Space {
         adapter.map_or(Space::BASE, Space::adapter)
     }
-}
 
-impl Default for Space {
-    fn default() -> Self {
-        Space::BASE
+    /// Moves base-space keys into this space (or this space's keys back to the base: the
+    /// mask is its own inverse).
+    pub fn apply(self, keys: &mut [BlockKey]) {
+        if self.mask != 0 {
+            for k in keys {
+                k.0 ^= self.mask;
+            }
+        }
+    }
+
+    fn key(self, k: u64) -> BlockKey {
+        BlockKey(k ^ self.mask)
     }
 }
 
@@ -80,7 +89,8 @@ pub fn text_block_bytes(token_block_size: usize) -> usize {
     token_block_size.max(1) * BYTES_PER_TOKEN
 }
 
-/// Key of one block of tokens chained onto `parent` (`None` for the first block of `space`). `extra` is the
+/// Key in `space` of one block of tokens chained onto `parent`, a key of the same space (`None`
+/// for the first block). `extra` is the
 /// block's extra hash keys as the engine sent them (LoRA, multimodal, cache salt): mixing them in
 /// makes such a block unmatchable by a plain request with the same tokens, which is right, since
 /// the engine will not reuse it for one either.
@@ -103,10 +113,8 @@ pub fn chain_token_block(
         scratch.push(0xff);
         scratch.extend_from_slice(extra);
     }
-    BlockKey(xxh3_64_with_seed(
-        scratch,
-        parent.map_or(space.token_seed, |p| p.0),
-    ))
+    let seed = parent.map_or(TOKEN_SEED, |p| p.0 ^ space.mask);
+    space.key(xxh3_64_with_seed(scratch, seed))
 }
 
 /// Keys in `space` of the full blocks of `tokens`, appended to `out`. `block_size` 0 yields
@@ -141,6 +149,7 @@ pub fn token_keys_in(space: Space, tokens: &[u32], block_size: usize) -> Vec<Blo
 /// messages one after another ([`TextKeys::push_message`]). Only full blocks produce keys.
 #[derive(Debug, Clone)]
 pub struct TextKeys {
+    space: Space,
     block_bytes: usize,
     partial: Vec<u8>,
     parent: u64,
@@ -157,10 +166,11 @@ impl TextKeys {
     pub fn in_space(space: Space, token_block_size: usize) -> Self {
         let block_bytes = text_block_bytes(token_block_size);
         Self {
+            space,
             block_bytes,
             // Allocated when a piece straddles a block.
             partial: Vec::new(),
-            parent: space.text_seed,
+            parent: TEXT_SEED,
             keys: Vec::new(),
         }
     }
@@ -176,11 +186,12 @@ impl TextKeys {
             if self.partial.len() < self.block_bytes {
                 return;
             }
-            self.parent = chain_text_blocks(self.parent, [&self.partial[..]], &mut self.keys);
+            self.parent =
+                chain_text_blocks(self.space, self.parent, [&self.partial[..]], &mut self.keys);
             self.partial.clear();
         }
         let mut blocks = bytes.chunks_exact(self.block_bytes);
-        self.parent = chain_text_blocks(self.parent, &mut blocks, &mut self.keys);
+        self.parent = chain_text_blocks(self.space, self.parent, &mut blocks, &mut self.keys);
         self.partial.extend_from_slice(blocks.remainder());
     }
 
@@ -215,20 +226,22 @@ pub fn text_keys(text: &[u8], token_block_size: usize) -> Vec<BlockKey> {
 pub fn text_keys_in(space: Space, text: &[u8], token_block_size: usize) -> Vec<BlockKey> {
     let blocks = text.chunks_exact(text_block_bytes(token_block_size));
     let mut keys = Vec::with_capacity(blocks.len());
-    chain_text_blocks(space.text_seed, blocks, &mut keys);
+    chain_text_blocks(space, TEXT_SEED, blocks, &mut keys);
     keys
 }
 
-/// Chains each of `blocks` (whole text blocks) onto `parent`, appending their keys to `keys`;
-/// returns the last key (`parent` when there are none).
+/// Chains each of `blocks` (whole text blocks) onto `parent` (a base-space key), appending
+/// their keys in `space` to `keys`; returns the last base-space key (`parent` when there are
+/// none).
 fn chain_text_blocks<'a>(
+    space: Space,
     mut parent: u64,
     blocks: impl IntoIterator<Item = &'a [u8]>,
     keys: &mut Vec<BlockKey>,
 ) -> u64 {
     for block in blocks {
         parent = xxh3_64_with_seed(block, parent);
-        keys.push(BlockKey(parent));
+        keys.push(space.key(parent));
     }
     parent
 }
@@ -331,7 +344,10 @@ mod tests {
         let mut pushed = TextKeys::in_space(Space::adapter("a"), 4);
         pushed.push(&text);
         assert_eq!(pushed.finish(), text_keys_in(Space::adapter("a"), &text, 4));
-        // Chained onto its own first key, an adapter's later block still differs from the base.
+        // Chained onto its own first key, an adapter's later block stays in its space.
+        let mut moved = base.clone();
+        Space::adapter("a").apply(&mut moved);
+        assert_eq!(moved, a, "apply moves a base view into the space");
         let mut scratch = Vec::new();
         let k1 = chain_token_block(
             Space::adapter("a"),
