@@ -34,6 +34,7 @@ fn build(pods: &[Pod], loads: &LoadTable) -> Snapshot {
         default_models: &["m".to_string()],
         unhealthy: &unhealthy,
         roleset_pairing: false,
+        adapters: &std::collections::BTreeMap::new(),
     };
     build_snapshot(pods, &inputs, loads)
 }
@@ -213,6 +214,7 @@ fn roleset_pairing_pairs_within_a_roleset_only() {
         default_models: &[],
         unhealthy: &unhealthy,
         roleset_pairing: true,
+        adapters: &std::collections::BTreeMap::new(),
     };
     let pods = [
         pod("p-a", "prefill").with_label("roleset-name", "a"),
@@ -253,6 +255,7 @@ fn a_data_parallel_engine_is_one_endpoint_per_rank() {
         default_models: &[],
         unhealthy: &unhealthy,
         roleset_pairing: false,
+        adapters: &std::collections::BTreeMap::new(),
     };
     let loads = LoadTable::default();
     let snap = build_snapshot(&pods, &inputs, &loads);

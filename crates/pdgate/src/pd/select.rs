@@ -34,15 +34,18 @@ pub(crate) struct Pair {
     pub(crate) prefill_tokens: u32,
 }
 
-/// Why no pair serves `model`.
+/// Why no pair serves `model`. A LoRA adapter that no prefill or no decode holds does not
+/// exist for a disaggregated request (both legs run it): vLLM's 404, as for an unknown model.
 pub(super) fn no_pair(snap: &Snapshot, model: Option<&str>) -> GatewayError {
     let any_prefill = snap.prefill.iter().any(|p| p.serves(model));
     let any_decode = snap.decode.iter().any(|d| d.serves(model));
+    let unheld_adapter = |m: &str| snap.adapter_parent(m).is_some() && !(any_prefill && any_decode);
     if let Some(m) = model
-        && !any_prefill
-        && !any_decode
-        && !snap.models.is_empty()
-        && !snap.models.iter().any(|x| x == m)
+        && (unheld_adapter(m)
+            || (!any_prefill
+                && !any_decode
+                && !snap.models.is_empty()
+                && !snap.models.iter().any(|x| x == m)))
     {
         return GatewayError::ModelNotFound {
             model: m.to_string(),
@@ -84,6 +87,7 @@ pub(crate) fn within(
         prefill: snap.prefill.clone(),
         decode,
         models: snap.models.clone(),
+        adapters: snap.adapters.clone(),
         excluded: Vec::new(),
         roleset_pairing: snap.roleset_pairing,
         every_pair: snap.every_pair,
