@@ -35,8 +35,8 @@ pub(crate) fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/responses", post(responses))
         .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
-        .route("/v1/load_lora_adapter", post(crate::lora::load))
-        .route("/v1/unload_lora_adapter", post(crate::lora::unload))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/abort_request", post(abort_request))
@@ -612,6 +612,54 @@ async fn tokenize(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
             "token_strs": null,
         }))
         .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct LoadBody {
+    #[serde(default)]
+    lora_name: String,
+    #[serde(default)]
+    lora_path: String,
+}
+
+#[derive(serde::Deserialize)]
+struct UnloadBody {
+    #[serde(default)]
+    lora_name: String,
+}
+
+/// `POST /v1/load_lora_adapter`: vLLM answers 200 with a plain-text success line.
+async fn load_lora_adapter(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let done = serde_json::from_slice::<LoadBody>(&body)
+        .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
+        .and_then(|b| {
+            engine.adapters.load(&b.lora_name, &b.lora_path)?;
+            Ok(b.lora_name)
+        });
+    match done {
+        Ok(name) => {
+            tracing::info!(lora_name = %name, "loaded LoRA adapter");
+            format!("Success: LoRA adapter '{name}' added successfully.").into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/unload_lora_adapter`.
+async fn unload_lora_adapter(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let done = serde_json::from_slice::<UnloadBody>(&body)
+        .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
+        .and_then(|b| {
+            engine.adapters.unload(&b.lora_name)?;
+            Ok(b.lora_name)
+        });
+    match done {
+        Ok(name) => {
+            tracing::info!(lora_name = %name, "unloaded LoRA adapter");
+            format!("Success: LoRA adapter '{name}' removed successfully.").into_response()
+        }
         Err(e) => e.into_response(),
     }
 }

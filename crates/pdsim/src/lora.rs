@@ -3,6 +3,8 @@
 //! model card in `/v1/models` (`parent` the base model, `root` its path), and a request whose
 //! `model` names an adapter served under it.
 //!
+//! The HTTP handlers are `http`'s; this module is the table they change.
+//!
 //! pdsim never reads the path: an adapter changes nothing about the answer, only how its blocks
 //! are hashed (the name in every block's extra keys, `vllm_hash::BlockHasher::block_with`) and
 //! what its KV events carry (`lora_name`, `lora_id`). Statuses, error types and messages follow
@@ -14,13 +16,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::sync::{Arc, Mutex};
 
-use axum::body::Bytes;
-use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
 
-use crate::engine::Engine;
 use crate::error::ApiError;
 
 /// One loaded adapter.
@@ -136,54 +133,6 @@ fn poisoned() -> ApiError {
     ApiError::Lora {
         message: "adapter table unavailable".to_owned(),
         status: StatusCode::INTERNAL_SERVER_ERROR,
-    }
-}
-
-#[derive(Deserialize)]
-struct LoadBody {
-    #[serde(default)]
-    lora_name: String,
-    #[serde(default)]
-    lora_path: String,
-}
-
-#[derive(Deserialize)]
-struct UnloadBody {
-    #[serde(default)]
-    lora_name: String,
-}
-
-/// `POST /v1/load_lora_adapter`: vLLM answers 200 with a plain-text success line.
-pub(crate) async fn load(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
-    let done = serde_json::from_slice::<LoadBody>(&body)
-        .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
-        .and_then(|b| {
-            engine.adapters.load(&b.lora_name, &b.lora_path)?;
-            Ok(b.lora_name)
-        });
-    match done {
-        Ok(name) => {
-            tracing::info!(lora_name = %name, "loaded LoRA adapter");
-            format!("Success: LoRA adapter '{name}' added successfully.").into_response()
-        }
-        Err(e) => e.into_response(),
-    }
-}
-
-/// `POST /v1/unload_lora_adapter`.
-pub(crate) async fn unload(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
-    let done = serde_json::from_slice::<UnloadBody>(&body)
-        .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
-        .and_then(|b| {
-            engine.adapters.unload(&b.lora_name)?;
-            Ok(b.lora_name)
-        });
-    match done {
-        Ok(name) => {
-            tracing::info!(lora_name = %name, "unloaded LoRA adapter");
-            format!("Success: LoRA adapter '{name}' removed successfully.").into_response()
-        }
-        Err(e) => e.into_response(),
     }
 }
 

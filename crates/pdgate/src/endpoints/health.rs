@@ -351,8 +351,18 @@ impl Health {
 
     /// Asks the checker for an early round (an engine refused an adapter pdgate thought it
     /// held), at most once a second; true if this call asked.
-    pub fn refresh_soon(&self) -> bool {
+    fn refresh_soon(&self) -> bool {
         self.knobs.health_checks && self.refresh.ask(Instant::now())
+    }
+
+    /// Called with the status of every generation leg's answer: an engine answering 404 no
+    /// longer serves the request's model (an adapter unloaded since the last round), so the
+    /// next round starts early (at most one a second) and requests stop going there within
+    /// about a second.
+    pub fn model_refused(&self, status: http::StatusCode) {
+        if status == http::StatusCode::NOT_FOUND && self.refresh_soon() {
+            info!("an engine refused a model: early health round to relearn its adapters");
+        }
     }
 
     /// Resolves when an early round was asked for.

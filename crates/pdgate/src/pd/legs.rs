@@ -119,7 +119,7 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
         Err(e) => Err(Cause::of(e)),
     };
     if let Ok(c) = &result {
-        model_refused(gw, c.status);
+        gw.health.model_refused(c.status);
     }
     gw.health.observe(&job.endpoint.name, outcome);
     if outcome.is_ok() {
@@ -127,15 +127,6 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
             .observe_latency(&job.endpoint.name, started.elapsed());
     }
     result
-}
-
-/// An engine answering 404 to a generation request no longer serves its model: an adapter
-/// unloaded since the last health round. The next round starts early (at most one a second), so
-/// requests stop going there within about a second.
-pub(crate) fn model_refused(gw: &Gateway, status: http::StatusCode) {
-    if status == http::StatusCode::NOT_FOUND && gw.health.refresh_soon() {
-        tracing::info!("an engine refused a model: early health round to relearn its adapters");
-    }
 }
 
 /// Prefill, merge, decode. A failed prefill is retried on another prefill, then (by policy)
