@@ -97,12 +97,15 @@ impl Adapters {
         }
     }
 
-    /// The adapters loaded now, by name.
+    /// The adapters loaded now, in load order (vLLM lists its dict of them in that order).
     pub fn list(&self) -> Vec<Arc<Lora>> {
-        self.by_name
+        let mut list: Vec<Arc<Lora>> = self
+            .by_name
             .lock()
             .map(|m| m.values().cloned().collect())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        list.sort_by_key(|l| l.id);
+        list
     }
 
     /// What the request's `model` names: nothing or `base` is the base model, a loaded
@@ -156,7 +159,12 @@ mod tests {
         assert_eq!(a.list().len(), 1);
         assert_eq!(a.list()[0].path, "/a");
         a.load("chat", "/c").unwrap();
-        assert_eq!(a.list().iter().map(|l| l.id).collect::<Vec<_>>(), [2, 1]);
+        let listed: Vec<(String, i64)> = a.list().iter().map(|l| (l.name.clone(), l.id)).collect();
+        assert_eq!(
+            listed,
+            [("sql".to_owned(), 1), ("chat".to_owned(), 2)],
+            "load order"
+        );
         let dup = a.load("chat", "/c").unwrap_err();
         assert_eq!(dup.status(), StatusCode::BAD_REQUEST);
         assert_eq!(

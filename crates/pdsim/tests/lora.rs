@@ -87,7 +87,11 @@ async fn adapters_load_unload_and_list_like_vllm() {
         .iter()
         .map(|m| m["id"].clone())
         .collect();
-    assert_eq!(ids, [json!("pdsim"), json!("chat"), json!("sql")]);
+    assert_eq!(
+        ids,
+        [json!("pdsim"), json!("sql"), json!("chat")],
+        "in load order"
+    );
 
     // Requests under an adapter answer with its name; an unknown model is vLLM's 404.
     let (s, v) = complete(&h, "chat", "hello there").await;

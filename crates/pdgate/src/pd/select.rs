@@ -222,3 +222,48 @@ pub(crate) fn retry_target(
     gw.metrics.count_retry(leg);
     Some(candidates[i].clone())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use kvtransfer::{Pod, Registry};
+
+    use super::*;
+    use crate::endpoints::adapters::AdapterParents;
+    use crate::endpoints::{LoadTable, SnapshotInputs, build_snapshot};
+
+    fn pod(name: &str, role: &str) -> Pod {
+        let mut p = Pod::new(name, "10.0.0.1", 8000).with_label("role-name", role);
+        p.name = name.to_string();
+        p.ready = true;
+        p
+    }
+
+    #[test]
+    fn an_adapter_no_decode_holds_is_not_found() {
+        let reg = Registry::with_builtins();
+        let sql: AdapterParents = [("sql".to_string(), "m".to_string())].into();
+        let learned = BTreeMap::from([("p".to_string(), sql)]);
+        let inputs = SnapshotInputs {
+            registry: &reg,
+            default_connector: "shfs",
+            default_models: &["m".to_string()],
+            unhealthy: &BTreeSet::new(),
+            roleset_pairing: false,
+            adapters: &learned,
+        };
+        let snap = build_snapshot(
+            &[pod("p", "prefill"), pod("d", "decode")],
+            &inputs,
+            &LoadTable::default(),
+        );
+        let e = no_pair(&snap, Some("sql"));
+        assert!(matches!(e, GatewayError::ModelNotFound { .. }), "{e:?}");
+        // The base model has its pair; an unknown name is not found either.
+        assert!(matches!(
+            no_pair(&snap, Some("other")),
+            GatewayError::ModelNotFound { .. }
+        ));
+    }
+}
