@@ -229,7 +229,7 @@ pub(crate) async fn view_of(
     model: Option<&str>,
 ) -> PrefixView {
     let mc = cache.model(model, snap);
-    let mut view = match &cache.engine_tokens {
+    let view = match &cache.engine_tokens {
         Some(et)
             if !mc.has_tokenizer()
                 && cache
@@ -245,8 +245,13 @@ pub(crate) async fn view_of(
         }
         _ => mc.view(body, route),
     };
-    // An adapter's blocks are its own (vLLM hashes its name into each): its keys live in its
-    // space of its base model's index, where its engines' events (`lora_name`) land too.
+    in_adapter_space(view, snap, model)
+}
+
+/// An adapter's blocks are its own (vLLM hashes its name into each): the view of a request for
+/// an adapter of the fleet moves into the adapter's key space of its base model's index, where
+/// its engines' events (`lora_name`) land too. Other views stay as they are.
+fn in_adapter_space(mut view: PrefixView, snap: &Snapshot, model: Option<&str>) -> PrefixView {
     if let Some(adapter) = model.filter(|m| snap.adapter_parent(m).is_some()) {
         Space::adapter(adapter).apply(&mut view.keys);
     }
