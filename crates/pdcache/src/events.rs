@@ -79,6 +79,17 @@ impl From<u64> for BlockHash {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ExtraKeys(pub Vec<u8>);
 
+impl ExtraKeys {
+    /// The extra keys vLLM gives every block of a request for LoRA adapter `name` and nothing
+    /// else (no media, no salt): the 1-tuple `(name,)`.
+    pub fn lora(name: &str) -> Self {
+        let mut out = Vec::with_capacity(name.len() + 6);
+        write::array_len(&mut out, 1);
+        write::str(&mut out, name);
+        ExtraKeys(out)
+    }
+}
+
 /// Blocks that became cached (full blocks only).
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockStored {
@@ -129,6 +140,17 @@ impl BlockStored {
             kv_cache_spec_kind: Some(SPEC_FULL_ATTENTION.to_owned()),
             kv_cache_spec_sliding_window: None,
         }
+    }
+}
+
+impl BlockStored {
+    /// Marks the blocks as stored for LoRA adapter `name` (vLLM's `lora_int_id` `id`):
+    /// `lora_id`, `lora_name` and each block's extra keys `(name,)`, as vLLM's block pool
+    /// sends them.
+    pub fn set_lora(&mut self, name: &str, id: i64) {
+        self.lora_id = Some(id);
+        self.lora_name = Some(name.to_owned());
+        self.extra_keys = Some(vec![Some(ExtraKeys::lora(name)); self.block_hashes.len()]);
     }
 }
 
@@ -778,5 +800,25 @@ mod tests {
         assert_eq!(BlockHash::Bytes(digest).as_u64(), 0x0102_0304_0506_0708);
         assert_eq!(BlockHash::Bytes(vec![1, 2]).as_u64(), 0x0102);
         assert_eq!(BlockHash::Int(-1).as_u64(), u64::MAX);
+    }
+
+    #[test]
+    fn lora_extra_keys_are_the_name_tuple_and_round_trip() {
+        assert_eq!(ExtraKeys::lora("ad").0, [0x91, 0xa2, b'a', b'd']);
+        let mut stored = BlockStored::new(
+            vec![BlockHash::Uint(1), BlockHash::Uint(2)],
+            None,
+            vec![0; 8],
+            4,
+        );
+        stored.set_lora("ad", 3);
+        assert_eq!(stored.lora_id, Some(3));
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(stored.clone())],
+            data_parallel_rank: None,
+        };
+        let back = decode_batch(&encode_batch(&batch)).unwrap();
+        assert_eq!(back.events, [KvEvent::BlockStored(stored)]);
     }
 }

@@ -19,6 +19,13 @@
 //!
 //! Keys are deterministic (no per-process randomness): every gateway replica computes the same
 //! keys for the same prompt, which is what lets replicas agree without talking to each other.
+//!
+//! Keys live in a [`Space`]: the base model's, or one LoRA adapter's. An engine never reuses a
+//! base block for an adapter request or one adapter's block for another (vLLM puts the adapter
+//! name into every block's hash), so prefixes in different spaces must never match. A space is
+//! a 64-bit mask XORed onto every key of the base chain: the same prefix gets a different key
+//! per space, a key maps back to its chain by the same mask (events chain onto a stored
+//! parent), and a view computed in the base space moves to an adapter's with [`Space::apply`].
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -32,6 +39,48 @@ pub const TOKEN_SEED: u64 = 0x7064_6361_6368_6574;
 /// Seed of the first text block ("pdcache/text").
 pub const TEXT_SEED: u64 = 0x7064_6361_6368_7478;
 
+/// Seed of an adapter's mask ("pdcache/lora").
+const LORA_SEED: u64 = 0x7064_6361_6368_6c6f;
+
+/// The key space of the base model or of one LoRA adapter: a mask XORed onto each key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Space {
+    mask: u64,
+}
+
+impl Space {
+    /// The base model's space (keys as chained).
+    pub const BASE: Space = Space { mask: 0 };
+
+    /// The space of LoRA adapter `name` (the name the engine serves it under, which is what
+    /// vLLM hashes; two engines loading the same weights under different names share nothing).
+    pub fn adapter(name: &str) -> Space {
+        // Never the base mask, however unlikely a zero hash is.
+        Space {
+            mask: xxh3_64_with_seed(name.as_bytes(), LORA_SEED).max(1),
+        }
+    }
+
+    /// The adapter's space, or the base space for `None`.
+    pub fn of(adapter: Option<&str>) -> Space {
+        adapter.map_or(Space::BASE, Space::adapter)
+    }
+
+    /// Moves base-space keys into this space (or this space's keys back to the base: the
+    /// mask is its own inverse).
+    pub fn apply(self, keys: &mut [BlockKey]) {
+        if self.mask != 0 {
+            for k in keys {
+                k.0 ^= self.mask;
+            }
+        }
+    }
+
+    fn key(self, k: u64) -> BlockKey {
+        BlockKey(k ^ self.mask)
+    }
+}
+
 /// Bytes of text per token assumed when sizing approximate blocks.
 pub const BYTES_PER_TOKEN: usize = 4;
 
@@ -40,11 +89,13 @@ pub fn text_block_bytes(token_block_size: usize) -> usize {
     token_block_size.max(1) * BYTES_PER_TOKEN
 }
 
-/// Key of one block of tokens chained onto `parent` (`None` for the first block). `extra` is the
+/// Key in `space` of one block of tokens chained onto `parent`, a key of the same space (`None`
+/// for the first block). `extra` is the
 /// block's extra hash keys as the engine sent them (LoRA, multimodal, cache salt): mixing them in
 /// makes such a block unmatchable by a plain request with the same tokens, which is right, since
 /// the engine will not reuse it for one either.
 pub fn chain_token_block(
+    space: Space,
     parent: Option<BlockKey>,
     block: &[u32],
     extra: Option<&[u8]>,
@@ -62,14 +113,13 @@ pub fn chain_token_block(
         scratch.push(0xff);
         scratch.extend_from_slice(extra);
     }
-    BlockKey(xxh3_64_with_seed(
-        scratch,
-        parent.map_or(TOKEN_SEED, |p| p.0),
-    ))
+    let seed = parent.map_or(TOKEN_SEED, |p| p.0 ^ space.mask);
+    space.key(xxh3_64_with_seed(scratch, seed))
 }
 
-/// Keys of the full blocks of `tokens`, appended to `out`. `block_size` 0 yields nothing.
-pub fn token_keys_into(tokens: &[u32], block_size: usize, out: &mut Vec<BlockKey>) {
+/// Keys in `space` of the full blocks of `tokens`, appended to `out`. `block_size` 0 yields
+/// nothing.
+pub fn token_keys_into(space: Space, tokens: &[u32], block_size: usize, out: &mut Vec<BlockKey>) {
     if block_size == 0 {
         return;
     }
@@ -77,16 +127,21 @@ pub fn token_keys_into(tokens: &[u32], block_size: usize, out: &mut Vec<BlockKey
     let mut parent = None;
     out.reserve(tokens.len() / block_size);
     for block in tokens.chunks_exact(block_size) {
-        let key = chain_token_block(parent, block, None, &mut scratch);
+        let key = chain_token_block(space, parent, block, None, &mut scratch);
         out.push(key);
         parent = Some(key);
     }
 }
 
-/// Keys of the full blocks of `tokens`.
+/// Keys of the full blocks of `tokens` in the base space.
 pub fn token_keys(tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
+    token_keys_in(Space::BASE, tokens, block_size)
+}
+
+/// Keys of the full blocks of `tokens` in `space`.
+pub fn token_keys_in(space: Space, tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
     let mut out = Vec::new();
-    token_keys_into(tokens, block_size, &mut out);
+    token_keys_into(space, tokens, block_size, &mut out);
     out
 }
 
@@ -94,6 +149,7 @@ pub fn token_keys(tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
 /// messages one after another ([`TextKeys::push_message`]). Only full blocks produce keys.
 #[derive(Debug, Clone)]
 pub struct TextKeys {
+    space: Space,
     block_bytes: usize,
     partial: Vec<u8>,
     parent: u64,
@@ -101,10 +157,16 @@ pub struct TextKeys {
 }
 
 impl TextKeys {
-    /// Keys for an engine whose blocks hold `token_block_size` tokens.
+    /// Base-space keys for an engine whose blocks hold `token_block_size` tokens.
     pub fn new(token_block_size: usize) -> Self {
+        Self::in_space(Space::BASE, token_block_size)
+    }
+
+    /// Keys in `space` for an engine whose blocks hold `token_block_size` tokens.
+    pub fn in_space(space: Space, token_block_size: usize) -> Self {
         let block_bytes = text_block_bytes(token_block_size);
         Self {
+            space,
             block_bytes,
             // Allocated when a piece straddles a block.
             partial: Vec::new(),
@@ -124,11 +186,12 @@ impl TextKeys {
             if self.partial.len() < self.block_bytes {
                 return;
             }
-            self.parent = chain_text_blocks(self.parent, [&self.partial[..]], &mut self.keys);
+            self.parent =
+                chain_text_blocks(self.space, self.parent, [&self.partial[..]], &mut self.keys);
             self.partial.clear();
         }
         let mut blocks = bytes.chunks_exact(self.block_bytes);
-        self.parent = chain_text_blocks(self.parent, &mut blocks, &mut self.keys);
+        self.parent = chain_text_blocks(self.space, self.parent, &mut blocks, &mut self.keys);
         self.partial.extend_from_slice(blocks.remainder());
     }
 
@@ -153,24 +216,32 @@ impl TextKeys {
     }
 }
 
-/// Approximate keys of a plain prompt: [`TextKeys`] fed `text` at once, without its buffer.
+/// Base-space approximate keys of a plain prompt ([`text_keys_in`]).
 pub fn text_keys(text: &[u8], token_block_size: usize) -> Vec<BlockKey> {
+    text_keys_in(Space::BASE, text, token_block_size)
+}
+
+/// Approximate keys in `space` of a plain prompt: [`TextKeys`] fed `text` at once, without its
+/// buffer.
+pub fn text_keys_in(space: Space, text: &[u8], token_block_size: usize) -> Vec<BlockKey> {
     let blocks = text.chunks_exact(text_block_bytes(token_block_size));
     let mut keys = Vec::with_capacity(blocks.len());
-    chain_text_blocks(TEXT_SEED, blocks, &mut keys);
+    chain_text_blocks(space, TEXT_SEED, blocks, &mut keys);
     keys
 }
 
-/// Chains each of `blocks` (whole text blocks) onto `parent`, appending their keys to `keys`;
-/// returns the last key (`parent` when there are none).
+/// Chains each of `blocks` (whole text blocks) onto `parent` (a base-space key), appending
+/// their keys in `space` to `keys`; returns the last base-space key (`parent` when there are
+/// none).
 fn chain_text_blocks<'a>(
+    space: Space,
     mut parent: u64,
     blocks: impl IntoIterator<Item = &'a [u8]>,
     keys: &mut Vec<BlockKey>,
 ) -> u64 {
     for block in blocks {
         parent = xxh3_64_with_seed(block, parent);
-        keys.push(BlockKey(parent));
+        keys.push(space.key(parent));
     }
     parent
 }
@@ -208,10 +279,12 @@ mod tests {
         let tokens: Vec<u32> = (0..12).collect();
         let all = token_keys(&tokens, 4);
         let mut scratch = Vec::new();
-        let k1 = chain_token_block(Some(all[0]), &tokens[4..8], None, &mut scratch);
-        let k2 = chain_token_block(Some(k1), &tokens[8..12], None, &mut scratch);
+        let base = Space::BASE;
+        let k1 = chain_token_block(base, Some(all[0]), &tokens[4..8], None, &mut scratch);
+        let k2 = chain_token_block(base, Some(k1), &tokens[8..12], None, &mut scratch);
         assert_eq!([all[1], all[2]], [k1, k2]);
         let salted = chain_token_block(
+            base,
             Some(all[0]),
             &tokens[4..8],
             Some(&[0x91, 0xc0]),
@@ -251,6 +324,39 @@ mod tests {
             ("user", "more"),
         ]);
         assert_eq!(&longer[..a.len()], &a[..]);
+    }
+
+    #[test]
+    fn adapter_spaces_share_no_prefix_with_the_base_or_each_other() {
+        let tokens: Vec<u32> = (0..8).collect();
+        let base = token_keys(&tokens, 4);
+        let a = token_keys_in(Space::adapter("a"), &tokens, 4);
+        let b = token_keys_in(Space::adapter("b"), &tokens, 4);
+        assert_ne!(base[0], a[0]);
+        assert_ne!(a[0], b[0]);
+        assert_eq!(token_keys_in(Space::of(None), &tokens, 4), base);
+        assert_eq!(token_keys_in(Space::of(Some("a")), &tokens, 4), a);
+        let text = [b'x'; 64];
+        assert_ne!(
+            text_keys(&text, 4),
+            text_keys_in(Space::adapter("a"), &text, 4)
+        );
+        let mut pushed = TextKeys::in_space(Space::adapter("a"), 4);
+        pushed.push(&text);
+        assert_eq!(pushed.finish(), text_keys_in(Space::adapter("a"), &text, 4));
+        // Chained onto its own first key, an adapter's later block stays in its space.
+        let mut moved = base.clone();
+        Space::adapter("a").apply(&mut moved);
+        assert_eq!(moved, a, "apply moves a base view into the space");
+        let mut scratch = Vec::new();
+        let k1 = chain_token_block(
+            Space::adapter("a"),
+            Some(a[0]),
+            &tokens[4..8],
+            None,
+            &mut scratch,
+        );
+        assert_eq!(k1, a[1]);
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! - [`events`]: vLLM's KV-cache events (0.32 wire format): types, a byte-exact encoder, a
 //!   tolerant decoder.
 //! - [`keys`]: chained xxh3 block keys, over token blocks (also computed from events'
-//!   `token_ids`: "dual key") or over byte blocks of the prompt or conversation (approximate).
+//!   `token_ids`: "dual key") or over byte blocks of the prompt or conversation (approximate),
+//!   in the base model's key space or a LoRA adapter's (`keys::Space`).
 //! - [`index`]: the cache index of one model: endpoint -> blocks, longest consecutive prefix per
 //!   endpoint, precise / approximate / speculative entries, LRU and TTL, memory counters.
 //! - [`ranks`]: where each data-parallel rank of an engine publishes its events.
@@ -16,7 +17,8 @@
 //!   feeding an index.
 //! - [`tokenizer`]: a Hugging Face `tokenizer.json` and chat template, for token keys equal to
 //!   the engine's.
-//! - [`vllm_hash`]: vLLM's own `sha256_cbor` block hash (for pdsim; the gateway never needs it).
+//! - [`vllm_hash`]: vLLM's own `sha256_cbor` block hash, with LoRA extra keys (for pdsim; the
+//!   gateway never needs it).
 //!
 //! ```no_run
 //! use std::time::Instant;

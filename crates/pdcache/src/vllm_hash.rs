@@ -5,6 +5,14 @@
 //! when `PYTHONHASHSEED` is unset). Only full blocks are hashed. KV events carry
 //! the last 8 bytes of each digest read big-endian ([`event_value`]).
 //!
+//! Blocks of a LoRA request carry extra keys: vLLM's `generate_block_hash_extra_keys` makes
+//! them the tuple `(lora_name,)` (then multimodal, cache-salt and prompt-embedding keys, which
+//! pdsim does not hash), so the third element is a CBOR array of the name instead of null
+//! ([`BlockHasher::block_with`]). Checked against vllm-project/vllm
+//! `vllm/v1/core/kv_cache_utils.py` at commit 001cabc1be16a59a70d720ed61a13b678c060a18
+//! (`_gen_lora_extra_hash_keys` returns `[request.lora_request.lora_name]`; older releases
+//! hashed `(lora_int_id, lora_name)`).
+//!
 //! The CBOR is written by hand: the shape is fixed (a 3-array of a 32-byte
 //! string, an array of unsigned ints and null), canonical CBOR has one encoding
 //! for it, and the hot path of an engine hashes every prompt block, so it should
@@ -57,6 +65,18 @@ pub struct BlockHasher {
 impl BlockHasher {
     /// The digest of one block of `tokens` chained onto `parent` (no extra keys).
     pub fn block(&mut self, parent: &BlockDigest, tokens: &[u32]) -> BlockDigest {
+        self.block_with(parent, tokens, &[])
+    }
+
+    /// The digest of one block of `tokens` chained onto `parent`, with the text extra keys
+    /// `extra` (vLLM's tuple of them; empty = none, hashed as null). A LoRA block's are
+    /// `[lora_name]`.
+    pub fn block_with(
+        &mut self,
+        parent: &BlockDigest,
+        tokens: &[u32],
+        extra: &[&str],
+    ) -> BlockDigest {
         let buf = &mut self.buf;
         buf.clear();
         head(buf, 4, 3);
@@ -66,8 +86,16 @@ impl BlockHasher {
         for &t in tokens {
             head(buf, 0, u64::from(t));
         }
-        // CBOR simple value null: vLLM's `extra_keys` of a block without LoRA, media or salt.
-        buf.push(0xf6);
+        if extra.is_empty() {
+            // CBOR simple value null: vLLM's `extra_keys` of a block without LoRA, media or salt.
+            buf.push(0xf6);
+        } else {
+            head(buf, 4, extra.len() as u64);
+            for key in extra {
+                head(buf, 3, key.len() as u64);
+                buf.extend_from_slice(key.as_bytes());
+            }
+        }
         Sha256::digest(buf.as_slice()).into()
     }
 
@@ -86,12 +114,24 @@ impl BlockHasher {
         block_size: usize,
         out: &mut Vec<BlockDigest>,
     ) {
+        self.extend_with(parent, tokens, block_size, &[], out);
+    }
+
+    /// [`BlockHasher::extend`] with the same extra keys on every block (a LoRA request's).
+    pub fn extend_with(
+        &mut self,
+        parent: &BlockDigest,
+        tokens: &[u32],
+        block_size: usize,
+        extra: &[&str],
+        out: &mut Vec<BlockDigest>,
+    ) {
         if block_size == 0 {
             return;
         }
         let mut parent = *parent;
         for block in tokens.chunks_exact(block_size) {
-            parent = self.block(&parent, block);
+            parent = self.block_with(&parent, block, extra);
             out.push(parent);
         }
     }
@@ -174,6 +214,25 @@ mod tests {
         );
         assert!(h.chain(&t[..15], 16).is_empty());
         assert!(h.chain(&t, 0).is_empty());
+    }
+
+    #[test]
+    fn lora_blocks_hash_the_name_tuple() {
+        let mut h = BlockHasher::default();
+        let t: Vec<u32> = (0..4).collect();
+        let parent = none_hash();
+        // CBOR([bytes(32) parent, [0, 1, 2, 3], ["ad"]]) written out independently.
+        let mut want = vec![0x83, 0x58, 32];
+        want.extend_from_slice(&parent);
+        want.extend_from_slice(&[0x84, 0, 1, 2, 3, 0x81, 0x62, b'a', b'd']);
+        let want: BlockDigest = Sha256::digest(&want).into();
+        assert_eq!(h.block_with(&parent, &t, &["ad"]), want);
+        assert_ne!(h.block(&parent, &t), want, "the name changes the hash");
+        assert_eq!(h.block_with(&parent, &t, &[]), h.block(&parent, &t));
+        let mut chained = Vec::new();
+        h.extend_with(&parent, &[t.clone(), t].concat(), 4, &["ad"], &mut chained);
+        assert_eq!(chained[0], want);
+        assert_eq!(chained[1], h.block_with(&want, &[0, 1, 2, 3], &["ad"]));
     }
 
     #[test]

@@ -159,7 +159,9 @@ impl Gateway {
 
     /// Rebuilds and publishes the snapshot from `pods`.
     pub(crate) fn publish(&self, pods: &[Pod], unhealthy: &BTreeSet<String>) -> Arc<Snapshot> {
+        let adapters = self.health.adapters();
         let inputs = SnapshotInputs {
+            adapters: &adapters,
             registry: &self.registry,
             default_connector: &self.default_connector,
             default_models: &self.config.models,

@@ -435,6 +435,9 @@ pub struct SimConfig {
     /// its rank, as vLLM moves them); `X-data-parallel-rank` pins a request to one, unpinned
     /// requests are balanced like vLLM's internal load balancer.
     pub data_parallel_size: u32,
+    /// LoRA adapters served from the start, as `(name, path)` (vLLM `--lora-modules
+    /// name=path`); more load at run time through `/v1/load_lora_adapter`.
+    pub lora_modules: Vec<(String, String)>,
 }
 
 /// Context window when neither `max_model_len` nor a profile gives one.
@@ -497,6 +500,7 @@ impl SimConfig {
             step: None,
             max_model_len: None,
             data_parallel_size: 1,
+            lora_modules: Vec::new(),
         }
     }
 }

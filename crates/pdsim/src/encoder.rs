@@ -85,7 +85,7 @@ async fn encode(
             endpoint.path()
         )));
     }
-    let req = parse_with(endpoint, body, &engine.cfg.model, &engine.tok)?;
+    let req = parse_with(endpoint, body, engine.served(), &engine.tok)?;
     if req.mm.is_empty() {
         return Err(ApiError::bad(
             "this encoder-only engine got a request without multimodal content to encode",

@@ -15,6 +15,7 @@ use crate::ec_store::EcStore;
 use crate::error::ApiError;
 use crate::kv_pull::PullClient;
 use crate::kv_store::KvStore;
+use crate::lora::Adapters;
 use crate::plan::PlanInput;
 use crate::prefix_cache::PrefixCache;
 use crate::stats::{Counters, Recent, SimStats};
@@ -52,6 +53,8 @@ pub(crate) struct Engine {
     pub rank_turn: AtomicUsize,
     /// Simulated time (`--time-scale`).
     pub clock: SimClock,
+    /// The LoRA adapters served now.
+    pub adapters: Adapters,
 }
 
 impl Engine {
@@ -97,6 +100,7 @@ impl Engine {
             last_kv_error: Mutex::new(None),
             next_block: AtomicU64::new(1),
             clock: SimClock::new(cfg.time_scale),
+            adapters: Adapters::new(&cfg.lora_modules),
             cfg,
         }
     }
@@ -191,6 +195,11 @@ impl Engine {
         }
     }
 
+    /// What requests may name: the base model and the adapters loaded now.
+    pub fn served(&self) -> (&str, &Adapters) {
+        (&self.cfg.model, &self.adapters)
+    }
+
     /// The engine facts a request's plan depends on.
     pub fn plan_input(&self) -> PlanInput {
         PlanInput {
@@ -228,6 +237,12 @@ impl Engine {
             }
             s.data_parallel_ranks.push(rank.stats());
         }
+        s.lora_requests = self
+            .adapters
+            .list()
+            .iter()
+            .map(|l| (l.name.clone(), l.requests.load(Relaxed)))
+            .collect();
         s
     }
 }

@@ -41,6 +41,15 @@ pub enum ApiError {
     /// The request was aborted through `/abort_request` or engine shutdown.
     #[error("{0}")]
     Aborted(String),
+    /// A LoRA load or unload vLLM refuses: 400 `InvalidUserInput` (a missing field, a name
+    /// already loaded) or 404 `NotFoundError` (unloading a name not loaded).
+    #[error("{message}")]
+    Lora {
+        /// vLLM's message.
+        message: String,
+        /// vLLM's status.
+        status: StatusCode,
+    },
     /// An injected fault.
     #[error("simulated fault: injected error")]
     Injected(StatusCode),
@@ -83,7 +92,7 @@ impl ApiError {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::KvLoad(_) | ApiError::EngineDead => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::Handoff { status, .. } => *status,
+            ApiError::Handoff { status, .. } | ApiError::Lora { status, .. } => *status,
             ApiError::Aborted(_) => StatusCode::BAD_REQUEST,
             ApiError::Injected(s) => *s,
         }
@@ -111,9 +120,13 @@ impl ApiError {
             ApiError::ModelNotFound { .. } => Some("model"),
             _ => None,
         };
+        let kind = match self {
+            ApiError::Lora { .. } if status == StatusCode::BAD_REQUEST => "InvalidUserInput",
+            _ => Self::kind(status),
+        };
         Info {
             message,
-            kind: Self::kind(status),
+            kind,
             param,
             code: status.as_u16(),
         }

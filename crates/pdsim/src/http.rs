@@ -35,6 +35,8 @@ pub(crate) fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/responses", post(responses))
         .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/abort_request", post(abort_request))
@@ -196,7 +198,7 @@ async fn run(
         guard.finish();
         return answer;
     }
-    let prepared = parse_with(endpoint, body, &engine.cfg.model, &engine.tok).and_then(|req| {
+    let prepared = parse_with(endpoint, body, engine.served(), &engine.tok).and_then(|req| {
         let total = u64::from(req.prompt.count) + u64::from(req.max_tokens);
         let max_model_len = engine.cfg.context_window();
         if total > u64::from(max_model_len) {
@@ -216,6 +218,9 @@ async fn run(
     let (req, plan, rank) = match prepared {
         Ok(x) => x,
         Err(e) => {
+            if matches!(e, ApiError::ModelNotFound { .. }) {
+                count(&engine.counters.model_not_found);
+            }
             guard.finish();
             return e.into_response();
         }
@@ -278,7 +283,7 @@ fn head(job: &Job) -> Head<'_> {
         endpoint: job.endpoint,
         id: &job.id_json,
         created: job.created,
-        model: &job.engine.model_json,
+        model: &job.model_json,
     }
 }
 
@@ -498,13 +503,18 @@ async fn models(State(engine): State<Arc<Engine>>) -> Response {
     count(&engine.counters.models);
     let created = engine.clock.now_unix() as u64;
     let m = &engine.cfg.model;
-    let body = serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": m, "object": "model", "created": created, "owned_by": "vllm",
-            "root": m, "parent": null, "max_model_len": engine.cfg.context_window(),
-        }]
-    });
+    let mut data = vec![serde_json::json!({
+        "id": m, "object": "model", "created": created, "owned_by": "vllm",
+        "root": m, "parent": null, "max_model_len": engine.cfg.context_window(),
+    })];
+    // vLLM lists each adapter after the base model, without `max_model_len`.
+    data.extend(engine.adapters.list().iter().map(|l| {
+        serde_json::json!({
+            "id": l.name, "object": "model", "created": created, "owned_by": "vllm",
+            "root": l.path, "parent": m, "max_model_len": null,
+        })
+    }));
+    let body = serde_json::json!({ "object": "list", "data": data });
     axum::Json(body).into_response()
 }
 
@@ -602,6 +612,54 @@ async fn tokenize(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
             "token_strs": null,
         }))
         .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct LoadBody {
+    #[serde(default)]
+    lora_name: String,
+    #[serde(default)]
+    lora_path: String,
+}
+
+#[derive(serde::Deserialize)]
+struct UnloadBody {
+    #[serde(default)]
+    lora_name: String,
+}
+
+/// `POST /v1/load_lora_adapter`: vLLM answers 200 with a plain-text success line.
+async fn load_lora_adapter(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let done = serde_json::from_slice::<LoadBody>(&body)
+        .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
+        .and_then(|b| {
+            engine.adapters.load(&b.lora_name, &b.lora_path)?;
+            Ok(b.lora_name)
+        });
+    match done {
+        Ok(name) => {
+            tracing::info!(lora_name = %name, "loaded LoRA adapter");
+            format!("Success: LoRA adapter '{name}' added successfully.").into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/unload_lora_adapter`.
+async fn unload_lora_adapter(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let done = serde_json::from_slice::<UnloadBody>(&body)
+        .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
+        .and_then(|b| {
+            engine.adapters.unload(&b.lora_name)?;
+            Ok(b.lora_name)
+        });
+    match done {
+        Ok(name) => {
+            tracing::info!(lora_name = %name, "unloaded LoRA adapter");
+            format!("Success: LoRA adapter '{name}' removed successfully.").into_response()
+        }
         Err(e) => e.into_response(),
     }
 }

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
+use pdcache::events::KvEvent;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -109,6 +110,13 @@ pub(crate) fn store(
     if let Ok(mut c) = cache.lock() {
         c.insert(&chain.values, tokens, from, pins, &mut events);
     }
+    if let Some(lora) = chain.lora() {
+        for e in &mut events {
+            if let KvEvent::BlockStored(s) = e {
+                s.set_lora(&lora.name, lora.id);
+            }
+        }
+    }
     rank.publish(events);
 }
 
@@ -119,6 +127,8 @@ pub(crate) struct Job {
     pub req: GenRequest,
     /// JSON-escaped response id, with quotes.
     pub id_json: String,
+    /// JSON-escaped model name answered (the adapter's for an adapter request), with quotes.
+    pub model_json: String,
     pub id: String,
     pub created: u64,
     pub guard: InFlight,
@@ -175,7 +185,17 @@ impl Job {
                 token,
             }
         });
+        // vLLM answers an adapter request under the adapter's name.
+        let lora = req.lora.clone();
+        let model_json = match &lora {
+            Some(l) => {
+                l.requests.fetch_add(1, Relaxed);
+                crate::respond::json_str(&l.name)
+            }
+            None => engine.model_json.clone(),
+        };
         Job {
+            model_json,
             id_json: crate::respond::json_str(&id),
             id,
             created: engine.clock.now_unix() as u64,
@@ -189,7 +209,7 @@ impl Job {
             permit: None,
             cached: 0,
             sglang_published: false,
-            chain: BlockChain::default(),
+            chain: BlockChain::for_model(lora, &[], 0),
             pins: Pins::default(),
             ticks: None,
             generated: None,
@@ -425,7 +445,8 @@ impl Job {
         let Some(cache) = &engine.ranks[self.rank.rank()].cache else {
             return 0;
         };
-        self.chain = BlockChain::of(&self.req.prompt.ids, bs as usize);
+        self.chain =
+            BlockChain::for_model(self.req.lora.clone(), &self.req.prompt.ids, bs as usize);
         let max = (self.req.prompt.count.saturating_sub(1) / bs) as usize;
         let Ok(mut c) = cache.lock() else { return 0 };
         let hit = c.lookup(&self.chain.values, max, &mut self.pins);

@@ -20,6 +20,8 @@
 //! - `encoder`: encoder disaggregation: the encoder role (`Role::Encode`) and the prefill's
 //!   loads of encoder output; `mm`: a request's multimodal items and their hashes; `ec_store`:
 //!   what an encoder keeps for its prefills.
+//! - [`lora`]: LoRA adapters (`--lora-modules`, load/unload endpoints, adapters in
+//!   `/v1/models`); an adapter request's blocks hash its name and its KV events carry it.
 //! - [`stats`]: [`SimStats`], also rendered as Prometheus text on `/metrics`.
 //!
 //! ```no_run
@@ -52,6 +54,7 @@ mod kv_events;
 mod kv_pull;
 mod kv_servers;
 mod kv_store;
+pub mod lora;
 mod mm;
 mod plan;
 mod prefix_cache;

@@ -158,6 +158,10 @@ struct Args {
     /// an ipc path); `X-data-parallel-rank` pins a request to one.
     #[arg(long, env = "PDSIM_DATA_PARALLEL_SIZE", default_value_t = 1)]
     data_parallel_size: u32,
+    /// LoRA adapters served from the start, vLLM's `name=path` (the path is never read);
+    /// requests name one in `model`. More load at run time with `POST /v1/load_lora_adapter`.
+    #[arg(long, num_args = 1.., value_parser = pdsim::lora::parse_module)]
+    lora_modules: Vec<(String, String)>,
     /// Simulated seconds per wall second (10 = ten times faster than real time). Delays are
     /// divided by it; every time the engine reports (created, KV-event timestamps, /metrics) is
     /// simulated.
@@ -347,6 +351,7 @@ fn config(a: &Args) -> Result<SimConfig, StartError> {
         ));
     }
     c.data_parallel_size = a.data_parallel_size;
+    c.lora_modules = a.lora_modules.clone();
     c.step = match &a.profile {
         Some(p) => {
             if a.max_num_batched_tokens == 0 || a.max_num_seqs == 0 {

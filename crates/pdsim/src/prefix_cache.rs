@@ -18,6 +18,8 @@ use std::collections::HashMap;
 use pdcache::events::{BlockHash, BlockRemoved, BlockStored, KvEvent};
 use pdcache::vllm_hash::{BlockDigest, BlockHasher, event_value, none_hash};
 
+use crate::lora::{Lora, Served};
+
 const NIL: u32 = u32::MAX;
 
 #[derive(Debug)]
@@ -33,14 +35,30 @@ struct Node {
 pub(crate) struct BlockChain {
     digests: Vec<BlockDigest>,
     pub values: Vec<u64>,
+    /// The adapter whose name salts every block, as vLLM's extra keys `(lora_name,)`.
+    lora: Served,
 }
 
 impl BlockChain {
-    /// Hashes every full block of `tokens`.
+    /// Hashes every full block of `tokens` (base model).
+    #[cfg(test)]
     pub fn of(tokens: &[u32], block_size: usize) -> Self {
-        let mut c = BlockChain::default();
+        Self::for_model(None, tokens, block_size)
+    }
+
+    /// Hashes every full block of `tokens` for the base model or adapter `lora`.
+    pub fn for_model(lora: Served, tokens: &[u32], block_size: usize) -> Self {
+        let mut c = BlockChain {
+            lora,
+            ..BlockChain::default()
+        };
         c.extend(tokens, block_size);
         c
+    }
+
+    /// The adapter the blocks are hashed for.
+    pub fn lora(&self) -> Option<&Lora> {
+        self.lora.as_deref()
     }
 
     /// Hashes the full blocks of `tokens` beyond those already hashed.
@@ -53,7 +71,9 @@ impl BlockChain {
         let rest = tokens.get(done * block_size..).unwrap_or_default();
         let mut h = BlockHasher::default();
         let before = self.digests.len();
-        h.extend(&parent, rest, block_size, &mut self.digests);
+        let name = self.lora.as_ref().map(|l| l.name.as_str());
+        let extra = name.as_slice();
+        h.extend_with(&parent, rest, block_size, extra, &mut self.digests);
         self.values
             .extend(self.digests[before..].iter().map(event_value));
     }

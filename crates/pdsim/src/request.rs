@@ -7,6 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::lora::{Adapters, Served};
 use crate::mm::{self, MmItem};
 use crate::tokens::{PromptTokens, Tok, Tokenizer};
 
@@ -126,6 +127,8 @@ pub(crate) struct GenRequest {
     pub mm: Vec<MmItem>,
     /// Encoder-cache transfer parameters, keyed by item hash (encoder disaggregation).
     pub ec_transfer_params: Option<Map<String, Value>>,
+    /// The LoRA adapter the request's `model` names; `None` for the base model.
+    pub lora: Served,
 }
 
 /// SGLang bootstrap fields as received (any of them may be missing or mistyped).
@@ -150,25 +153,18 @@ fn bad_json(e: &serde_json::Error) -> ApiError {
 /// deterministic tokenizer.
 #[cfg(test)]
 pub(crate) fn parse(endpoint: Endpoint, body: &[u8], model: &str) -> Result<GenRequest, ApiError> {
-    parse_with(endpoint, body, model, &Tok::Words)
+    parse_with(endpoint, body, (model, &Adapters::default()), &Tok::Words)
 }
 
-/// Parses and validates `body` for `endpoint` against the served `model`.
+/// Parses and validates `body` for `endpoint` against the served base model and adapters.
 pub(crate) fn parse_with(
     endpoint: Endpoint,
     body: &[u8],
-    model: &str,
+    (model, adapters): (&str, &Adapters),
     tok: &Tok,
 ) -> Result<GenRequest, ApiError> {
     let w: Wire<'_> = serde_json::from_slice(body).map_err(|e| bad_json(&e))?;
-    if let Some(m) = &w.model
-        && m.as_ref() != model
-    {
-        return Err(ApiError::ModelNotFound {
-            requested: m.clone().into_owned(),
-            served: model.to_owned(),
-        });
-    }
+    let lora = adapters.resolve(model, w.model.as_deref())?;
     let stream = w.stream.unwrap_or(false);
     if endpoint == Endpoint::Messages && w.max_tokens.is_none() {
         return Err(ApiError::BadRequest {
@@ -271,6 +267,7 @@ pub(crate) fn parse_with(
         _ => Vec::new(),
     };
     Ok(GenRequest {
+        lora,
         mm,
         ec_transfer_params: w.ec_transfer_params,
         prompt,

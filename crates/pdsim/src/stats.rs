@@ -22,6 +22,7 @@ pub(crate) struct Counters {
     pub health: AtomicU64,
     pub metrics: AtomicU64,
     pub abort_requests: AtomicU64,
+    pub model_not_found: AtomicU64,
     pub responses_ok: AtomicU64,
     pub responses_error: AtomicU64,
     pub faults_injected: AtomicU64,
@@ -293,6 +294,13 @@ pub struct SimStats {
     /// what admission can still use).
     #[serde(default)]
     pub kv_cache_free_blocks: u64,
+    /// Generation requests refused because their `model` is neither the base model nor a
+    /// loaded LoRA adapter (vLLM's 404).
+    #[serde(default)]
+    pub model_not_found: u64,
+    /// Generation requests served per LoRA adapter loaded now.
+    #[serde(default)]
+    pub lora_requests: std::collections::BTreeMap<String, u64>,
     /// Per data-parallel rank (`--data-parallel-size`; one entry for an engine of one rank).
     #[serde(default)]
     pub data_parallel_ranks: Vec<RankStats>,
@@ -372,6 +380,8 @@ impl Counters {
             busy_seconds: self.busy_micros.load(Relaxed) as f64 / 1e6,
             time_scale: 1.0,
             kv_cache_free_blocks: 0,
+            model_not_found: self.model_not_found.load(Relaxed),
+            lora_requests: Default::default(),
             data_parallel_ranks: Vec::new(),
             ec: EcStats {
                 encoded: self.ec_encoded.load(Relaxed),

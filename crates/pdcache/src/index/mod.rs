@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use hashbrown::HashTable;
 
-use crate::events::{BlockStored, EventBatch, KvEvent, MEDIUM_GPU};
-use crate::keys::{BlockKey, chain_token_block};
+use crate::events::{BlockStored, EventBatch, ExtraKeys, KvEvent, MEDIUM_GPU};
+use crate::keys::{BlockKey, Space, chain_token_block};
 
 /// A key held by more than this many endpoints is tracked by a bitmap of endpoint ids.
 pub const WIDE_AT: usize = 8;
@@ -703,6 +703,11 @@ impl CacheIndex {
         };
         let t = self.ticks(now);
         let mut scratch = std::mem::take(&mut self.scratch);
+        // An adapter's blocks go to its space; there its name alone in the extra keys is the
+        // space itself, so such a block keys like the adapter request's own token keys. Other
+        // extra keys (media, salt) still make the block unmatchable by plain text.
+        let space = Space::of(e.lora_name.as_deref());
+        let lora_only = e.lora_name.as_deref().map(ExtraKeys::lora);
         for (j, (hash, block)) in e
             .block_hashes
             .iter()
@@ -713,8 +718,15 @@ impl CacheIndex {
                 .extra_keys
                 .as_ref()
                 .and_then(|ks| ks.get(j))
-                .and_then(Option::as_ref);
-            let key = chain_token_block(parent, block, extra.map(|x| x.0.as_slice()), &mut scratch);
+                .and_then(Option::as_ref)
+                .filter(|x| Some(*x) != lora_only.as_ref());
+            let key = chain_token_block(
+                space,
+                parent,
+                block,
+                extra.map(|x| x.0.as_slice()),
+                &mut scratch,
+            );
             self.upsert(ep.0, key.0, EntryKind::Precise, hash.as_u64(), t);
             parent = Some(key);
             stats.stored += 1;

@@ -499,3 +499,40 @@ fn whole_bitmap_words_match_as_single_endpoints_do() {
         assert_eq!(dense, want, "table, prompt {prompt:?}");
     }
 }
+
+#[test]
+fn adapter_events_land_in_the_adapter_space_only() {
+    use crate::events::ExtraKeys;
+    use crate::keys::{Space, token_keys_in};
+    let (mut idx, t0) = index(100);
+    let a = ep(&mut idx);
+    let tokens: Vec<u32> = (0..8).collect();
+    let mut first = BlockStored::new(vec![BlockHash::Uint(11)], None, tokens[..4].to_vec(), 4);
+    first.set_lora("sql", 1);
+    let mut second = BlockStored::new(
+        vec![BlockHash::Uint(12)],
+        Some(BlockHash::Uint(11)),
+        tokens[4..].to_vec(),
+        4,
+    );
+    second.set_lora("sql", 1);
+    idx.apply_event(a, &KvEvent::BlockStored(first), t0);
+    idx.apply_event(a, &KvEvent::BlockStored(second), t0);
+    let sql = token_keys_in(Space::adapter("sql"), &tokens, 4);
+    assert_eq!(matches(&idx, &sql), [(a.0, 2)]);
+    assert_eq!(
+        matches(&idx, &token_keys(&tokens, 4)),
+        [],
+        "not the base prefix"
+    );
+    let other = token_keys_in(Space::adapter("chat"), &tokens, 4);
+    assert_eq!(matches(&idx, &other), [], "not another adapter's");
+    // An adapter block with more than its name in the extra keys (a salt) stays apart.
+    let mut salted = BlockStored::new(vec![BlockHash::Uint(21)], None, tokens[..4].to_vec(), 4);
+    salted.set_lora("chat", 2);
+    salted.extra_keys = Some(vec![Some(ExtraKeys(vec![
+        0x92, 0xa4, b'c', b'h', b'a', b't', 0xa1, b's',
+    ]))]);
+    idx.apply_event(a, &KvEvent::BlockStored(salted), t0);
+    assert_eq!(matches(&idx, &other), []);
+}

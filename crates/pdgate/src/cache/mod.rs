@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use kvtransfer::JsonBody;
 use pdcache::index::{CacheIndex, EndpointId, IndexConfig};
+use pdcache::keys::Space;
 use pdcache::subscribe::{Feed, SharedIndex, SubscriberConfig, SubscriberStats, Subscription};
 use pdcache::tokenizer::HfTokenizer;
 
@@ -228,15 +229,33 @@ pub(crate) async fn view_of(
     model: Option<&str>,
 ) -> PrefixView {
     let mc = cache.model(model, snap);
-    if let Some(et) = &cache.engine_tokens
-        && !mc.has_tokenizer()
-        && cache.config.engine_tokenize.unwrap_or_else(|| mc.has_events())
-        // Boxed: the engine call's future stays off the request's own when the knob is off.
-        && let Some(ids) = Box::pin(et.tokens(client, health, snap, body, route, model)).await
-    {
-        return mc.token_view(&ids);
+    let view = match &cache.engine_tokens {
+        Some(et)
+            if !mc.has_tokenizer()
+                && cache
+                    .config
+                    .engine_tokenize
+                    .unwrap_or_else(|| mc.has_events()) =>
+        {
+            // Boxed: the engine call's future stays off the request's own when the knob is off.
+            match Box::pin(et.tokens(client, health, snap, body, route, model)).await {
+                Some(ids) => mc.token_view(&ids),
+                None => mc.view(body, route),
+            }
+        }
+        _ => mc.view(body, route),
+    };
+    in_adapter_space(view, snap, model)
+}
+
+/// An adapter's blocks are its own (vLLM hashes its name into each): the view of a request for
+/// an adapter of the fleet moves into the adapter's key space of its base model's index, where
+/// its engines' events (`lora_name`) land too. Other views stay as they are.
+fn in_adapter_space(mut view: PrefixView, snap: &Snapshot, model: Option<&str>) -> PrefixView {
+    if let Some(adapter) = model.filter(|m| snap.adapter_parent(m).is_some()) {
+        Space::adapter(adapter).apply(&mut view.keys);
     }
-    mc.view(body, route)
+    view
 }
 
 impl Cache {
@@ -294,10 +313,12 @@ impl Cache {
 
     /// The index for `model`: its own when the model is known (configured or in the snapshot),
     /// else the default one.
+    /// A LoRA adapter shares its base model's index (in its own key space).
     pub(crate) fn model(&self, model: Option<&str>, snap: &Snapshot) -> Arc<ModelCache> {
         let Some(m) = model else {
             return self.default.clone();
         };
+        let m = snap.adapter_parent(m).unwrap_or(m);
         if let Some(mc) = self.models.read().unwrap_or_else(|p| p.into_inner()).get(m) {
             return mc.clone();
         }

@@ -149,3 +149,38 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
         assert!(Arc::ptr_eq(order[choice.index], &b_again));
     }
 }
+
+#[test]
+fn an_adapter_shares_its_base_index_in_a_key_space_of_its_own() {
+    let c = cache();
+    let snap = Snapshot {
+        prefill: vec![ep("a:1")],
+        models: vec!["m".into()],
+        adapters: Arc::new([("sql".to_string(), "m".to_string())].into()),
+        ..Snapshot::default()
+    };
+    let base = c.model(Some("m"), &snap);
+    assert!(
+        Arc::ptr_eq(&base, &c.model(Some("sql"), &snap)),
+        "the base model's index"
+    );
+    let plain = prompt_of(&base, "q");
+    let sql = in_adapter_space(plain.clone(), &snap, Some("sql"));
+    assert_eq!(sql.keys.len(), plain.keys.len());
+    assert!(
+        sql.keys.iter().all(|k| !plain.keys.contains(k)),
+        "no key of the base prefix"
+    );
+    let mut back = sql.keys.clone();
+    pdcache::keys::Space::adapter("sql").apply(&mut back);
+    assert_eq!(back, plain.keys);
+    // Neither the base model nor a name that is no adapter moves.
+    assert_eq!(
+        in_adapter_space(plain.clone(), &snap, Some("m")).keys,
+        plain.keys
+    );
+    assert_eq!(
+        in_adapter_space(plain.clone(), &snap, None).keys,
+        plain.keys
+    );
+}

@@ -60,15 +60,17 @@ fn probe_target(gw: &Gateway, pod: &Pod) -> Option<ProbeTarget> {
     } else {
         None
     };
-    // Models nobody configured are learned from the engine.
+    // Models nobody configured are learned from the engine; its adapters always are.
     let unknown_models =
         pod.label(kvtransfer::labels::MODEL_NAME).is_none() && gw.config.models.is_empty();
+    let models_url = (role != Role::Encode).then(|| format!("{base}/v1/models"));
     Some(ProbeTarget {
         name: pod.name.clone(),
         role,
         health_url: format!("{base}/health"),
         query_url,
-        models_url: unknown_models.then(|| format!("{base}/v1/models")),
+        models_url,
+        learn_models: unknown_models,
         authorization: gw.engine_authorization.clone(),
     })
 }
@@ -188,7 +190,8 @@ pub(crate) async fn reconcile(
         }
         cache.retain(|name, _| current.iter().any(|p| &p.name == name));
         let unhealthy = gw.health.unhealthy();
-        let fingerprint = format!("{enriched:?}{unhealthy:?}");
+        let adapters = gw.health.adapters();
+        let fingerprint = format!("{enriched:?}{unhealthy:?}{adapters:?}");
         if fingerprint != last {
             let snap = gw.publish(&enriched, &unhealthy);
             gw.metrics.count_discovery_change();

@@ -23,6 +23,7 @@ use tokio::sync::Notify;
 use tracing::{info, warn};
 
 use crate::endpoints::Role;
+use crate::endpoints::adapters::{AdapterParents, Refresh};
 use crate::error::{ConfigError, field_error};
 use crate::metrics::{Cause, Metrics};
 
@@ -37,9 +38,11 @@ pub struct ProbeTarget {
     pub health_url: String,
     /// `http://host:bootstrap_port/query` for a Mooncake prefill.
     pub query_url: Option<String>,
-    /// `http://host:port/v1/models`, for an endpoint whose models nobody configured: pdgate
-    /// learns them from the engine on each check.
+    /// `http://host:port/v1/models`: read on each check for the engine's LoRA adapters, and
+    /// for its models where nobody configured them (`learn_models`).
     pub models_url: Option<String>,
+    /// Whether the models `models_url` names are learned as the endpoint's (none configured).
+    pub learn_models: bool,
     /// `Authorization` for `models_url` (the engines' key).
     pub authorization: Option<http::HeaderValue>,
 }
@@ -52,6 +55,8 @@ struct Entry {
     check_down: bool,
     /// Models the engine's `/v1/models` named at its last check.
     learned: Vec<String>,
+    /// LoRA adapters the engine's `/v1/models` named at its last check, with their base models.
+    adapters: AdapterParents,
     /// Some active check has passed (readiness waits for one).
     ever_passed: bool,
     traffic_failures: u32,
@@ -75,6 +80,7 @@ impl Entry {
             check_passes: 0,
             check_down: false,
             learned: Vec::new(),
+            adapters: AdapterParents::new(),
             ever_passed: false,
             traffic_failures: 0,
             ejected_until: None,
@@ -217,6 +223,8 @@ pub struct Health {
     down_count: AtomicUsize,
     knobs: HealthConfig,
     metrics: Arc<Metrics>,
+    /// Early rounds asked for by requests (an engine refused an adapter).
+    refresh: Refresh,
 }
 
 impl Health {
@@ -236,6 +244,7 @@ impl Health {
             down_count: AtomicUsize::new(0),
             knobs,
             metrics,
+            refresh: Refresh::default(),
         }
     }
 
@@ -317,6 +326,48 @@ impl Health {
         if let Some(e) = self.lock().get_mut(name) {
             e.learned = models;
         }
+    }
+
+    /// Records the LoRA adapters endpoint `name` serves now; a change wakes the reconciler,
+    /// which republishes the snapshot with them.
+    pub fn learned_adapters(&self, name: &str, adapters: AdapterParents) {
+        let mut map = self.lock();
+        let Some(e) = map.get_mut(name) else { return };
+        if e.adapters != adapters {
+            info!(endpoint = %name, adapters = ?adapters.keys().collect::<Vec<_>>(), "LoRA adapters changed");
+            e.adapters = adapters;
+            self.changed.notify_one();
+        }
+    }
+
+    /// The LoRA adapters of every endpoint that has any, by endpoint name.
+    pub fn adapters(&self) -> std::collections::BTreeMap<String, AdapterParents> {
+        self.lock()
+            .iter()
+            .filter(|(_, e)| !e.adapters.is_empty())
+            .map(|(n, e)| (n.clone(), e.adapters.clone()))
+            .collect()
+    }
+
+    /// Asks the checker for an early round (an engine refused an adapter pdgate thought it
+    /// held), at most once a second; true if this call asked.
+    fn refresh_soon(&self) -> bool {
+        self.knobs.health_checks && self.refresh.ask(Instant::now())
+    }
+
+    /// Called with the status of every generation leg's answer: an engine answering 404 no
+    /// longer serves the request's model (an adapter unloaded since the last round), so the
+    /// next round starts early (at most one a second) and requests stop going there within
+    /// about a second.
+    pub fn model_refused(&self, status: http::StatusCode) {
+        if status == http::StatusCode::NOT_FOUND && self.refresh_soon() {
+            info!("an engine refused a model: early health round to relearn its adapters");
+        }
+    }
+
+    /// Resolves when an early round was asked for.
+    pub(crate) async fn refresh_asked(&self) {
+        self.refresh.asked().await;
     }
 
     /// The models the healthy engines named (for `/v1/models` when none is configured).

@@ -5,13 +5,14 @@
 //! endpoint, so they survive snapshot swaps and policies read them without locks. Choosing among
 //! endpoints is [`policy`]'s; whether they are fit to choose is [`health`]'s.
 
+pub mod adapters;
 pub mod bootstrap;
 pub mod health;
 pub mod policy;
 pub mod ranks;
 pub mod reliability;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -167,6 +168,9 @@ pub struct Endpoint {
     pub role: Role,
     /// Models served; empty means any.
     pub models: Vec<String>,
+    /// LoRA adapters served (learned from the engine's `/v1/models`): a request for an adapter
+    /// of the fleet goes only to endpoints that hold it.
+    pub adapters: adapters::EndpointAdapters,
     /// The connector, from the pod's label or else the global default (prefill and decode): a
     /// decode pairs only with prefills of its connector. `None` for an encoder (it hands its
     /// items over through `ec_transfer_params`, whatever the KV connector of the prefill).
@@ -189,6 +193,7 @@ pub(crate) fn test_endpoint(name: &str, role: Role) -> Arc<Endpoint> {
         pod: kvtransfer::Pod::default(),
         role,
         models: vec![],
+        adapters: adapters::EndpointAdapters::default(),
         connector: None,
         agent: None,
         load: Arc::new(Load::default()),
@@ -212,11 +217,15 @@ impl Endpoint {
         &self.pod.name
     }
 
-    /// Whether this endpoint serves `model` (`None`: the client named none).
+    /// Whether this endpoint serves `model` (`None`: the client named none): a LoRA adapter
+    /// of the fleet only where it is held, any other name by the endpoint's models.
     pub fn serves(&self, model: Option<&str>) -> bool {
         match model {
             None => true,
-            Some(m) => self.models.is_empty() || self.models.iter().any(|x| x == m),
+            Some(m) => self
+                .adapters
+                .serves(m)
+                .unwrap_or_else(|| self.models.is_empty() || self.models.iter().any(|x| x == m)),
         }
     }
 
@@ -237,6 +246,8 @@ pub struct Snapshot {
     pub decode: Vec<Arc<Endpoint>>,
     /// Union of served model names (sorted).
     pub models: Vec<String>,
+    /// Every LoRA adapter a routable endpoint serves, with its base model.
+    pub adapters: Arc<adapters::AdapterParents>,
     /// Pods left out, with the reason (for logs and `/ready` diagnostics).
     pub excluded: Vec<(String, String)>,
     /// Pair a prefill only with a decode of the same `roleset-name`.
@@ -267,6 +278,11 @@ impl Snapshot {
                 || (p.pod.label(kvtransfer::labels::ROLESET_NAME).is_some()
                     && p.pod.label(kvtransfer::labels::ROLESET_NAME)
                         == d.pod.label(kvtransfer::labels::ROLESET_NAME)))
+    }
+
+    /// The base model of `model` when it is an adapter of the fleet.
+    pub fn adapter_parent(&self, model: &str) -> Option<&str> {
+        self.adapters.get(model).map(String::as_str)
     }
 
     /// Whether every endpoint of both roles is a candidate for a request for `model`: both
@@ -365,6 +381,8 @@ pub struct SnapshotInputs<'a> {
     pub unhealthy: &'a BTreeSet<String>,
     /// Pair prefill and decode only within a roleset.
     pub roleset_pairing: bool,
+    /// LoRA adapters learned per endpoint name, with their base models.
+    pub adapters: &'a BTreeMap<String, adapters::AdapterParents>,
 }
 
 fn models_of(pod: &Pod, default_models: &[String]) -> Vec<String> {
@@ -386,6 +404,8 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
     };
     let mut models = BTreeSet::new();
     let mut names = BTreeSet::new();
+    let mut fleet_adapters = adapters::AdapterParents::new();
+    let mut built: Vec<Endpoint> = Vec::new();
     for pod in pods {
         let Some(role) = Role::of_label(pod.label(kvtransfer::labels::ROLE_NAME)) else {
             snap.excluded.push((
@@ -495,7 +515,15 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 continue;
             }
             names.insert(name.clone());
-            let endpoint = Arc::new(Endpoint {
+            let own = inputs.adapters.get(&name);
+            if let Some(own) = own {
+                fleet_adapters.extend(own.iter().map(|(a, p)| (a.clone(), p.clone())));
+            }
+            built.push(Endpoint {
+                adapters: adapters::EndpointAdapters {
+                    own: own.map(|o| o.keys().cloned().collect()).unwrap_or_default(),
+                    fleet: Arc::default(),
+                },
                 load: loads.get(&name),
                 name,
                 rank,
@@ -507,20 +535,28 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
                 connector: connector.clone(),
                 agent: agent.clone(),
             });
-            match role {
-                Role::Encode => snap.encode.push(endpoint),
-                Role::Prefill => snap.prefill.push(endpoint),
-                Role::Decode => snap.decode.push(endpoint),
-            }
         }
     }
+    // Each endpoint knows the fleet's adapters, known once every endpoint is.
+    let fleet = Arc::new(fleet_adapters);
+    for mut endpoint in built {
+        endpoint.adapters.fleet = fleet.clone();
+        let endpoint = Arc::new(endpoint);
+        match endpoint.role {
+            Role::Encode => snap.encode.push(endpoint),
+            Role::Prefill => snap.prefill.push(endpoint),
+            Role::Decode => snap.decode.push(endpoint),
+        }
+    }
+    snap.adapters = fleet;
     loads.retain(&names);
     snap.models = models.into_iter().collect();
+
     snap.every_pair = snap.every_prefill_pairs_with_every_decode();
     snap.same_models = {
         let mut all = snap.prefill.iter().chain(&snap.decode);
-        let first = all.next().map(|e| &e.models);
-        all.all(|e| Some(&e.models) == first)
+        let first = all.next().map(|e| (&e.models, &e.adapters.own));
+        all.all(|e| Some((&e.models, &e.adapters.own)) == first)
     };
     snap
 }

@@ -34,6 +34,7 @@ fn build(pods: &[Pod], loads: &LoadTable) -> Snapshot {
         default_models: &["m".to_string()],
         unhealthy: &unhealthy,
         roleset_pairing: false,
+        adapters: &std::collections::BTreeMap::new(),
     };
     build_snapshot(pods, &inputs, loads)
 }
@@ -213,6 +214,7 @@ fn roleset_pairing_pairs_within_a_roleset_only() {
         default_models: &[],
         unhealthy: &unhealthy,
         roleset_pairing: true,
+        adapters: &std::collections::BTreeMap::new(),
     };
     let pods = [
         pod("p-a", "prefill").with_label("roleset-name", "a"),
@@ -253,6 +255,7 @@ fn a_data_parallel_engine_is_one_endpoint_per_rank() {
         default_models: &[],
         unhealthy: &unhealthy,
         roleset_pairing: false,
+        adapters: &std::collections::BTreeMap::new(),
     };
     let loads = LoadTable::default();
     let snap = build_snapshot(&pods, &inputs, &loads);
@@ -282,4 +285,60 @@ fn a_data_parallel_engine_is_one_endpoint_per_rank() {
     };
     assert_eq!(why("sick#dp1").as_deref(), Some("unhealthy"));
     assert!(why("bad").is_some_and(|w| w.contains("data-parallel-size")));
+}
+
+#[test]
+fn adapters_route_only_to_their_holders() {
+    let reg = Registry::with_builtins();
+    let held = |names: &[&str]| -> adapters::AdapterParents {
+        names
+            .iter()
+            .map(|a| ((*a).to_string(), "m".to_string()))
+            .collect()
+    };
+    let learned: BTreeMap<String, adapters::AdapterParents> = [
+        ("p1".to_string(), held(&["sql"])),
+        ("d1".to_string(), held(&["sql", "chat"])),
+        // Not routable: its adapter is no adapter of the fleet.
+        ("sick".to_string(), held(&["gone"])),
+    ]
+    .into();
+    let inputs = SnapshotInputs {
+        registry: &reg,
+        default_connector: "shfs",
+        default_models: &["m".to_string()],
+        unhealthy: &BTreeSet::from(["sick".to_string()]),
+        roleset_pairing: false,
+        adapters: &learned,
+    };
+    let pods = [
+        pod("p1", "prefill"),
+        pod("p2", "prefill"),
+        pod("d1", "decode"),
+        pod("sick", "decode"),
+    ];
+    let snap = build_snapshot(&pods, &inputs, &LoadTable::default());
+    assert_eq!(
+        snap.adapters.keys().collect::<Vec<_>>(),
+        ["chat", "sql"],
+        "the union over routable endpoints"
+    );
+    assert_eq!(snap.adapter_parent("sql"), Some("m"));
+    assert_eq!(snap.adapter_parent("m"), None);
+    let (p1, p2, d1) = (&snap.prefill[0], &snap.prefill[1], &snap.decode[0]);
+    assert!(p1.serves(Some("sql")) && d1.serves(Some("sql")));
+    assert!(
+        !p2.serves(Some("sql")),
+        "a base-model endpoint without the adapter"
+    );
+    assert!(
+        p2.serves(Some("m")) && p1.serves(Some("m")),
+        "the base model everywhere"
+    );
+    assert!(
+        !p1.serves(Some("gone")),
+        "not an adapter: the models decide"
+    );
+    assert!(!snap.same_models, "endpoints differ in adapters");
+    assert!(!snap.all_serve(Some("chat")));
 }

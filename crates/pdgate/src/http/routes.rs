@@ -20,7 +20,7 @@ pub(crate) async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -
     // Configured models, and those the healthy engines named when none is configured.
     let mut models: std::collections::BTreeSet<String> = snap.models.iter().cloned().collect();
     models.extend(gw.health.learned_models());
-    let data: Vec<_> = models
+    let mut data: Vec<_> = models
         .iter()
         .map(|m| {
             serde_json::json!({
@@ -28,6 +28,12 @@ pub(crate) async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -
             })
         })
         .collect();
+    // LoRA adapters some routable engine serves, as vLLM lists them: under their base model.
+    data.extend(snap.adapters.iter().map(|(a, parent)| {
+        serde_json::json!({
+            "id": a, "object": "model", "created": 0, "owned_by": "pdgate", "root": a, "parent": parent
+        })
+    }));
     axum::Json(serde_json::json!({ "object": "list", "data": data })).into_response()
 }
 

@@ -198,6 +198,7 @@ pub(crate) fn relay_head(
     if head.status().is_server_error() {
         gw.health.observe(&decode.name, Err(Cause::ServerError));
     }
+    gw.health.model_refused(head.status());
     pd.switch_decode(decode);
     let record = ex.take_record()?;
     Ok(relay::respond(

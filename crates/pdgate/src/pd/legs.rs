@@ -118,6 +118,9 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
         Ok(_) => Ok(()),
         Err(e) => Err(Cause::of(e)),
     };
+    if let Ok(c) = &result {
+        gw.health.model_refused(c.status);
+    }
     gw.health.observe(&job.endpoint.name, outcome);
     if outcome.is_ok() {
         gw.health

@@ -34,15 +34,18 @@ pub(crate) struct Pair {
     pub(crate) prefill_tokens: u32,
 }
 
-/// Why no pair serves `model`.
+/// Why no pair serves `model`. A LoRA adapter that no prefill or no decode holds does not
+/// exist for a disaggregated request (both legs run it): vLLM's 404, as for an unknown model.
 pub(super) fn no_pair(snap: &Snapshot, model: Option<&str>) -> GatewayError {
     let any_prefill = snap.prefill.iter().any(|p| p.serves(model));
     let any_decode = snap.decode.iter().any(|d| d.serves(model));
+    let unheld_adapter = |m: &str| snap.adapter_parent(m).is_some() && !(any_prefill && any_decode);
     if let Some(m) = model
-        && !any_prefill
-        && !any_decode
-        && !snap.models.is_empty()
-        && !snap.models.iter().any(|x| x == m)
+        && (unheld_adapter(m)
+            || (!any_prefill
+                && !any_decode
+                && !snap.models.is_empty()
+                && !snap.models.iter().any(|x| x == m)))
     {
         return GatewayError::ModelNotFound {
             model: m.to_string(),
@@ -84,6 +87,7 @@ pub(crate) fn within(
         prefill: snap.prefill.clone(),
         decode,
         models: snap.models.clone(),
+        adapters: snap.adapters.clone(),
         excluded: Vec::new(),
         roleset_pairing: snap.roleset_pairing,
         every_pair: snap.every_pair,
@@ -217,4 +221,49 @@ pub(crate) fn retry_target(
     }
     gw.metrics.count_retry(leg);
     Some(candidates[i].clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use kvtransfer::{Pod, Registry};
+
+    use super::*;
+    use crate::endpoints::adapters::AdapterParents;
+    use crate::endpoints::{LoadTable, SnapshotInputs, build_snapshot};
+
+    fn pod(name: &str, role: &str) -> Pod {
+        let mut p = Pod::new(name, "10.0.0.1", 8000).with_label("role-name", role);
+        p.name = name.to_string();
+        p.ready = true;
+        p
+    }
+
+    #[test]
+    fn an_adapter_no_decode_holds_is_not_found() {
+        let reg = Registry::with_builtins();
+        let sql: AdapterParents = [("sql".to_string(), "m".to_string())].into();
+        let learned = BTreeMap::from([("p".to_string(), sql)]);
+        let inputs = SnapshotInputs {
+            registry: &reg,
+            default_connector: "shfs",
+            default_models: &["m".to_string()],
+            unhealthy: &BTreeSet::new(),
+            roleset_pairing: false,
+            adapters: &learned,
+        };
+        let snap = build_snapshot(
+            &[pod("p", "prefill"), pod("d", "decode")],
+            &inputs,
+            &LoadTable::default(),
+        );
+        let e = no_pair(&snap, Some("sql"));
+        assert!(matches!(e, GatewayError::ModelNotFound { .. }), "{e:?}");
+        // The base model has its pair; an unknown name is not found either.
+        assert!(matches!(
+            no_pair(&snap, Some("other")),
+            GatewayError::ModelNotFound { .. }
+        ));
+    }
 }

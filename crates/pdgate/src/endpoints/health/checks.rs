@@ -8,12 +8,14 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::{Health, HealthConfig, ProbeTarget};
+use crate::endpoints::adapters::Cards;
 use crate::engine::EnginePool;
 use crate::engine::probe::{ProbeError, get_ok};
 
 /// One check's outcome: the endpoints it speaks for (the ranks of one engine share its probe),
-/// whether it passed, the models it named (if asked).
-type Checked = (Vec<String>, Result<(), ProbeError>, Option<Vec<String>>);
+/// whether it passed, what its `/v1/models` named (if asked and answered), and whether its
+/// models are learned.
+type Checked = (Vec<String>, Result<(), ProbeError>, Option<Cards>, bool);
 
 /// The targets grouped by what is requested: the data-parallel ranks of one engine are probed
 /// once, and the answer counts for each. Order follows the first target of each group.
@@ -49,35 +51,25 @@ async fn probe(
     {
         result = get_ok(&client, q, limit).await;
     }
-    let mut models = None;
+    let mut cards = None;
     if result.is_ok()
         && let Some(url) = &target.models_url
     {
-        models = learn_models(&client, url, target.authorization.as_ref(), limit).await;
+        cards = learn_models(&client, url, target.authorization.as_ref(), limit).await;
     }
-    (names, result, models)
+    (names, result, cards, target.learn_models)
 }
 
-/// The model ids of an OpenAI `/v1/models` answer; `None` when it cannot be had (the check
-/// itself still passed: `/health` decides that).
+/// The models and adapters of an OpenAI `/v1/models` answer; `None` when it cannot be had
+/// (the check itself still passed: `/health` decides that).
 async fn learn_models(
     client: &EnginePool,
     url: &str,
     authorization: Option<&http::HeaderValue>,
     limit: Duration,
-) -> Option<Vec<String>> {
-    #[derive(serde::Deserialize)]
-    struct Model {
-        id: String,
-    }
-    #[derive(serde::Deserialize)]
-    struct List {
-        data: Vec<Model>,
-    }
+) -> Option<Cards> {
     match crate::engine::probe::get_with(client, url, authorization, limit, 256 * 1024).await {
-        Ok((status, body)) if status.is_success() => serde_json::from_slice::<List>(&body)
-            .ok()
-            .map(|l| l.data.into_iter().map(|m| m.id).collect()),
+        Ok((status, body)) if status.is_success() => Cards::parse(&body),
         Ok((status, _)) => {
             tracing::debug!(url, %status, "engine models not learned");
             None
@@ -117,16 +109,21 @@ pub async fn run(
         tokio::select! {
             _ = cancel.cancelled() => return,
             Some(done) = probes.join_next(), if !probes.is_empty() => {
-                if let Ok((names, result, models)) = done {
+                if let Ok((names, result, cards, learn_models)) = done {
                     let why = result.err().map(|e| e.to_string());
                     for name in &names {
-                        if let Some(models) = &models {
-                            health.learned(name, models.clone());
+                        if let Some(cards) = &cards {
+                            if learn_models {
+                                health.learned(name, cards.models.clone());
+                            }
+                            health.learned_adapters(name, cards.adapters.clone());
                         }
                         health.check_result(name, why.is_none(), why.as_deref().unwrap_or(""));
                     }
                 }
             }
+            // An engine refused an adapter: the next round starts now (or when this one ends).
+            () = health.refresh_asked() => next_check = Instant::now(),
             _ = tokio::time::sleep(tick) => {}
         }
     }
@@ -144,6 +141,7 @@ mod tests {
             health_url: format!("{url}/health"),
             query_url: None,
             models_url: None,
+            learn_models: false,
             authorization: None,
         }
     }

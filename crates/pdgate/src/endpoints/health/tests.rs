@@ -9,6 +9,7 @@ fn target(name: &str, role: Role) -> ProbeTarget {
         health_url: format!("http://{name}/health"),
         query_url: None,
         models_url: None,
+        learn_models: false,
         authorization: None,
     }
 }

@@ -186,6 +186,7 @@ mod tests {
                     pod: Pod::default(),
                     role: Role::Decode,
                     models: vec![],
+                    adapters: Default::default(),
                     connector: None,
                     agent: None,
                     load: Arc::new(Load::default()),
