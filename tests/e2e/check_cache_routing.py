@@ -123,7 +123,7 @@ def ready_prefills(url: str) -> list[str]:
 
 
 def body_of(req: dict, max_tokens: int = MAX_TOKENS) -> tuple[str, dict]:
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"model": req.get("model", MODEL), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     if "messages" in req:
         return "/v1/chat/completions", {**body, "messages": req["messages"]}
     return "/v1/completions", {**body, "prompt": req["prompt"]}
@@ -304,6 +304,79 @@ class Run:
         with open(st.path + ".victim", "w") as f:
             f.write(first["B"] or self.prefills[-1])
 
+    def lora(self, lora_dir: str) -> None:
+        """LoRA adapters (vllm_cache_routing.sh: prefill1 serves a and b, prefill2 b, the decode
+        both): requests reach only prefills serving their adapter, predictions equal the engines'
+        hits per adapter (vLLM salts an adapter's block hashes with its name and its KV events
+        carry ``lora_name``), affinity holds within an adapter and never across, an unknown
+        adapter is refused by pdgate itself, and an adapter loaded or unloaded at run time is
+        learned from the engines' /v1/models."""
+        st = self.st
+        holders = {"a": ["prefill1"], "b": ["prefill1", "prefill2"]}
+        for adapter, pods in holders.items():
+            for k in range(3):
+                rec = self.send(f"lora-{adapter}-{k}",
+                                {"model": adapter, "prompt": words(7000 + 10 * k + ord(adapter), 3 * self.bs)})
+                st.check(rec["pod"] in pods, f"lora-{adapter}-{k}: prefill serves {adapter} ({', '.join(pods)})",
+                         f"went to {rec['pod']}")
+        # A prompt cached under adapter b on prefill2, told to pdgate only by its events.
+        warm = {"model": "b", "prompt": words(7100, 4 * self.bs)}
+        full = self.tokens(warm) // self.bs
+        base = {g: events(g, "prefill", "blocks_stored") for g in self.watching}
+        self.direct("prefill2", warm)
+        st.check(self.wait_events("prefill", full, base),
+                 "the gateways received prefill2's KV events for an adapter's prompt")
+        ext = warm["prompt"] + " " + words(7101, 12)
+        rec = self.send("lora-b-extends-prefill2-warmup", {"model": "b", "prompt": ext}, expect_pod="prefill2")
+        st.check(rec["engine_hits"] > 0, "the adapter's prefix was a hit where its events said",
+                 f"{rec['engine_hits']} hits")
+        for model in (MODEL, "a"):
+            req = {"prompt": ext} if model == MODEL else {"model": model, "prompt": ext}
+            rec = self.send(f"{model}-same-prompt-as-lora-b", req)
+            st.check(rec["predicted"] == 0 and rec["engine_hits"] == 0,
+                     f"{model}: adapter b's blocks are no hit under another model",
+                     f"predicted {rec['predicted']}, engine hits {rec['engine_hits']}")
+        # An adapter no engine serves: pdgate answers, no engine computes.
+        before = self.snapshot()
+        status, _, raw = http(self.gw + "/v1/completions", {"model": "nosuch", "prompt": "hi", "max_tokens": 1})
+        after = self.snapshot()
+        err = json.loads(raw).get("error", {}) if raw.startswith(b"{") else {}
+        st.check(status == 404 and bool(err.get("message")),
+                 "an unknown model or adapter is a 404 with an OpenAI error", f"{status} {raw[:200]!r}")
+        st.check(all(after[e][PROMPT] == before[e][PROMPT] for e in self.engines),
+                 "no engine saw the request for an unknown adapter")
+        # Adapter c loaded at run time on prefill2 and the decode, then unloaded from prefill2.
+        for e in ("prefill2", self.decode):
+            status, _, raw = http(self.engines[e] + "/v1/load_lora_adapter",
+                                  {"lora_name": "c", "lora_path": f"{lora_dir}/lora-c"})
+            st.check(status == 200, f"{e} loaded adapter c at run time", f"{status} {raw[:200]!r}")
+        learned = self.until_status("c", 200)
+        st.check(learned is not None, f"the gateway routes adapter c after it was loaded ({learned} s)")
+        if learned is not None:
+            req = {"model": "c", "prompt": words(7200, 3 * self.bs)}
+            self.send("lora-c-loaded-at-run-time", req, expect_pod="prefill2")
+            # Compared now: c is gone from the decode by the end of the run.
+            name, req, text = st.d["outputs"].pop()
+            want = text_of(self.direct(self.decode, req))
+            st.check(text == want, f"{name}: output equals a plain request to {self.decode}", f"{text!r} vs {want!r}")
+        status, _, raw = http(self.engines["prefill2"] + "/v1/unload_lora_adapter", {"lora_name": "c"})
+        st.check(status == 200, "prefill2 unloaded adapter c", f"{status} {raw[:200]!r}")
+        gone = self.until_status("c", 404)
+        st.check(gone is not None, f"the gateway refuses adapter c once no prefill serves it ({gone} s)")
+        http(self.engines[self.decode] + "/v1/unload_lora_adapter", {"lora_name": "c"})
+        st.d["index_before"] = gateway_metric(self.gw, "pdgate_cache_index_entries", f'model="{MODEL}"')
+
+    def until_status(self, model: str, want: int, within: float = 15.0) -> float | None:
+        """Seconds until a request for `model` through the gateway answers `want` (None: never);
+        a 404 counts only from pdgate itself (no engine named), not relayed from an engine."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < within:
+            status, headers, _ = http(self.gw + "/v1/completions", {"model": model, "prompt": "probe", "max_tokens": 1})
+            if status == want and (want != 404 or "prefill-target-pod" not in headers):
+                return round(time.monotonic() - t0, 1)
+            time.sleep(0.5)
+        return None
+
     def down(self, victim: str) -> None:
         st = self.st
         self.stopped.add(victim)
@@ -356,11 +429,12 @@ class Run:
         c_pod = self.send("groupC-0", c, expect_pod=victim)["pod"]
         self.send("groupC-1", {"prompt": words(12, 220) + " " + words(404, 20)}, expect_pod=c_pod)
         self.sequence_restart(victim, first_warm)
-        # Outputs equal a plain (non-PD) request to one engine, greedy.
+        # Outputs equal a plain (non-PD) request to one engine, greedy (adapters' on the decode,
+        # which serves them all).
         base_engine = next(p for p in self.prefills if p != victim)
         same = 0
         for name, req, text in st.d["outputs"]:
-            want = text_of(self.direct(base_engine, req))
+            want = text_of(self.direct(base_engine if "model" not in req else self.decode, req))
             same += st.check(text == want, f"{name}: output equals a plain request to {base_engine}",
                              f"{text!r} vs {want!r}")
         recs = st.d["records"]
@@ -374,8 +448,9 @@ class Run:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--state", required=True)
-    ap.add_argument("--phase", choices=("before", "down", "after"), required=True)
+    ap.add_argument("--phase", choices=("before", "lora", "down", "after"), required=True)
     ap.add_argument("--victim")
+    ap.add_argument("--lora-dir", help="where lora-c (the adapter loaded at run time) is")
     ap.add_argument("--gateway", required=True)
     ap.add_argument("--gateway-decode-only", required=True)
     ap.add_argument("--gateway-no-health", required=True)
@@ -388,6 +463,8 @@ def main() -> int:
     try:
         if args.phase == "before":
             run.before()
+        elif args.phase == "lora":
+            run.lora(args.lora_dir)
         elif args.phase == "down":
             run.down(args.victim)
         else:

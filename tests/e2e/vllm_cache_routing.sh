@@ -11,7 +11,9 @@
 # tokens against the engines' /metrics and usage, that shared prefixes land where they are
 # cached, that a follow-up turn is served decode-only from the decode's cache, that a restarted
 # prefill engine is purged from the index and routing recovers, and that outputs equal a plain
-# engine's. Cleans up everything.
+# engine's. The engines also serve LoRA adapters (random weights, tests/e2e/make_lora.py): adapter
+# requests reach only prefills serving them, predictions equal the engines' hits per adapter,
+# and adapters loaded or unloaded at run time are learned (phase `lora`). Cleans up everything.
 #
 # Environment:
 #   PDGATE_CACHE             cache root (default ~/.cache/pdgate): vllm-venv/, tiny-llama/
@@ -66,20 +68,35 @@ declare -A REPLAY_PORT=([prefill1]=${REPLAY[0]} [prefill2]=${REPLAY[1]} [decode]
 # mean every interface); pdgate's SUB connects to it. The replay ROUTER always binds.
 events_pub() { echo "ipc://$WORK/kv-$1.sock"; }
 
+# LoRA adapters (random weights, made here in seconds): prefill1 serves `a` and `b`, prefill2 `b`,
+# the decode both. `c` is loaded and unloaded at run time by the checker (lora phase).
+declare -A LORAS=([prefill1]="a b" [prefill2]="b" [decode]="a b")
+for adapter in a b c; do
+  "$PY" "$HERE/make_lora.py" "$MODEL_DIR" "$WORK/lora-$adapter" "$(printf '%d' "'$adapter")"
+done
+lora_modules() {
+  local adapter out=()
+  for adapter in ${LORAS[$1]}; do out+=("$adapter=$WORK/lora-$adapter"); done
+  echo "${out[@]}"
+}
+
 # start_engine NAME: in its own session (process group), under nice; sets PG[NAME].
 start_engine() {
   local name=$1
+  local -a loras
+  read -r -a loras < <(lora_modules "$name")
   local events="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"$(events_pub "$name")\",\"replay_endpoint\":\"tcp://127.0.0.1:${REPLAY_PORT[$name]}\",\"topic\":\"kv\"}"
   # pyhooks/sitecustomize.py stops NIXL's progress thread from busy-polling a core.
   env PYTHONPATH="$HERE/pyhooks" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 UCX_NET_DEVICES=lo \
     VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="${SIDE[$name]}" \
-    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True \
     setsid nice -n 10 "$PY" -m vllm.entrypoints.openai.api_server \
     --model "$MODEL_DIR" --served-model-name tiny --host 127.0.0.1 --port "${PORT[$name]}" \
     --enforce-eager --dtype float32 --max-model-len 512 --kv-cache-memory-bytes 33554432 \
     --block-size "$BLOCK" --prefix-caching-hash-algo sha256_cbor --enable-prompt-tokens-details \
     --kv-events-config "$events" \
+    --enable-lora --max-lora-rank 8 --max-loras 2 --lora-modules "${loras[@]}" \
     --kv-transfer-config "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"${ROLE[$name]}\",\"kv_buffer_device\":\"cpu\"}" \
     </dev/null >>"$WORK/$name.log" 2>&1 &
   local pid=$!
@@ -182,6 +199,7 @@ for e in "${ENGINES[@]}"; do CHECK+=(--engine "$e=http://127.0.0.1:${PORT[$e]}")
 t_chk=$SECONDS
 rc=0
 timeout 300 "${CHECK[@]}" --phase before || rc=1
+timeout 180 "${CHECK[@]}" --phase lora --lora-dir "$WORK" || rc=1
 VICTIM=$(cat "$WORK/state.json.victim" 2>/dev/null || echo prefill2)
 log "restarting $VICTIM (RSS MB before: $(rss_all))"
 stop_engine "$VICTIM"
