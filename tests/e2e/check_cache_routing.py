@@ -314,11 +314,18 @@ class Run:
         st = self.st
         holders = {"a": ["prefill1"], "b": ["prefill1", "prefill2"]}
         for adapter, pods in holders.items():
+            # Three questions on one shared prefix: the later ones hit where the first went.
+            prefix = words(7000 + ord(adapter), 3 * self.bs)
+            first = None
             for k in range(3):
-                rec = self.send(f"lora-{adapter}-{k}",
-                                {"model": adapter, "prompt": words(7000 + 10 * k + ord(adapter), 3 * self.bs)})
+                req = {"model": adapter, "prompt": prefix + " " + words(7050 + 10 * k + ord(adapter), 12)}
+                rec = self.send(f"lora-{adapter}-{k}", req, expect_pod=first)
+                first = first or rec["pod"]
                 st.check(rec["pod"] in pods, f"lora-{adapter}-{k}: prefill serves {adapter} ({', '.join(pods)})",
                          f"went to {rec['pod']}")
+                if k > 0:
+                    st.check(rec["engine_hits"] > 0, f"lora-{adapter}-{k}: the adapter's shared prefix was a hit",
+                             f"{rec['engine_hits']} hits")
         # A prompt cached under adapter b on prefill2, told to pdgate only by its events.
         warm = {"model": "b", "prompt": words(7100, 4 * self.bs)}
         full = self.tokens(warm) // self.bs
@@ -345,13 +352,14 @@ class Run:
                  "an unknown model or adapter is a 404 with an OpenAI error", f"{status} {raw[:200]!r}")
         st.check(all(after[e][PROMPT] == before[e][PROMPT] for e in self.engines),
                  "no engine saw the request for an unknown adapter")
-        # Adapter c loaded at run time on prefill2 and the decode, then unloaded from prefill2.
+        # Adapter c loaded at run time on prefill2 and the decode, then unloaded from both: the
+        # gateway's /v1/models (the fleet's adapters, learned on its health rounds) follows.
         for e in ("prefill2", self.decode):
             status, _, raw = http(self.engines[e] + "/v1/load_lora_adapter",
                                   {"lora_name": "c", "lora_path": f"{lora_dir}/lora-c"})
             st.check(status == 200, f"{e} loaded adapter c at run time", f"{status} {raw[:200]!r}")
-        learned = self.until_status("c", 200)
-        st.check(learned is not None, f"the gateway routes adapter c after it was loaded ({learned} s)")
+        learned = self.until_listed("c", True)
+        st.check(learned is not None, f"the gateway lists adapter c after it was loaded ({learned} s)")
         if learned is not None:
             req = {"model": "c", "prompt": words(7200, 3 * self.bs)}
             self.send("lora-c-loaded-at-run-time", req, expect_pod="prefill2")
@@ -359,22 +367,27 @@ class Run:
             name, req, text = st.d["outputs"].pop()
             want = text_of(self.direct(self.decode, req))
             st.check(text == want, f"{name}: output equals a plain request to {self.decode}", f"{text!r} vs {want!r}")
-        status, _, raw = http(self.engines["prefill2"] + "/v1/unload_lora_adapter", {"lora_name": "c"})
-        st.check(status == 200, "prefill2 unloaded adapter c", f"{status} {raw[:200]!r}")
-        gone = self.until_status("c", 404)
-        st.check(gone is not None, f"the gateway refuses adapter c once no prefill serves it ({gone} s)")
-        http(self.engines[self.decode] + "/v1/unload_lora_adapter", {"lora_name": "c"})
+        for e in ("prefill2", self.decode):
+            status, _, raw = http(self.engines[e] + "/v1/unload_lora_adapter", {"lora_name": "c"})
+            st.check(status == 200, f"{e} unloaded adapter c", f"{status} {raw[:200]!r}")
+        gone = self.until_listed("c", False)
+        st.check(gone is not None, f"the gateway drops adapter c once no engine serves it ({gone} s)")
+        status, _, raw = http(self.gw + "/v1/completions", {"model": "c", "prompt": "hi", "max_tokens": 1})
+        st.check(status == 404, "then a request for c is a 404", f"{status} {raw[:200]!r}")
         st.d["index_before"] = gateway_metric(self.gw, "pdgate_cache_index_entries", f'model="{MODEL}"')
 
-    def until_status(self, model: str, want: int, within: float = 15.0) -> float | None:
-        """Seconds until a request for `model` through the gateway answers `want` (None: never);
-        a 404 counts only from pdgate itself (no engine named), not relayed from an engine."""
+    def until_listed(self, adapter: str, listed: bool, within: float = 15.0) -> float | None:
+        """Seconds until the gateway's /v1/models lists `adapter` (or no longer does); None: never."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < within:
-            status, headers, _ = http(self.gw + "/v1/completions", {"model": model, "prompt": "probe", "max_tokens": 1})
-            if status == want and (want != 404 or "prefill-target-pod" not in headers):
+            _, _, raw = http(self.gw + "/v1/models")
+            try:
+                ids = {card["id"] for card in json.loads(raw)["data"]}
+            except (ValueError, KeyError, TypeError):
+                ids = set()
+            if (adapter in ids) == listed:
                 return round(time.monotonic() - t0, 1)
-            time.sleep(0.5)
+            time.sleep(0.2)
         return None
 
     def down(self, victim: str) -> None:
@@ -434,8 +447,9 @@ class Run:
         base_engine = next(p for p in self.prefills if p != victim)
         same = 0
         for name, req, text in st.d["outputs"]:
-            want = text_of(self.direct(base_engine if "model" not in req else self.decode, req))
-            same += st.check(text == want, f"{name}: output equals a plain request to {base_engine}",
+            engine = base_engine if "model" not in req else self.decode
+            want = text_of(self.direct(engine, req))
+            same += st.check(text == want, f"{name}: output equals a plain request to {engine}",
                              f"{text!r} vs {want!r}")
         recs = st.d["records"]
         exact = sum(1 for r in recs if r["predicted"] == r["engine_hits"] == r["usage_cached"])

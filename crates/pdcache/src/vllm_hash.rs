@@ -6,12 +6,14 @@
 //! the last 8 bytes of each digest read big-endian ([`event_value`]).
 //!
 //! Blocks of a LoRA request carry extra keys: vLLM's `generate_block_hash_extra_keys` makes
-//! them the tuple `(lora_name,)` (then multimodal, cache-salt and prompt-embedding keys, which
-//! pdsim does not hash), so the third element is a CBOR array of the name instead of null
-//! ([`BlockHasher::block_with`]). Checked against vllm-project/vllm
-//! `vllm/v1/core/kv_cache_utils.py` at commit 001cabc1be16a59a70d720ed61a13b678c060a18
-//! (`_gen_lora_extra_hash_keys` returns `[request.lora_request.lora_name]`; older releases
-//! hashed `(lora_int_id, lora_name)`).
+//! them a tuple of tagged keys, the adapter's first: `(("lora", lora_name, lora_path),)` (then
+//! multimodal, cache-salt and prompt-embedding keys, which pdsim does not hash), so the third
+//! element is a CBOR array of arrays of text instead of null ([`BlockHasher::block_with`],
+//! [`lora_key`]). The path is in the key so that a name re-pointed at another adapter reuses no
+//! KV. vLLM 0.32.0's `vllm/v1/core/kv_cache_utils.py` (`_gen_lora_extra_hash_keys`), checked
+//! against block hashes a real vLLM 0.32.0 engine published
+//! (`tests/fixtures/vllm-0.32-kv-events-lora.jsonl`). Its KV events carry the untagged form,
+//! the bare name per block (`to_event_extra_keys`); older releases hashed the bare name too.
 //!
 //! The CBOR is written by hand: the shape is fixed (a 3-array of a 32-byte
 //! string, an array of unsigned ints and null), canonical CBOR has one encoding
@@ -68,14 +70,14 @@ impl BlockHasher {
         self.block_with(parent, tokens, &[])
     }
 
-    /// The digest of one block of `tokens` chained onto `parent`, with the text extra keys
-    /// `extra` (vLLM's tuple of them; empty = none, hashed as null). A LoRA block's are
-    /// `[lora_name]`.
+    /// The digest of one block of `tokens` chained onto `parent`, with the extra keys `extra`
+    /// (vLLM's tuple of tagged keys, each a tuple of text; empty = none, hashed as null). A
+    /// LoRA block's are `[lora_key(name, path)]`.
     pub fn block_with(
         &mut self,
         parent: &BlockDigest,
         tokens: &[u32],
-        extra: &[&str],
+        extra: &[&[&str]],
     ) -> BlockDigest {
         let buf = &mut self.buf;
         buf.clear();
@@ -92,8 +94,11 @@ impl BlockHasher {
         } else {
             head(buf, 4, extra.len() as u64);
             for key in extra {
-                head(buf, 3, key.len() as u64);
-                buf.extend_from_slice(key.as_bytes());
+                head(buf, 4, key.len() as u64);
+                for part in *key {
+                    head(buf, 3, part.len() as u64);
+                    buf.extend_from_slice(part.as_bytes());
+                }
             }
         }
         Sha256::digest(buf.as_slice()).into()
@@ -123,7 +128,7 @@ impl BlockHasher {
         parent: &BlockDigest,
         tokens: &[u32],
         block_size: usize,
-        extra: &[&str],
+        extra: &[&[&str]],
         out: &mut Vec<BlockDigest>,
     ) {
         if block_size == 0 {
@@ -135,6 +140,11 @@ impl BlockHasher {
             out.push(parent);
         }
     }
+}
+
+/// vLLM 0.32's extra hash key of a LoRA adapter's blocks: `("lora", name, path)`.
+pub fn lora_key<'a>(name: &'a str, path: &'a str) -> [&'a str; 3] {
+    ["lora", name, path]
 }
 
 /// The value a KV event carries for a digest: its last 8 bytes, big-endian.
@@ -217,22 +227,31 @@ mod tests {
     }
 
     #[test]
-    fn lora_blocks_hash_the_name_tuple() {
+    fn lora_blocks_hash_the_tagged_key() {
         let mut h = BlockHasher::default();
         let t: Vec<u32> = (0..4).collect();
         let parent = none_hash();
-        // CBOR([bytes(32) parent, [0, 1, 2, 3], ["ad"]]) written out independently.
+        // CBOR([bytes(32) parent, [0, 1, 2, 3], [["lora", "ad", "/p"]]]) written out independently.
         let mut want = vec![0x83, 0x58, 32];
         want.extend_from_slice(&parent);
-        want.extend_from_slice(&[0x84, 0, 1, 2, 3, 0x81, 0x62, b'a', b'd']);
+        want.extend_from_slice(&[0x84, 0, 1, 2, 3, 0x81, 0x83]);
+        want.extend_from_slice(&[
+            0x64, b'l', b'o', b'r', b'a', 0x62, b'a', b'd', 0x62, b'/', b'p',
+        ]);
         let want: BlockDigest = Sha256::digest(&want).into();
-        assert_eq!(h.block_with(&parent, &t, &["ad"]), want);
-        assert_ne!(h.block(&parent, &t), want, "the name changes the hash");
+        let key = lora_key("ad", "/p");
+        assert_eq!(h.block_with(&parent, &t, &[&key]), want);
+        assert_ne!(h.block(&parent, &t), want, "the adapter changes the hash");
+        assert_ne!(
+            h.block_with(&parent, &t, &[&lora_key("ad", "/q")]),
+            want,
+            "so does its path"
+        );
         assert_eq!(h.block_with(&parent, &t, &[]), h.block(&parent, &t));
         let mut chained = Vec::new();
-        h.extend_with(&parent, &[t.clone(), t].concat(), 4, &["ad"], &mut chained);
+        h.extend_with(&parent, &[t.clone(), t].concat(), 4, &[&key], &mut chained);
         assert_eq!(chained[0], want);
-        assert_eq!(chained[1], h.block_with(&want, &[0, 1, 2, 3], &["ad"]));
+        assert_eq!(chained[1], h.block_with(&want, &[0, 1, 2, 3], &[&key]));
     }
 
     #[test]

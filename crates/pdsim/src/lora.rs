@@ -5,8 +5,9 @@
 //!
 //! The HTTP handlers are `http`'s; this module is the table they change.
 //!
-//! pdsim never reads the path: an adapter changes nothing about the answer, only how its blocks
-//! are hashed (the name in every block's extra keys, `vllm_hash::BlockHasher::block_with`) and
+//! pdsim never reads the adapter's files: an adapter changes nothing about the answer, only how
+//! its blocks are hashed (`("lora", name, path)` in every block's extra keys, as vLLM 0.32 does:
+//! `vllm_hash::lora_key`) and
 //! what its KV events carry (`lora_name`, `lora_id`). Statuses, error types and messages follow
 //! vLLM's `vllm/entrypoints/openai/models/serving.py` (`OpenAIServingModels`), as of commit
 //! 00153c8b7948077ebdfc5bfa14e403da41aaea6d.
@@ -25,7 +26,7 @@ use crate::error::ApiError;
 pub(crate) struct Lora {
     /// The model name requests use, and what vLLM hashes.
     pub name: String,
-    /// Where it was loaded from (`root` in `/v1/models`; never read).
+    /// Where it was loaded from (`root` in `/v1/models`; hashed, never read).
     pub path: String,
     /// vLLM's `lora_int_id`: 1, 2, ... in load order; the deprecated `lora_id` of KV events.
     pub id: i64,

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 
 use pdcache::events::{BlockHash, BlockRemoved, BlockStored, KvEvent};
-use pdcache::vllm_hash::{BlockDigest, BlockHasher, event_value, none_hash};
+use pdcache::vllm_hash::{BlockDigest, BlockHasher, event_value, lora_key, none_hash};
 
 use crate::lora::{Lora, Served};
 
@@ -35,7 +35,7 @@ struct Node {
 pub(crate) struct BlockChain {
     digests: Vec<BlockDigest>,
     pub values: Vec<u64>,
-    /// The adapter whose name salts every block, as vLLM's extra keys `(lora_name,)`.
+    /// The adapter that salts every block, as vLLM's extra keys `(("lora", name, path),)`.
     lora: Served,
 }
 
@@ -71,9 +71,9 @@ impl BlockChain {
         let rest = tokens.get(done * block_size..).unwrap_or_default();
         let mut h = BlockHasher::default();
         let before = self.digests.len();
-        let name = self.lora.as_ref().map(|l| l.name.as_str());
-        let extra = name.as_slice();
-        h.extend_with(&parent, rest, block_size, extra, &mut self.digests);
+        let key = self.lora.as_ref().map(|l| lora_key(&l.name, &l.path));
+        let extra: Vec<&[&str]> = key.iter().map(|k| k.as_slice()).collect();
+        h.extend_with(&parent, rest, block_size, &extra, &mut self.digests);
         self.values
             .extend(self.digests[before..].iter().map(event_value));
     }

@@ -198,8 +198,10 @@ async fn adapter_events_carry_the_name_and_vllms_salted_hashes() {
                 .collect::<Vec<u32>>()
         }
     };
-    // Independently: vLLM's chain with extra keys ("sql",) on every block, and without.
-    let expect = |ids: &[u32], extra: &[&str]| {
+    // Independently: vLLM 0.32's chain with extra keys (("lora", "sql", "/a/sql"),) on every
+    // block, and without.
+    let sql = pdcache::vllm_hash::lora_key("sql", "/a/sql");
+    let expect = |ids: &[u32], extra: &[&[&str]]| {
         let mut out = Vec::new();
         BlockHasher::default().extend_with(&none_hash(), ids, 16, extra, &mut out);
         out.iter().map(event_value).collect::<Vec<u64>>()
@@ -211,7 +213,7 @@ async fn adapter_events_carry_the_name_and_vllms_salted_hashes() {
     assert_eq!(s.lora_name.as_deref(), Some("sql"));
     assert_eq!(s.lora_id, Some(1));
     let hashes: Vec<u64> = s.block_hashes.iter().map(|b| b.as_u64()).collect();
-    assert_eq!(hashes, expect(&ids, &["sql"]));
+    assert_eq!(hashes, expect(&ids, &[&sql]));
     assert_ne!(hashes, expect(&ids, &[]));
     let extra = s.extra_keys.as_ref().unwrap();
     assert_eq!(extra.len(), 2);
