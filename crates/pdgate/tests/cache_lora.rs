@@ -10,9 +10,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::{MODEL, sim};
+use common::MODEL;
 use pdgate::Config;
-use pdsim::{Connector, KvEventsConfig, Role, SimConfig, SimHandle};
+use pdsim::{Role, SimConfig, SimHandle};
 use serde_json::{Value, json};
 
 const BLOCK: u32 = 16;
@@ -30,30 +30,13 @@ const DECODE_ADAPTERS: [&[&str]; 2] = [&["sql", "code"], &["chat", "code"]];
 /// engine's 404) on an early one.
 const HEALTH_INTERVAL: Duration = Duration::from_secs(3);
 
-fn ipc(tag: &str) -> String {
-    format!(
-        "ipc://{}/pdgate-lora-{}-{tag}.sock",
-        std::env::temp_dir().display(),
-        uuid::Uuid::new_v4().simple()
-    )
-}
-
 /// An engine holding `adapters`, with a prefix cache (blocks of 16) publishing its KV events.
 fn engine(role: Role, adapters: &[&str], tokenizer: &common::WordTokenizer) -> SimConfig {
-    let mut c = sim(role, Connector::Shfs);
-    c.cache.block_size = BLOCK;
-    c.cache.tokenizer = Some(tokenizer.path.clone());
-    c.cache.kv_cache_blocks = 4096;
+    let mut c = common::event_engine(role, BLOCK, 4096, tokenizer);
     c.lora_modules = adapters
         .iter()
         .map(|a| ((*a).to_string(), format!("/adapters/{a}")))
         .collect();
-    c.kv_events = KvEventsConfig {
-        enable_kv_cache_events: true,
-        endpoint: ipc("pub"),
-        replay_endpoint: Some(ipc("replay")),
-        ..KvEventsConfig::default()
-    };
     c
 }
 
@@ -67,18 +50,10 @@ fn tokens(p: u32, model: usize, question: u32) -> Vec<u32> {
 /// Every (prefix, model) group's questions in a fixed pseudo-random order (a seeded
 /// Fisher-Yates shuffle), so the same prefix arrives under different models interleaved.
 fn workload() -> Vec<(u32, usize, u32)> {
-    let mut order: Vec<(u32, usize, u32)> = (0..PREFIXES)
+    let order: Vec<(u32, usize, u32)> = (0..PREFIXES)
         .flat_map(|p| (0..MODELS.len()).flat_map(move |m| (0..QUESTIONS).map(move |q| (p, m, q))))
         .collect();
-    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
-    for i in (1..order.len()).rev() {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        let j = (seed >> 33) as usize % (i + 1);
-        order.swap(i, j);
-    }
-    order
+    common::shuffled(order, 0x2545_f491_4f6c_dd1d)
 }
 
 async fn start(tok: &common::WordTokenizer) -> common::Fleet {
@@ -90,33 +65,10 @@ async fn start(tok: &common::WordTokenizer) -> common::Fleet {
         .iter()
         .map(|a| engine(Role::Decode, a, tok))
         .collect();
-    let events = |list: &[SimConfig]| -> Vec<(String, Option<String>)> {
-        list.iter()
-            .map(|c| {
-                (
-                    c.kv_events.endpoint.clone(),
-                    c.kv_events.replay_endpoint.clone(),
-                )
-            })
-            .collect()
-    };
-    let (pe, de) = (events(&prefill), events(&decode));
-    common::start(prefill, decode, move |c: &mut Config| {
-        c.policy.prefill_policy = "cache_aware".into();
-        c.policy.decode_policy = "cache_aware".into();
-        c.cache.block_size = BLOCK as usize;
+    common::start_subscribed(prefill, decode, BLOCK as usize, move |c: &mut Config| {
         // Every request takes both legs: the prefill's prediction is checked on each.
         c.cache.decode_only_below_tokens = 0;
         c.health.health_check_interval = HEALTH_INTERVAL;
-        let eps = c
-            .prefill
-            .iter_mut()
-            .zip(&pe)
-            .chain(c.decode.iter_mut().zip(&de));
-        for (ep, (events, replay)) in eps {
-            ep.kv_events = Some(events.clone());
-            ep.kv_events_replay = replay.clone();
-        }
     })
     .await
 }

@@ -6,35 +6,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::{MODEL, sim};
+use common::MODEL;
 use pdgate::Config;
-use pdsim::{Connector, Faults, KvEventsConfig, Role, SimConfig};
+use pdsim::{Faults, Role, SimConfig};
 use serde_json::json;
-
-fn ipc(tag: &str) -> String {
-    let dir = std::env::temp_dir();
-    format!(
-        "ipc://{}/pdgate-kv-{}-{tag}.sock",
-        dir.display(),
-        uuid::Uuid::new_v4().simple()
-    )
-}
 
 /// An engine with a prefix cache of `blocks` blocks of 16 tokens publishing its KV events. Its
 /// tokenizer is a Hugging Face one, so token-id prompts reach the cache untouched, as in vLLM
 /// (pdsim's default word tokenizer puts a BOS before them).
 fn engine(role: Role, blocks: usize, tokenizer: &common::WordTokenizer) -> SimConfig {
-    let mut c = sim(role, Connector::Shfs);
-    c.cache.block_size = 16;
-    c.cache.tokenizer = Some(tokenizer.path.clone());
-    c.cache.kv_cache_blocks = blocks;
-    c.kv_events = KvEventsConfig {
-        enable_kv_cache_events: true,
-        endpoint: ipc("pub"),
-        replay_endpoint: Some(ipc("replay")),
-        ..KvEventsConfig::default()
-    };
-    c
+    common::event_engine(role, 16, blocks, tokenizer)
 }
 
 /// A prompt of token ids: a 256-token prefix per group, then 40 tokens of its own.
@@ -64,32 +45,7 @@ async fn start_n(
     let decode: Vec<SimConfig> = (0..decodes)
         .map(|_| engine(Role::Decode, 4096, &tok))
         .collect();
-    let events = |list: &[SimConfig]| -> Vec<(String, Option<String>)> {
-        list.iter()
-            .map(|c| {
-                (
-                    c.kv_events.endpoint.clone(),
-                    c.kv_events.replay_endpoint.clone(),
-                )
-            })
-            .collect()
-    };
-    let (pe, de) = (events(&prefill), events(&decode));
-    common::start(prefill, decode, move |c| {
-        c.policy.prefill_policy = "cache_aware".into();
-        c.policy.decode_policy = "cache_aware".into();
-        c.cache.block_size = 16;
-        for (ep, (events, replay)) in c.prefill.iter_mut().zip(&pe) {
-            ep.kv_events = Some(events.clone());
-            ep.kv_events_replay = replay.clone();
-        }
-        for (ep, (events, replay)) in c.decode.iter_mut().zip(&de) {
-            ep.kv_events = Some(events.clone());
-            ep.kv_events_replay = replay.clone();
-        }
-        tweak(c);
-    })
-    .await
+    common::start_subscribed(prefill, decode, 16, tweak).await
 }
 
 fn prefill_hits(fleet: &common::Fleet) -> u64 {

@@ -8,9 +8,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{MODEL, sim};
+use common::MODEL;
 use pdgate::Config;
-use pdsim::{Connector, KvEventsConfig, Role, SimConfig, SimHandle};
+use pdsim::{Role, SimConfig, SimHandle};
 use serde_json::json;
 
 const RANKS: u32 = 4;
@@ -19,28 +19,11 @@ const QUESTIONS: u32 = 3;
 const PREFIX: u32 = 256;
 const BLOCK: u32 = 16;
 
-fn ipc(tag: &str) -> String {
-    format!(
-        "ipc://{}/pdgate-dp-{}-{tag}.sock",
-        std::env::temp_dir().display(),
-        uuid::Uuid::new_v4().simple()
-    )
-}
-
 /// An engine of [`RANKS`] ranks with a prefix cache (blocks of 16) per rank, publishing each
 /// rank's KV events (with replay) on ipc sockets moved by the rank as vLLM moves them.
 fn engine(role: Role, tokenizer: &common::WordTokenizer) -> SimConfig {
-    let mut c = sim(role, Connector::Shfs);
+    let mut c = common::event_engine(role, BLOCK, 4096, tokenizer);
     c.data_parallel_size = RANKS;
-    c.cache.block_size = BLOCK;
-    c.cache.tokenizer = Some(tokenizer.path.clone());
-    c.cache.kv_cache_blocks = 4096;
-    c.kv_events = KvEventsConfig {
-        enable_kv_cache_events: true,
-        endpoint: ipc("pub"),
-        replay_endpoint: Some(ipc("replay")),
-        ..KvEventsConfig::default()
-    };
     c
 }
 
@@ -54,18 +37,10 @@ fn tokens(group: u32, question: u32) -> Vec<u32> {
 /// The workload: every group's questions in a fixed pseudo-random order (a seeded
 /// Fisher-Yates shuffle), as requests of many groups arrive interleaved.
 fn workload() -> Vec<(u32, u32)> {
-    let mut order: Vec<(u32, u32)> = (0..GROUPS)
+    let order: Vec<(u32, u32)> = (0..GROUPS)
         .flat_map(|g| (0..QUESTIONS).map(move |q| (g, q)))
         .collect();
-    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-    for i in (1..order.len()).rev() {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        let j = (seed >> 33) as usize % (i + 1);
-        order.swap(i, j);
-    }
-    order
+    common::shuffled(order, 0x9e37_79b9_7f4a_7c15)
 }
 
 /// 2 prefills and 2 decodes of [`RANKS`] ranks each, and a cache-aware gateway subscribed to
@@ -73,31 +48,10 @@ fn workload() -> Vec<(u32, u32)> {
 async fn start(ranked: bool, tok: &common::WordTokenizer) -> common::Fleet {
     let prefill: Vec<SimConfig> = (0..2).map(|_| engine(Role::Prefill, tok)).collect();
     let decode: Vec<SimConfig> = (0..2).map(|_| engine(Role::Decode, tok)).collect();
-    let events = |list: &[SimConfig]| -> Vec<(String, Option<String>)> {
-        list.iter()
-            .map(|c| {
-                (
-                    c.kv_events.endpoint.clone(),
-                    c.kv_events.replay_endpoint.clone(),
-                )
-            })
-            .collect()
-    };
-    let (pe, de) = (events(&prefill), events(&decode));
-    common::start(prefill, decode, move |c: &mut Config| {
-        c.policy.prefill_policy = "cache_aware".into();
-        c.policy.decode_policy = "cache_aware".into();
-        c.cache.block_size = BLOCK as usize;
+    common::start_subscribed(prefill, decode, BLOCK as usize, move |c: &mut Config| {
         // Every request takes both legs: the prefill's prediction is checked on each.
         c.cache.decode_only_below_tokens = 0;
-        let eps = c
-            .prefill
-            .iter_mut()
-            .zip(&pe)
-            .chain(c.decode.iter_mut().zip(&de));
-        for (ep, (events, replay)) in eps {
-            ep.kv_events = Some(events.clone());
-            ep.kv_events_replay = replay.clone();
+        for ep in c.prefill.iter_mut().chain(c.decode.iter_mut()) {
             ep.data_parallel_size = ranked.then_some(RANKS);
         }
     })

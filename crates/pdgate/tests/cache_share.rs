@@ -44,14 +44,6 @@ impl Arm {
     }
 }
 
-fn ipc(tag: &str) -> String {
-    format!(
-        "ipc://{}/pdgate-share-{}-{tag}.sock",
-        std::env::temp_dir().display(),
-        uuid::Uuid::new_v4().simple()
-    )
-}
-
 fn spec(kind: WorkloadKind) -> TraceSpec {
     let mut t = TraceSpec::new(kind);
     // Odd counts: round robin over two endpoints does not pin groups by accident.
@@ -100,8 +92,8 @@ fn engine(role: Role, blocks: usize, arm: Arm, tok: Option<&WordTokenizer>) -> S
     if arm.precise() {
         c.kv_events = KvEventsConfig {
             enable_kv_cache_events: true,
-            endpoint: ipc("pub"),
-            replay_endpoint: Some(ipc("replay")),
+            endpoint: common::ipc("pub"),
+            replay_endpoint: Some(common::ipc("replay")),
             ..KvEventsConfig::default()
         };
     }

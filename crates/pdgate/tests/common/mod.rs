@@ -82,6 +82,83 @@ pub async fn engines(
     (config, p, d)
 }
 
+/// A fresh `ipc://` endpoint in the temp dir (KV-event publishers and replay sockets: nothing
+/// listens beyond this machine).
+pub fn ipc(tag: &str) -> String {
+    format!(
+        "ipc://{}/pdgate-test-{}-{tag}.sock",
+        std::env::temp_dir().display(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
+/// A shfs engine with a prefix cache of `blocks` blocks of `block_size` tokens, keyed by
+/// `tokenizer` (a Hugging Face one, so token-id prompts reach the cache untouched, as in vLLM),
+/// publishing its KV events (with replay) on ipc sockets.
+pub fn event_engine(
+    role: Role,
+    block_size: u32,
+    blocks: usize,
+    tokenizer: &WordTokenizer,
+) -> SimConfig {
+    let mut c = sim(role, Connector::Shfs);
+    c.cache.block_size = block_size;
+    c.cache.tokenizer = Some(tokenizer.path.clone());
+    c.cache.kv_cache_blocks = blocks;
+    c.kv_events = pdsim::KvEventsConfig {
+        enable_kv_cache_events: true,
+        endpoint: ipc("pub"),
+        replay_endpoint: Some(ipc("replay")),
+        ..pdsim::KvEventsConfig::default()
+    };
+    c
+}
+
+/// Starts the given engines and a cache-aware gateway (both roles, blocks of `block_size`)
+/// subscribed to each engine's KV events and replay; `tweak` adjusts the rest of its config.
+pub async fn start_subscribed(
+    prefill: Vec<SimConfig>,
+    decode: Vec<SimConfig>,
+    block_size: usize,
+    tweak: impl FnOnce(&mut Config),
+) -> Fleet {
+    let events: Vec<(String, Option<String>)> = prefill
+        .iter()
+        .chain(&decode)
+        .map(|c| {
+            (
+                c.kv_events.endpoint.clone(),
+                c.kv_events.replay_endpoint.clone(),
+            )
+        })
+        .collect();
+    start(prefill, decode, move |c| {
+        c.policy.prefill_policy = "cache_aware".into();
+        c.policy.decode_policy = "cache_aware".into();
+        c.cache.block_size = block_size;
+        let eps = c.prefill.iter_mut().chain(c.decode.iter_mut());
+        for (ep, (events, replay)) in eps.zip(events) {
+            ep.kv_events = Some(events);
+            ep.kv_events_replay = replay;
+        }
+        tweak(c);
+    })
+    .await
+}
+
+/// `items` in a fixed pseudo-random order: a Fisher-Yates shuffle driven by a 64-bit LCG from
+/// `seed` (workloads whose groups arrive interleaved, the same in every run).
+pub fn shuffled<T>(mut items: Vec<T>, mut seed: u64) -> Vec<T> {
+    for i in (1..items.len()).rev() {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let j = (seed >> 33) as usize % (i + 1);
+        items.swap(i, j);
+    }
+    items
+}
+
 /// Starts the given engines and a gateway; waits until the gateway is ready (bounded).
 pub async fn start(
     prefill: Vec<SimConfig>,
