@@ -120,16 +120,7 @@ async fn run_spread(kind: WorkloadKind, arm: Arm, blocks: usize) -> (Report, Vec
         engine(Role::Decode, blocks, arm, tok),
         engine(Role::Decode, blocks, arm, tok),
     ];
-    let events: Vec<(String, Option<String>)> = prefill
-        .iter()
-        .chain(&decode)
-        .map(|c| {
-            (
-                c.kv_events.endpoint.clone(),
-                c.kv_events.replay_endpoint.clone(),
-            )
-        })
-        .collect();
+    let events = common::subscriptions(&prefill, &decode);
     let tokenizer = tok.map(|t| t.path.clone());
     let fleet = common::start(prefill, decode, |c| {
         c.policy.prefill_policy = arm.policy().into();

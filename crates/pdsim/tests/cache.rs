@@ -71,12 +71,6 @@ async fn complete(h: &SimHandle, prompt: &str) -> Value {
     v
 }
 
-fn cached(v: &Value) -> u64 {
-    v["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap()
-}
-
 fn stored(b: &EventBatch) -> Vec<&pdcache::events::BlockStored> {
     b.events
         .iter()

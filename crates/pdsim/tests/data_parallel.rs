@@ -25,12 +25,6 @@ async fn on_rank(h: &SimHandle, prompt: &str, rank: Option<&str>) -> (u16, Value
     (s, v)
 }
 
-fn cached(v: &Value) -> u64 {
-    v["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap()
-}
-
 #[tokio::test]
 async fn each_rank_has_its_own_cache_and_the_header_pins_it() {
     let h = engine_with(Role::Both, Connector::None, |c| c.data_parallel_size = 4).await;

@@ -35,12 +35,6 @@ async fn complete(h: &SimHandle, model: &str, prompt: &str) -> (u16, Value) {
     (s, v)
 }
 
-fn cached(v: &Value) -> u64 {
-    v["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap()
-}
-
 #[tokio::test]
 async fn adapters_load_unload_and_list_like_vllm() {
     let h = lora_engine(&[("sql", "/adapters/sql")]).await;

@@ -114,6 +114,21 @@ pub fn event_engine(
     c
 }
 
+/// Each engine's KV-event endpoint and replay endpoint, prefills then decodes (the order of the
+/// gateway config's endpoints).
+pub fn subscriptions(prefill: &[SimConfig], decode: &[SimConfig]) -> Vec<(String, Option<String>)> {
+    prefill
+        .iter()
+        .chain(decode)
+        .map(|c| {
+            (
+                c.kv_events.endpoint.clone(),
+                c.kv_events.replay_endpoint.clone(),
+            )
+        })
+        .collect()
+}
+
 /// Starts the given engines and a cache-aware gateway (both roles, blocks of `block_size`)
 /// subscribed to each engine's KV events and replay; `tweak` adjusts the rest of its config.
 pub async fn start_subscribed(
@@ -122,16 +137,7 @@ pub async fn start_subscribed(
     block_size: usize,
     tweak: impl FnOnce(&mut Config),
 ) -> Fleet {
-    let events: Vec<(String, Option<String>)> = prefill
-        .iter()
-        .chain(&decode)
-        .map(|c| {
-            (
-                c.kv_events.endpoint.clone(),
-                c.kv_events.replay_endpoint.clone(),
-            )
-        })
-        .collect();
+    let events = subscriptions(&prefill, &decode);
     start(prefill, decode, move |c| {
         c.policy.prefill_policy = "cache_aware".into();
         c.policy.decode_policy = "cache_aware".into();

@@ -125,6 +125,13 @@ pub async fn wait_stats(h: &SimHandle, f: impl Fn(&SimStats) -> bool) -> SimStat
     panic!("condition never held; last stats: {s:#?}");
 }
 
+/// An answer's `usage.prompt_tokens_details.cached_tokens`.
+pub fn cached(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
 pub fn completions(h: &SimHandle) -> String {
     format!("{}/v1/completions", h.base_url())
 }
