@@ -14,37 +14,13 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
-import urllib.request
+
+from check_cache_routing import http, words
 
 MODEL = "tiny"
 PREDICTED = "x-pdgate-predicted-cached-tokens"
 HITS = "vllm:prefix_cache_hits_total"
 PROMPT = "vllm:prompt_tokens_total"
-WORDS = (
-    "the prefill decode engine cache block token request gateway transfer memory host port "
-    "model stream chat completion answer question small fast slow river mountain tree city"
-).split()
-
-
-def words(seed: int, n: int) -> str:
-    out, x = [], seed
-    for _ in range(n):
-        x = (x * 1103515245 + 12345) % (1 << 31)
-        out.append(WORDS[x % len(WORDS)])
-    return " ".join(out)
-
-
-def http(url: str, body: dict | None = None) -> tuple[int, dict, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
-
-
 def per_rank(url: str, ranks: int) -> dict[int, dict[str, float]]:
     """Each rank's counters from the engine's /metrics (vLLM labels a rank's series engine="r")."""
     got = {r: {HITS: 0.0, PROMPT: 0.0} for r in range(ranks)}

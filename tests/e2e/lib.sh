@@ -3,8 +3,8 @@
 #   E2E_NAME=vllm_x; source "$HERE/lib.sh"
 #
 # Gives: the cached vLLM virtualenv ($VENV, $PY, via install_vllm.sh) and tiny model ($MODEL_DIR),
-# free_ports N, group_rss_mb PGID, start_gateway (pdgate on a free port, ready within
-# GATEWAY_TIMEOUT seconds),
+# free_ports N, group_rss_mb PGID, wait_engine NAME PORT PGID, start_gateway (pdgate on a free
+# port, ready within GATEWAY_TIMEOUT seconds),
 # a work dir ($WORK, kept on failure or with PDGATE_E2E_KEEP_LOGS=1), log(), the process-group
 # list PGIDS (every process a stage starts leads its own group; stop_all ends those groups only,
 # TERM then KILL after STOP_GRACE seconds), an EXIT trap that stops everything and prints the
@@ -87,6 +87,24 @@ start_gateway() {
     log "gateway $name: port $port was taken meanwhile; trying another (attempt $attempt)"
   done
   log "gateway $name not ready (see $WORK/$name.log)"
+  return 1
+}
+
+# wait_engine NAME PORT PGID: until the engine on PORT serves the tiny model (a busy port may
+# answer /health for something else), its process group PGID alive, by ENGINE_DEADLINE (SECONDS).
+wait_engine() {
+  local name=$1 port=$2 pg=$3
+  while ((SECONDS < ENGINE_DEADLINE)); do
+    if ! kill -0 "$pg" 2>/dev/null; then
+      log "engine $name exited during start-up"
+      return 1
+    fi
+    if curl -fsS -m 5 "http://127.0.0.1:$port/v1/models" 2>/dev/null | grep -q '"id":"tiny"'; then
+      return 0
+    fi
+    sleep 2
+  done
+  log "engine $name not ready ${START_TIMEOUT}s after start"
   return 1
 }
 

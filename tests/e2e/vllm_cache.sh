@@ -52,23 +52,6 @@ start_engine() {
   PGIDS+=("$LAST_PG")
 }
 
-wait_engine() {
-  local name=$1 port=$2 pg=$3
-  while ((SECONDS < ENGINE_DEADLINE)); do
-    if ! kill -0 "$pg" 2>/dev/null; then
-      log "engine $name exited during start-up"
-      return 1
-    fi
-    if curl -fsS -m 5 "http://127.0.0.1:$port/v1/models" 2>/dev/null | grep -q '"id":"tiny"'; then
-      return 0
-    fi
-    sleep 2
-  done
-  log "engine $name not ready ${START_TIMEOUT}s after start"
-  return 1
-}
-
-
 EVENTS_CFG="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$SUB_PORT\",\"replay_endpoint\":\"tcp://127.0.0.1:$REPLAY_PORT\",\"topic\":\"kv\"}"
 CACHE_ARGS=(--block-size "$BLOCK" --prefix-caching-hash-algo sha256_cbor --enable-prompt-tokens-details)
 log "starting engine :$ENG_PORT (events to SUB :$SUB_PORT, replay :$REPLAY_PORT)"

@@ -105,22 +105,6 @@ start_engine() {
   PG[$name]=$pid
 }
 
-wait_engine() {
-  local name=$1
-  while ((SECONDS < ENGINE_DEADLINE)); do
-    if ! kill -0 "${PG[$name]}" 2>/dev/null; then
-      log "engine $name exited during start-up"
-      return 1
-    fi
-    if curl -fsS -m 5 "http://127.0.0.1:${PORT[$name]}/v1/models" 2>/dev/null | grep -q '"id":"tiny"'; then
-      return 0
-    fi
-    sleep 2
-  done
-  log "engine $name not ready ${START_TIMEOUT}s after start"
-  return 1
-}
-
 # stop_engine NAME: TERM its group, KILL after STOP_GRACE seconds.
 stop_engine() {
   local pg=${PG[$1]} deadline=$((SECONDS + STOP_GRACE))
@@ -139,7 +123,7 @@ log "starting engines: prefill1 :${PORT[prefill1]} prefill2 :${PORT[prefill2]} d
 for e in "${ENGINES[@]}"; do start_engine "$e"; done
 t_eng=$SECONDS
 ENGINE_DEADLINE=$((SECONDS + START_TIMEOUT))
-for e in "${ENGINES[@]}"; do wait_engine "$e"; done
+for e in "${ENGINES[@]}"; do wait_engine "$e" "${PORT[$e]}" "${PG[$e]}"; done
 log "engines ready after $((SECONDS - t_eng))s; RSS MB: $(rss_all)"
 grep -h "KV cache size" "$WORK/decode.log" | head -1 || true
 
@@ -207,7 +191,7 @@ timeout 120 "${CHECK[@]}" --phase down --victim "$VICTIM" || rc=1
 t_restart=$SECONDS
 start_engine "$VICTIM"
 ENGINE_DEADLINE=$((SECONDS + START_TIMEOUT))
-wait_engine "$VICTIM"
+wait_engine "$VICTIM" "${PORT[$VICTIM]}" "${PG[$VICTIM]}"
 log "$VICTIM back after $((SECONDS - t_restart))s"
 timeout 300 "${CHECK[@]}" --phase after --victim "$VICTIM" || rc=1
 log "checks took $((SECONDS - t_chk))s (restart included); RSS MB: $(rss_all)"

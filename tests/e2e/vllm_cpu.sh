@@ -77,24 +77,6 @@ start_engine() {
   PG[$name]=$pid
 }
 
-# A busy port may answer /health for something else: wait for our served model.
-wait_engine() {
-  local name=$1 port=$2 pg=$3
-  while ((SECONDS < ENGINE_DEADLINE)); do
-    if ! kill -0 "$pg" 2>/dev/null; then
-      log "engine $name exited during start-up"
-      return 1
-    fi
-    if curl -fsS -m 5 "http://127.0.0.1:$port/v1/models" 2>/dev/null | grep -q '"id":"tiny"'; then
-      return 0
-    fi
-    sleep 2
-  done
-  log "engine $name not ready ${START_TIMEOUT}s after the engines were started"
-  return 1
-}
-
-
 log "starting 4 engines: baseline :$BASE_PORT, prefill :$P1_PORT :$P2_PORT, decode :$D_PORT"
 start_engine baseline "$BASE_PORT" "${PORTS[4]}"
 start_engine prefill1 "$P1_PORT" "${PORTS[5]}" kv_producer

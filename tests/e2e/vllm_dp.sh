@@ -69,29 +69,13 @@ start_engine() {
   PG[$name]=$pid
 }
 
-wait_engine() {
-  local name=$1
-  while ((SECONDS < ENGINE_DEADLINE)); do
-    if ! kill -0 "${PG[$name]}" 2>/dev/null; then
-      log "engine $name exited during start-up"
-      return 1
-    fi
-    if curl -fsS -m 5 "http://127.0.0.1:${PORT[$name]}/v1/models" 2>/dev/null | grep -q '"id":"tiny"'; then
-      return 0
-    fi
-    sleep 2
-  done
-  log "engine $name not ready ${START_TIMEOUT}s after start"
-  return 1
-}
-
 log "starting engines: prefill :${PORT[prefill]} ($RANKS data-parallel ranks), decode :${PORT[decode]}"
 start_engine prefill --data-parallel-size "$RANKS"
 start_engine decode
 t_eng=$SECONDS
 ENGINE_DEADLINE=$((SECONDS + START_TIMEOUT))
-wait_engine prefill
-wait_engine decode
+wait_engine prefill "${PORT[prefill]}" "${PG[prefill]}"
+wait_engine decode "${PORT[decode]}" "${PG[decode]}"
 log "engines ready after $((SECONDS - t_eng))s; RSS MB: prefill $(group_rss_mb "${PG[prefill]}") decode $(group_rss_mb "${PG[decode]}")"
 
 dp_gateway_args() {
