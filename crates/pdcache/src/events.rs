@@ -80,8 +80,9 @@ impl From<u64> for BlockHash {
 pub struct ExtraKeys(pub Vec<u8>);
 
 impl ExtraKeys {
-    /// The extra keys vLLM gives every block of a request for LoRA adapter `name` and nothing
-    /// else (no media, no salt): the 1-tuple `(name,)`.
+    /// The extra keys vLLM's KV events give every block of a request for LoRA adapter `name`
+    /// and nothing else (no media, no salt): the untagged 1-tuple `(name,)` (what it hashes is
+    /// the tagged `("lora", name, path)`: `vllm_hash::lora_key`).
     pub fn lora(name: &str) -> Self {
         let mut out = Vec::with_capacity(name.len() + 6);
         write::array_len(&mut out, 1);

@@ -71,13 +71,13 @@ fn adapter_block_hashes_are_the_base_chain_salted_with_the_tagged_key() {
             .as_deref()
             .zip(path.as_deref())
             .map(|(name, path)| lora_key(name, path));
-        let extra: Vec<&[&str]> = key.iter().map(|k| k.as_slice()).collect();
+        let extra = key.as_ref().map(|k| k.as_slice());
         let mut digests = Vec::new();
         hasher.extend_with(
             &none_hash(),
             &e.token_ids,
             e.block_size as usize,
-            &extra,
+            extra.as_slice(),
             &mut digests,
         );
         let ours: Vec<BlockHash> = digests

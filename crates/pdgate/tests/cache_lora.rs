@@ -113,29 +113,6 @@ async fn within(limit: Duration, mut f: impl AsyncFnMut() -> bool) -> Option<Dur
     None
 }
 
-/// Lets every subscription see its publisher's stream: two rounds of a throwaway prompt sent
-/// straight to each engine (ZMQ drops what a late subscriber missed; the second batch makes
-/// the gateway replay the first).
-async fn warm(fleet: &common::Fleet) {
-    let engines: Vec<&SimHandle> = fleet.prefill.iter().chain(fleet.decode.iter()).collect();
-    for round in 0..2u32 {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        for (i, e) in engines.iter().enumerate() {
-            let prompt: Vec<u32> = (0..32).map(|t| 900_000 + round * 100 + t).collect();
-            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
-            let r = fleet
-                .http
-                .post(format!("{}/v1/completions", e.base_url()))
-                .json(&body)
-                .send()
-                .await
-                .expect("warm-up request");
-            assert_eq!(r.status(), 200, "engine {i}");
-        }
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-}
-
 fn hits(engines: &[SimHandle]) -> Vec<u64> {
     engines
         .iter()
@@ -180,7 +157,7 @@ async fn adapters_route_only_where_held_and_predictions_equal_hits() {
             .map(|(a, p)| (a.to_string(), p.to_string()))
             .into()
     );
-    warm(&fleet).await;
+    common::warm_subscriptions(&fleet, 1).await;
 
     let holds = |adapters: &[&[&str]], i: usize, model: &str| {
         model == MODEL || adapters[i].contains(&model)

@@ -85,33 +85,6 @@ fn requests(engines: &[SimHandle]) -> Vec<u64> {
         .collect()
 }
 
-/// Lets every rank's subscription see its publisher's stream: two rounds of a throwaway prompt
-/// sent straight to each rank of each engine (ZMQ drops what a late subscriber missed; the
-/// second batch of a rank makes the gateway replay the first).
-async fn warm(fleet: &common::Fleet) {
-    let all = fleet.prefill.iter().chain(fleet.decode.iter());
-    let engines: Vec<&SimHandle> = all.collect();
-    for round in 0..2u32 {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        for (i, e) in engines.iter().enumerate() {
-            for rank in 0..RANKS {
-                let prompt: Vec<u32> = (0..32).map(|t| 900_000 + round * 100 + t).collect();
-                let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
-                let r = fleet
-                    .http
-                    .post(format!("{}/v1/completions", e.base_url()))
-                    .header("x-data-parallel-rank", rank.to_string())
-                    .json(&body)
-                    .send()
-                    .await
-                    .expect("warm-up request");
-                assert_eq!(r.status(), 200, "engine {i} rank {rank}");
-            }
-        }
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-}
-
 /// What one run measured.
 struct Run {
     /// Prompt tokens the prefills found cached.
@@ -216,12 +189,12 @@ async fn ranks_are_routing_targets_and_predictions_equal_each_ranks_hits() {
     let oracle = u64::from(GROUPS * (QUESTIONS - 1) * PREFIX);
 
     let fleet = start(true, &tok).await;
-    warm(&fleet).await;
+    common::warm_subscriptions(&fleet, RANKS).await;
     let ranked = run(&fleet, true).await;
     stop(fleet).await;
 
     let fleet = start(false, &tok).await;
-    warm(&fleet).await;
+    common::warm_subscriptions(&fleet, RANKS).await;
     let blind = run(&fleet, false).await;
     stop(fleet).await;
 

@@ -630,35 +630,36 @@ struct UnloadBody {
     lora_name: String,
 }
 
-/// `POST /v1/load_lora_adapter`: vLLM answers 200 with a plain-text success line.
+/// `POST /v1/load_lora_adapter`.
 async fn load_lora_adapter(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
-    let done = serde_json::from_slice::<LoadBody>(&body)
-        .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
-        .and_then(|b| {
-            engine.adapters.load(&b.lora_name, &b.lora_path)?;
-            Ok(b.lora_name)
-        });
-    match done {
-        Ok(name) => {
-            tracing::info!(lora_name = %name, "loaded LoRA adapter");
-            format!("Success: LoRA adapter '{name}' added successfully.").into_response()
-        }
-        Err(e) => e.into_response(),
-    }
+    change_adapter(&body, "added", |b: LoadBody| {
+        engine.adapters.load(&b.lora_name, &b.lora_path)?;
+        Ok(b.lora_name)
+    })
 }
 
 /// `POST /v1/unload_lora_adapter`.
 async fn unload_lora_adapter(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
-    let done = serde_json::from_slice::<UnloadBody>(&body)
+    change_adapter(&body, "removed", |b: UnloadBody| {
+        engine.adapters.unload(&b.lora_name)?;
+        Ok(b.lora_name)
+    })
+}
+
+/// Parses a load/unload body and applies it; vLLM answers 200 with a plain-text success line
+/// naming the adapter and what was `done` to it.
+fn change_adapter<B: serde::de::DeserializeOwned>(
+    body: &[u8],
+    done: &str,
+    apply: impl FnOnce(B) -> Result<String, ApiError>,
+) -> Response {
+    let changed = serde_json::from_slice::<B>(body)
         .map_err(|e| ApiError::bad(format!("JSON decode error: {e}")))
-        .and_then(|b| {
-            engine.adapters.unload(&b.lora_name)?;
-            Ok(b.lora_name)
-        });
-    match done {
+        .and_then(apply);
+    match changed {
         Ok(name) => {
-            tracing::info!(lora_name = %name, "unloaded LoRA adapter");
-            format!("Success: LoRA adapter '{name}' removed successfully.").into_response()
+            tracing::info!(lora_name = %name, done, "LoRA adapter changed");
+            format!("Success: LoRA adapter '{name}' {done} successfully.").into_response()
         }
         Err(e) => e.into_response(),
     }

@@ -72,8 +72,14 @@ impl BlockChain {
         let mut h = BlockHasher::default();
         let before = self.digests.len();
         let key = self.lora.as_ref().map(|l| lora_key(&l.name, &l.path));
-        let extra: Vec<&[&str]> = key.iter().map(|k| k.as_slice()).collect();
-        h.extend_with(&parent, rest, block_size, &extra, &mut self.digests);
+        let extra = key.as_ref().map(|k| k.as_slice());
+        h.extend_with(
+            &parent,
+            rest,
+            block_size,
+            extra.as_slice(),
+            &mut self.digests,
+        );
         self.values
             .extend(self.digests[before..].iter().map(event_value));
     }

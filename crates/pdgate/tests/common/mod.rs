@@ -152,6 +152,30 @@ pub async fn start_subscribed(
     .await
 }
 
+/// Lets every subscription see its publisher's stream: two rounds of a throwaway prompt sent
+/// straight to each engine, to each of its `ranks` data-parallel ranks (`X-data-parallel-rank`)
+/// when it has more than one (ZMQ drops what a late subscriber missed; the second batch of a
+/// publisher makes the gateway replay the first).
+pub async fn warm_subscriptions(fleet: &Fleet, ranks: u32) {
+    let engines: Vec<&SimHandle> = fleet.prefill.iter().chain(fleet.decode.iter()).collect();
+    for round in 0..2u32 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for (i, e) in engines.iter().enumerate() {
+            for rank in 0..ranks {
+                let prompt: Vec<u32> = (0..32).map(|t| 900_000 + round * 100 + t).collect();
+                let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
+                let mut post = fleet.http.post(format!("{}/v1/completions", e.base_url()));
+                if ranks > 1 {
+                    post = post.header("x-data-parallel-rank", rank.to_string());
+                }
+                let r = post.json(&body).send().await.expect("warm-up request");
+                assert_eq!(r.status(), 200, "engine {i} rank {rank}");
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
 /// `items` in a fixed pseudo-random order: a Fisher-Yates shuffle driven by a 64-bit LCG from
 /// `seed` (workloads whose groups arrive interleaved, the same in every run).
 pub fn shuffled<T>(mut items: Vec<T>, mut seed: u64) -> Vec<T> {
