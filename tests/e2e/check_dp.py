@@ -16,6 +16,7 @@ import sys
 import time
 
 from check_cache_routing import http, words
+from check_pd import Result
 
 MODEL = "tiny"
 PREDICTED = "x-pdgate-predicted-cached-tokens"
@@ -38,20 +39,6 @@ def per_rank(url: str, ranks: int) -> dict[int, dict[str, float]]:
     return got
 
 
-class Checks:
-    def __init__(self) -> None:
-        self.passed = self.failed = 0
-
-    def check(self, ok: bool, name: str, detail: str = "") -> bool:
-        if ok:
-            self.passed += 1
-            print(f"PASS {name}", flush=True)
-        else:
-            self.failed += 1
-            print(f"FAIL {name}: {detail}", flush=True)
-        return ok
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gateway", required=True)
@@ -59,7 +46,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, required=True)
     ap.add_argument("--block-size", type=int, default=32)
     args = ap.parse_args()
-    st = Checks()
+    st = Result()
     groups, questions = 4, 3
     prefix = {g: words(9000 + g, 3 * args.block_size) for g in range(groups)}
     home: dict[int, int] = {}

@@ -3,8 +3,8 @@
 #   E2E_NAME=vllm_x; source "$HERE/lib.sh"
 #
 # Gives: the cached vLLM virtualenv ($VENV, $PY, via install_vllm.sh) and tiny model ($MODEL_DIR),
-# free_ports N, group_rss_mb PGID, wait_engine NAME PORT PGID, start_gateway (pdgate on a free
-# port, ready within GATEWAY_TIMEOUT seconds),
+# free_ports N, group_rss_mb PGID, pdgate_binary, wait_engine NAME PORT PGID, start_gateway
+# (pdgate on a free port, ready within GATEWAY_TIMEOUT seconds),
 # a work dir ($WORK, kept on failure or with PDGATE_E2E_KEEP_LOGS=1), log(), the process-group
 # list PGIDS (every process a stage starts leads its own group; stop_all ends those groups only,
 # TERM then KILL after STOP_GRACE seconds), an EXIT trap that stops everything and prints the
@@ -88,6 +88,23 @@ start_gateway() {
   done
   log "gateway $name not ready (see $WORK/$name.log)"
   return 1
+}
+
+# pdgate_binary: sets PDGATE to $PDGATE_BIN, or to the debug build (built when missing); exits
+# when there is none.
+pdgate_binary() {
+  PDGATE="${PDGATE_BIN:-}"
+  if [[ -z "$PDGATE" ]]; then
+    PDGATE="${CARGO_TARGET_DIR:-$REPO/target}/debug/pdgate"
+    if [[ ! -x "$PDGATE" ]]; then
+      log "building pdgate"
+      (cd "$REPO" && timeout 1800 cargo build -q -p pdgate --bin pdgate)
+    fi
+  fi
+  if [[ ! -x "$PDGATE" ]]; then
+    log "pdgate binary not found at $PDGATE"
+    exit 1
+  fi
 }
 
 # wait_engine NAME PORT PGID: until the engine on PORT serves the tiny model (a busy port may

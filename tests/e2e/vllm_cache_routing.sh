@@ -40,18 +40,7 @@ declare -A ROLE  # engine name -> kv_producer | kv_consumer
 
 e2e_prepare vllm_cache_routing
 
-PDGATE="${PDGATE_BIN:-}"
-if [[ -z "$PDGATE" ]]; then
-  PDGATE="${CARGO_TARGET_DIR:-$REPO/target}/debug/pdgate"
-  if [[ ! -x "$PDGATE" ]]; then
-    log "building pdgate"
-    (cd "$REPO" && timeout 1800 cargo build -q -p pdgate --bin pdgate)
-  fi
-fi
-if [[ ! -x "$PDGATE" ]]; then
-  log "pdgate binary not found at $PDGATE"
-  exit 1
-fi
+pdgate_binary
 
 # Per engine: HTTP, NIXL side channel, KV-event replay.
 read -r -a PORTS < <(free_ports 9)

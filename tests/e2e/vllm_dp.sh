@@ -36,18 +36,7 @@ declare -A PG PORT
 
 e2e_prepare vllm_dp
 
-PDGATE="${PDGATE_BIN:-}"
-if [[ -z "$PDGATE" ]]; then
-  PDGATE="${CARGO_TARGET_DIR:-$REPO/target}/debug/pdgate"
-  if [[ ! -x "$PDGATE" ]]; then
-    log "building pdgate"
-    (cd "$REPO" && timeout 1800 cargo build -q -p pdgate --bin pdgate)
-  fi
-fi
-if [[ ! -x "$PDGATE" ]]; then
-  log "pdgate binary not found at $PDGATE"
-  exit 1
-fi
+pdgate_binary
 
 read -r -a PORTS < <(free_ports 2)
 PORT[prefill]=${PORTS[0]} PORT[decode]=${PORTS[1]}
