@@ -34,7 +34,7 @@
 #   BENCH_RATES         open-loop cells: requests started per second, the same offered load
 #                       for every target (cells "<mode>-r<R>"; latency then compares at equal
 #                       load, which closed-loop cells cannot when targets differ in speed) [none]
-#   BENCH_GATEWAYS      gateways to compare                        ["pdgate vllm-router floor"]
+#   BENCH_GATEWAYS      gateways to compare              ["pdgate vllm-router floor minproxy"]
 #                       (and "pdgate-base" when PDGATE_BASE_BIN is set; "floor-drive": the
 #                       reference relay with its decode connection driven by the relaying task)
 #   BENCH_SOAK_STREAMS  concurrent streams in the soak (0 = skip)  [5000]
@@ -51,6 +51,12 @@
 #                       two configurations in one run, e.g. "--prefill-policy cache_aware
 #                       --decode-policy cache_aware" against round robin [none]
 #   FLOOR_BIN           the reference relay                        [built: example stream_floor]
+#   MINPROXY_BIN        target `minproxy`: the naive two-hop PD proxy (parses, sends the prefill,
+#                       copies kv_transfer_params, buffers the decode's answer; no limits, logs or
+#                       error handling), the floor any PD gateway pays [built from MINPROXY_SRC]
+#   MINPROXY_SRC        its sources                                [<repo>/../shared/tools/minproxy]
+#   PDGATE_RUST_LOG     RUST_LOG for pdgate targets: `info` is its default, access log included
+#                                                                  [info]
 #   BENCH_NICE          niceness of everything the script starts   [0]
 set -euo pipefail
 
@@ -64,11 +70,13 @@ WARMUP="${BENCH_WARMUP:-200}"
 CONCURRENCIES="${BENCH_CONCURRENCY:-1 16 64 256}"
 RATES="${BENCH_RATES:-}"
 MODES="${BENCH_MODES:-plain stream}"
-GATEWAYS="${BENCH_GATEWAYS:-pdgate vllm-router floor}"
+GATEWAYS="${BENCH_GATEWAYS:-pdgate vllm-router floor minproxy}"
 PDGATE="${PDGATE_BIN:-$TARGET_DIR/release/pdgate}"
 FLOOR="${FLOOR_BIN:-$TARGET_DIR/release/examples/stream_floor}"
+MINPROXY_SRC="${MINPROXY_SRC:-$ROOT/../shared/tools/minproxy}"
+MINPROXY="${MINPROXY_BIN:-$TARGET_DIR/minproxy/release/minproxy}"
 if [ -n "${PDGATE_BASE_BIN:-}" ] && [ -z "${BENCH_GATEWAYS:-}" ]; then
-  GATEWAYS="pdgate pdgate-base vllm-router floor"
+  GATEWAYS="pdgate pdgate-base vllm-router floor minproxy"
 fi
 renice -n "${BENCH_NICE:-0}" -p $$ >/dev/null 2>&1 || true
 SOAK_STREAMS="${BENCH_SOAK_STREAMS:-5000}"
@@ -164,6 +172,9 @@ drop_target() {
   GATEWAYS="${kept[*]}"
 }
 has_target() { [[ " $GATEWAYS " == *" $1 "* ]]; }
+# streams TARGET MODE: whether TARGET runs MODE's cells (minproxy buffers the decode's whole
+# answer, so it runs the non-streamed cells only, and no soak).
+streams() { [ "$2" != stream ] || [ "$1" != minproxy ]; }
 
 if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
   log "building release binaries (pdbench, pdsim)"
@@ -184,6 +195,14 @@ if [ "${BENCH_SKIP_BUILD:-0}" != 1 ]; then
       drop_target floor
     fi
   fi
+  if has_target minproxy && [ -z "${MINPROXY_BIN:-}" ]; then
+    log "building minproxy from $MINPROXY_SRC"
+    if ! timeout 1800 cargo build --release --manifest-path "$MINPROXY_SRC/Cargo.toml" \
+      --target-dir "$TARGET_DIR/minproxy" >>"$LOGS/build.log" 2>&1; then
+      log "minproxy does not build; leaving it out (see $LOGS/build.log)"
+      drop_target minproxy
+    fi
+  fi
 fi
 for b in pdbench pdsim; do
   [ -x "$BIN/$b" ] || { log "missing $BIN/$b"; exit 1; }
@@ -200,6 +219,7 @@ if [ ! -x "$FLOOR" ]; then
   drop_target floor
   drop_target floor-drive
 fi
+[ -x "$MINPROXY" ] || drop_target minproxy
 
 if [ -n "${VLLM_ROUTER_VENV:-}" ]; then
   VR_VENV="$VLLM_ROUTER_VENV"
@@ -245,7 +265,7 @@ start_gateway() {
       [ -n "$soak" ] && extra=(--max-in-flight 0)
       # shellcheck disable=SC2206 # word splitting is the point
       if [ "$name" = pdgate ]; then extra+=(${PDGATE_ARGS:-}); else extra+=(${PDGATE_BASE_ARGS:-}); fi
-      RUST_LOG=warn taskset -c "$GATEWAY_CPU" "$exe" --prefill "$p" --decode "$d" \
+      RUST_LOG="${PDGATE_RUST_LOG:-info}" taskset -c "$GATEWAY_CPU" "$exe" --prefill "$p" --decode "$d" \
         --kv-connector shfs --listen "127.0.0.1:$port" "${extra[@]}" >"$LOGS/$name-$port.log" 2>&1 &
       ;;
     floor | floor-drive)
@@ -253,6 +273,14 @@ start_gateway() {
       [ "$name" = floor-drive ] && mode=(drive)
       taskset -c "$GATEWAY_CPU" "$FLOOR" "127.0.0.1:$port" "$p" "$d" "${mode[@]}" \
         >"$LOGS/$name-$port.log" 2>&1 &
+      ;;
+    minproxy)
+      # It answers every path by proxying it (no /health): ready once its port accepts.
+      taskset -c "$GATEWAY_CPU" "$MINPROXY" "$port" "$p" "$d" >"$LOGS/$name-$port.log" 2>&1 &
+      LAST_PID=$!
+      PIDS+=("$LAST_PID")
+      wait_tcp 127.0.0.1 "$port" 30
+      return
       ;;
     vllm-router)
       taskset -c "$GATEWAY_CPU" "$VR_VENV/bin/vllm-router" --vllm-pd-disaggregation \
@@ -357,6 +385,7 @@ for mode in $MODES; do
       args+=(--output-len "$PLAIN_TOKENS")
     fi
     for target in direct $GATEWAYS; do
+      streams "$target" "$mode" || continue
       run_target "$cell" "$target" "$PREFILL" "$DECODE" "${args[@]}"
     done
   done
@@ -370,6 +399,7 @@ for mode in $MODES; do
       args+=(--output-len "$PLAIN_TOKENS")
     fi
     for target in direct $GATEWAYS; do
+      streams "$target" "$mode" || continue
       run_target "$cell" "$target" "$PREFILL" "$DECODE" "${args[@]}"
     done
   done
@@ -421,6 +451,7 @@ if [ "$SOAK_STREAMS" -gt 0 ]; then
   CELL_LIMIT=$((SOAK_DURATION * 3 + 180))
   run_target soak direct "$SPREFILL" "$SDECODE" "${soak_args[@]}"
   for gw in $GATEWAYS; do
+    streams "$gw" stream || continue
     GW_PORT[$gw]=$(free_port)
     if start_gateway "$gw" "${GW_PORT[$gw]}" "$SPREFILL" "$SDECODE" soak; then
       GW_PID[$gw]=$LAST_PID

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ratios  # noqa: E402
 
 COLORS = {"pdgate": "#08519c", "pdgate-base": "#9ecae1", "vllm-router": "#e6550d",
-          "floor": "#999999", "floor-drive": "#cccccc"}
+          "floor": "#999999", "floor-drive": "#cccccc", "minproxy": "#31a354"}
 
 
 def main() -> int:

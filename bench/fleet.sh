@@ -27,6 +27,9 @@
 #                       the gateway config it writes subscribes to them)
 #   ca_precise_do       ca_precise, and a request with at most BENCH_DECODE_ONLY_BELOW uncached
 #                       tokens on its decode is served there alone (--decode-only-below-tokens)
+#   ca_precise_x2       ca_precise on two pdgate replicas (same config, each subscribed to every
+#                       engine's events), pdbench alternating between them request by request:
+#                       each replica sees only its own in-flight load
 #   ca_shed             ca_precise_do, and admission sheds (429) a request whose prefill already
 #                       has more than BENCH_SHED_TOKENS predicted tokens queued ahead of it
 #                       (cache.max_queued_prefill_tokens; off by default in pdgate)
@@ -156,6 +159,8 @@ cpu_ticks() {
   done
   echo "$total"
 }
+# gw2_ticks PGID: cpu_ticks of a second gateway replica, 0 when there is none.
+gw2_ticks() { if [[ -n $1 ]]; then cpu_ticks "$1"; else echo 0; fi; }
 # machine_ticks: "busy total" clock ticks of all CPUs from /proc/stat.
 machine_ticks() { awk '/^cpu / {b = $2 + $3 + $4 + $7 + $8 + $9; t = b + $5 + $6; print b, t}' /proc/stat; }
 CLK_TCK=$(getconf CLK_TCK)
@@ -228,7 +233,7 @@ run_arm() {
   case "$arm" in
     round_robin | least_request) policy=$arm ;;
     ca_approx) policy=cache_aware ;;
-    ca_precise) policy=cache_aware events=1 flags+=("${PRECISE_KEYS[@]}") ;;
+    ca_precise | ca_precise_x2) policy=cache_aware events=1 flags+=("${PRECISE_KEYS[@]}") ;;
     ca_precise_do)
       policy=cache_aware events=1
       flags+=("${PRECISE_KEYS[@]}" --decode-only-below-tokens "$DECODE_ONLY_BELOW")
@@ -243,10 +248,25 @@ run_arm() {
   esac
   start_fleet "$dir" "$events" || return 1
   port=$(free_port)
-  local ready_path=/ready peer=()
+  local ready_path=/ready peer=() urls="http://127.0.0.1:$port" gw_pg gw2_pg=""
   if [[ -n $policy ]]; then
     spawn "$name-gateway" env RUST_LOG=warn "$BIN/pdgate" --config "$dir/gw.toml" \
       --listen "127.0.0.1:$port" --prefill-policy "$policy" --decode-policy "$policy" "${flags[@]}"
+    gw_pg=$LAST_PG
+    if [[ $arm == *_x2 ]]; then
+      local port2
+      port2=$(free_port)
+      spawn "$name-gateway2" env RUST_LOG=warn "$BIN/pdgate" --config "$dir/gw.toml" \
+        --listen "127.0.0.1:$port2" --prefill-policy "$policy" --decode-policy "$policy" "${flags[@]}"
+      gw2_pg=$LAST_PG
+      urls+=",http://127.0.0.1:$port2"
+      if ! wait_http "http://127.0.0.1:$port2$ready_path" 120; then
+        tail -n 15 "$LOGS/$name-gateway2.log" >&2
+        stop_pg "$gw2_pg"; forget_pg "$gw2_pg"; gw2_pg=""
+        urls="http://127.0.0.1:$port"
+        log "$name: the second replica did not become ready; one replica only"
+      fi
+    fi
   else
     # The peers take the fleet's URLs from its ready file.
     local u
@@ -263,26 +283,27 @@ run_arm() {
         --prefill-policy cache_aware --decode-policy cache_aware \
         --host 127.0.0.1 --port "$port" --prometheus-port "$(free_port)" --log-level warn
     fi
+    gw_pg=$LAST_PG
   fi
-  local gw_pg=$LAST_PG
   if ! wait_http "http://127.0.0.1:$port$ready_path" 120; then
     tail -n 15 "$LOGS/$name-gateway.log" >&2
     stop_pg "$gw_pg"; forget_pg "$gw_pg"; stop_pg "$FLEET_PG"; forget_pg "$FLEET_PG"
+    if [[ -n $gw2_pg ]]; then stop_pg "$gw2_pg"; forget_pg "$gw2_pg"; fi
     return 1
   fi
-  local bench=(--url "http://127.0.0.1:$port" --trace-file "$TRACE" --rate-factor "$factor"
+  local bench=(--url "$urls" --trace-file "$TRACE" --rate-factor "$factor"
     --time-scale "$TIME_SCALE" --stream --slo-ttft "$SLO_TTFT" --slo-itl "$SLO_ITL"
     --fleet "$dir/ready.json" --oracle-block-size "$BLOCK_SIZE" --timeout 600 --json)
   [[ -n $KV_BLOCKS ]] && bench+=(--oracle-cache-blocks "$KV_BLOCKS")
   [[ -n $REQUESTS ]] && bench+=(--requests "$REQUESTS")
   log "$name: replaying (${factor}x recorded, time scale $TIME_SCALE)"
   local g0 f0 m0 t0 g1 f1 m1 rc=0
-  g0=$(cpu_ticks "$gw_pg") f0=$(cpu_ticks "$FLEET_PG") m0=$(machine_ticks) t0=$(date +%s.%N)
+  g0=$(($(cpu_ticks "$gw_pg") + $(gw2_ticks "$gw2_pg"))) f0=$(cpu_ticks "$FLEET_PG") m0=$(machine_ticks) t0=$(date +%s.%N)
   local b0
   b0=$(awk '{print $16 + $17}' "/proc/$$/stat")
   # pdbench runs in the foreground; its CPU is this shell's waited-for children's (cutime+cstime).
   timeout "$ARM_TIMEOUT" "${NICE[@]}" "$BIN/pdbench" "${bench[@]}" >"$OUT/$name.json" 2>"$LOGS/$name-pdbench.log" || rc=$?
-  g1=$(cpu_ticks "$gw_pg") f1=$(cpu_ticks "$FLEET_PG") m1=$(machine_ticks)
+  g1=$(($(cpu_ticks "$gw_pg") + $(gw2_ticks "$gw2_pg"))) f1=$(cpu_ticks "$FLEET_PG") m1=$(machine_ticks)
   local wall b1
   wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.3f", b - a }')
   b1=$(awk '{print $16 + $17}' "/proc/$$/stat")
@@ -293,6 +314,7 @@ run_arm() {
       printf "%s\t%s\t%s\t%.2f\t%.2f\t%.2f\t%.3f\n", arm, f, w, g / h, fl / h, b / h, busy }' >>"$OUT/proc.tsv"
   ((rc == 0)) || log "$name: pdbench exited $rc (see $LOGS/$name-pdbench.log)"
   stop_pg "$gw_pg"; forget_pg "$gw_pg"
+  if [[ -n $gw2_pg ]]; then stop_pg "$gw2_pg"; forget_pg "$gw2_pg"; fi
   stop_pg "$FLEET_PG"; forget_pg "$FLEET_PG"
 }
 

@@ -16,6 +16,17 @@ wait_http() {
   return 1
 }
 
+# wait_tcp HOST PORT [SECONDS]: until HOST:PORT accepts a connection.
+wait_tcp() {
+  local host="$1" port="$2" secs="${3:-60}" i
+  for i in $(seq 1 $((secs * 10))); do
+    if (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  echo "$(basename "$0"): timed out waiting for $host:$port" >&2
+  return 1
+}
+
 # ensure_matplotlib VENV LOGDIR: matplotlib in VENV, for the charts (bounded installs). Without
 # it (no registry) a run still prints its tables; returns non-zero then.
 ensure_matplotlib() {

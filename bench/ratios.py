@@ -4,7 +4,7 @@
 Usage: ratios.py OUT_DIR [--markdown]
 
 For every cell (plain-cN, stream-cN, open-loop plain-rR and stream-rR, shared-c1, soak) and target (direct, pdgate, vllm-router,
-floor, pdgate-base): throughput and its ratio to direct, p50/p99 end-to-end latency added over
+floor, pdgate-base, minproxy): throughput and its ratio to direct, p50/p99 end-to-end latency added over
 direct, TTFT p50 added over direct, TTFT p50/p99 and inter-token p99 (streams), the gateway's
 CPU seconds per 1000 successful requests (the CPU sample spans the cell's warm-up, the count does
 not), its CPU microseconds per relayed SSE event (streams: warm-up and measured streams, each the
@@ -30,7 +30,7 @@ def cell_key(cell):
 
 def target_key(t):
     return {"direct": 0, "pdgate": 1, "pdgate-base": 2, "vllm-router": 3, "floor": 4,
-            "floor-drive": 5}.get(t, 6), t
+            "floor-drive": 5, "minproxy": 6}.get(t, 7), t
 
 
 def load(out):

@@ -41,8 +41,10 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
     /// Base URL of the endpoint to load (a gateway or an engine), e.g. http://127.0.0.1:8000.
-    #[arg(long, env = "PDBENCH_URL")]
-    pub url: Option<String>,
+    /// Several (comma-separated or repeated): replicas of one gateway, request i to replica
+    /// i mod n, as a client alternating between them would.
+    #[arg(long, env = "PDBENCH_URL", value_delimiter = ',')]
+    pub url: Vec<String>,
     /// Load options.
     #[command(flatten)]
     pub load: LoadArgs,
@@ -340,10 +342,16 @@ impl Cli {
                 Ok((cfg, load))
             }
             None => {
-                let url = self.url.ok_or_else(|| {
-                    BenchError::Config("give --url URL, or use `pdbench direct`".into())
-                })?;
-                let cfg = self.load.to_config(Target::Url(url))?;
+                let target = match <[String; 1]>::try_from(self.url) {
+                    Ok([url]) => Target::Url(url),
+                    Err(urls) if urls.is_empty() => {
+                        return Err(BenchError::Config(
+                            "give --url URL, or use `pdbench direct`".into(),
+                        ));
+                    }
+                    Err(urls) => Target::Replicas(urls),
+                };
+                let cfg = self.load.to_config(target)?;
                 Ok((cfg, self.load))
             }
         }
@@ -530,6 +538,14 @@ mod tests {
     #[test]
     fn bad_combinations_are_refused() {
         assert!(parse(&["pdbench"]).is_err(), "no url");
+        let (cfg, _) = parse(&["pdbench", "--url", "http://a:1,http://b:2"]).expect("replicas");
+        assert!(
+            matches!(&cfg.target, Target::Replicas(u) if u == &["http://a:1", "http://b:2"]),
+            "{:?}",
+            cfg.target
+        );
+        let (cfg, _) = parse(&["pdbench", "--url", "http://a:1"]).expect("one");
+        assert!(matches!(&cfg.target, Target::Url(u) if u == "http://a:1"));
         assert!(parse(&["pdbench", "--url", "u", "-c", "2", "--rate", "3"]).is_err());
         assert!(parse(&["pdbench", "--url", "u", "--duration", "0"]).is_err());
         assert!(parse(&["pdbench", "--url", "u", "--timeout", "-1"]).is_err());

@@ -90,6 +90,8 @@ impl Endpoint {
 pub enum Route {
     /// Everything to one OpenAI endpoint (a gateway or a single engine).
     Single(Endpoint),
+    /// Request `id` to replica `id mod n` (never empty).
+    Replicas(Vec<Endpoint>),
     /// Direct PD: prefill leg, then decode leg.
     Direct {
         /// Prefill engine.
@@ -157,6 +159,11 @@ impl Requester {
         let mut sample = Sample::default();
         let response = match &self.route {
             Route::Single(ep) => {
+                let body = self.bodies.client_input(input, max_tokens);
+                send(&self.client, ep.uri(), body, None).await?
+            }
+            Route::Replicas(eps) => {
+                let ep = &eps[(id % eps.len() as u64) as usize];
                 let body = self.bodies.client_input(input, max_tokens);
                 send(&self.client, ep.uri(), body, None).await?
             }

@@ -16,6 +16,9 @@ use crate::workload::{Api, DirectConnector};
 pub enum Target {
     /// One OpenAI endpoint: a gateway, or a single engine.
     Url(String),
+    /// Replicas of one gateway behind a client that alternates between them: request `i` goes
+    /// to replica `i mod n`, whatever its content.
+    Replicas(Vec<String>),
     /// Direct PD against a prefill and a decode engine.
     Direct {
         /// Prefill engine base URL.

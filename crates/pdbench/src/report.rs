@@ -21,6 +21,11 @@ pub enum TargetInfo {
         /// Base URL.
         url: String,
     },
+    /// Replicas of a gateway, each request to the next in turn.
+    Replicas {
+        /// Base URLs.
+        urls: Vec<String>,
+    },
     /// Direct PD, performed by pdbench itself.
     Direct {
         /// Prefill base URL.
@@ -253,6 +258,9 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.target {
             TargetInfo::Url { url } => write!(f, "target    {url}")?,
+            TargetInfo::Replicas { urls } => {
+                write!(f, "target    {} (alternating)", urls.join(", "))?
+            }
             TargetInfo::Direct {
                 prefill,
                 decode,

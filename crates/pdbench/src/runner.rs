@@ -32,6 +32,14 @@ fn route(cfg: &Config) -> Result<(Route, TargetInfo), BenchError> {
             Route::Single(Endpoint::new(url, path)?),
             TargetInfo::Url { url: url.clone() },
         ),
+        Target::Replicas(urls) => (
+            Route::Replicas(
+                urls.iter()
+                    .map(|u| Endpoint::new(u, path))
+                    .collect::<Result<_, _>>()?,
+            ),
+            TargetInfo::Replicas { urls: urls.clone() },
+        ),
         Target::Direct {
             prefill,
             decode,
@@ -55,6 +63,7 @@ fn route(cfg: &Config) -> Result<(Route, TargetInfo), BenchError> {
 fn models_base(cfg: &Config) -> &str {
     match &cfg.target {
         Target::Url(u) => u,
+        Target::Replicas(urls) => urls.first().map_or("", String::as_str),
         Target::Direct { prefill, .. } => prefill,
     }
 }

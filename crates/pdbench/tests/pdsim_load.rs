@@ -49,6 +49,23 @@ async fn closed_loop_completions_non_streaming() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_take_turns() {
+    let a = pdsim::spawn(SimConfig::new(Role::Both, Connector::None))
+        .await
+        .expect("pdsim");
+    let b = pdsim::spawn(SimConfig::new(Role::Both, Connector::None))
+        .await
+        .expect("pdsim");
+    let mut cfg = base(Target::Replicas(vec![a.base_url(), b.base_url()]));
+    cfg.load = Load::Closed { concurrency: 3 };
+    cfg.requests = Some(40);
+    let r = run(&cfg).await;
+    assert_eq!(r.ok, 40, "{r}");
+    assert_eq!(a.stats().responses_ok, 20, "every other request");
+    assert_eq!(b.stats().responses_ok, 20, "every other request");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_loop_chat_streaming_measures_ttft_and_gaps() {
     let engine = pdsim::spawn(SimConfig::new(Role::Both, Connector::None))
         .await
