@@ -2,6 +2,10 @@
 //! bounded queue ([`AccessLog::send`], never waits) and the writer task ([`AccessWriter`])
 //! formats and writes it (target `pdgate::access`). When the writer falls behind, lines are
 //! dropped and counted in `pdgate_access_log_dropped_total`; nothing a request does waits on it.
+//!
+//! The writer drains the queue on a clock ([`DRAIN_EVERY`]), not when a line arrives: a request
+//! that queues its line wakes nothing (a wake-up per line, a worker thread unparked to write
+//! one line, was most of what the log cost per request; see docs/benchmarks.md).
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -13,6 +17,10 @@ use tokio_util::sync::CancellationToken;
 
 /// Lines waiting for the writer; more are dropped (and counted).
 pub(crate) const ACCESS_LOG_QUEUE: usize = 8192;
+
+/// How often the writer takes what is queued: a line is written at most this late, and the
+/// queue holds [`ACCESS_LOG_QUEUE`] lines per period.
+pub(crate) const DRAIN_EVERY: Duration = Duration::from_millis(50);
 
 /// One finished request, as the access log writes it.
 #[derive(Debug, Default)]
@@ -94,14 +102,22 @@ impl AccessLog {
         let stop = CancellationToken::new();
         let stopped = stop.clone();
         let task = tokio::spawn(async move {
+            let mut clock = tokio::time::interval(DRAIN_EVERY);
+            clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
                     biased;
-                    line = rx.recv() => match line {
-                        Some(line) => line.write(),
-                        None => return,
-                    },
                     () = stopped.cancelled() => break,
+                    _ = clock.tick() => {
+                        // `try_recv` never registers the task's waker, so senders wake nothing.
+                        loop {
+                            match rx.try_recv() {
+                                Ok(line) => line.write(),
+                                Err(mpsc::error::TryRecvError::Empty) => break,
+                                Err(mpsc::error::TryRecvError::Disconnected) => return,
+                            }
+                        }
+                    }
                 }
             }
             // Graceful stop: what is queued is written, nothing more is taken.
