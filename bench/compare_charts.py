@@ -46,15 +46,16 @@ def main() -> int:
             rps = (r or {}).get("throughput_rps")
             ratio.append(rps / base["throughput_rps"] if rps and base and base.get("throughput_rps") else 0)
             cpu, per_event, peak = ratios.gateway_cost(r, proc.get((c, g)))
-            # Plain cells: CPU ms per request; stream cells: CPU us per relayed event.
-            cost.append((per_event if c.startswith("stream") else cpu) or 0)
+            # Plain cells: CPU us per request; stream cells: CPU us per relayed event.
+            cost.append((per_event if c.startswith("stream") else (cpu or 0) * 1000) or 0)
             rss.append(peak or 0)
         xs = [x + (i - (len(gateways) - 1) / 2) * width for x in range(len(cells))]
         for ax, ys in zip(axes, (ratio, cost, rss)):
             ax.bar(xs, ys, width, label=g, color=COLORS.get(g, "#444444"))
     axes[0].axhline(1.0, color="black", linewidth=0.6)
     axes[0].set_ylabel("throughput / direct")
-    axes[1].set_ylabel("CPU: ms per request (plain),\nus per event (stream)")
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("CPU, us (log): per request (plain),\nper relayed event (stream)")
     axes[2].set_ylabel("peak RSS, MiB")
     axes[2].set_xticks(range(len(cells)), cells)
     axes[0].legend(ncol=len(gateways), loc="upper left", frameon=False)
