@@ -72,6 +72,8 @@
 #                       throughput (the H100 8B profile: ~20k tokens/s at long contexts)   [32768]
 #   BENCH_ARM_TIMEOUT   seconds per pdbench run                                         [1800]
 #   BENCH_NICE          niceness of everything started here                              [0]
+#   BENCH_PDGATE_ARGS   more flags for every pdgate arm (split on spaces), e.g.
+#                       "--set cache.balance_abs=8"                                      [none]
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -230,6 +232,8 @@ PRECISE_KEYS=(--set cache.engine_tokenize_timeout=500ms)
 run_arm() {
   local arm=$1 factor=$2 name="$1-r$2" dir="$OUT/$1-r$2" events=0 port policy="" flags=()
   mkdir -p "$dir"
+  # shellcheck disable=SC2206 # word splitting is the point
+  flags+=(${BENCH_PDGATE_ARGS:-})
   case "$arm" in
     round_robin | least_request) policy=$arm ;;
     ca_approx) policy=cache_aware ;;
