@@ -15,7 +15,8 @@ use tracing::debug;
 
 use crate::error::GatewayError;
 use crate::headers;
-use crate::pd::{Answer, Exchange};
+use crate::metrics::RequestRecord;
+use crate::pd::Answer;
 use crate::security::budget::{BodyBudget, Reservation};
 use crate::state::Gateway;
 
@@ -112,30 +113,33 @@ pub(crate) async fn read_request_body(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Bytes, GatewayError> {
-    let after = gw.config.security.request_body_timeout;
-    let read = read_body(
-        headers,
-        body,
-        gw.config.http.max_body_bytes,
-        &gw.body_budget,
-    );
+    let after = gw.settings.request_body_timeout;
+    let read = read_body(headers, body, gw.settings.max_body_bytes, &gw.body_budget);
     tokio::time::timeout(after, read)
         .await
         .unwrap_or(Err(GatewayError::BodyTimeout { after }))
 }
 
-/// The end of every exchange: an answer passes (the flow already named the request and handed
-/// its record to the body); an error is recorded, rendered and stamped here, once.
-pub(crate) fn finish(mut ex: Exchange, result: Result<Answer, GatewayError>) -> Answer {
+/// The end of every request: an answer passes (the flow already named the request and handed
+/// its record to the body); an error is recorded in `record` (the request's, while no answer
+/// holds it), rendered and stamped with the request id here, once.
+pub(crate) fn finish(
+    record: Option<RequestRecord>,
+    result: Result<Answer, GatewayError>,
+) -> Answer {
     match result {
         Ok(answer) => answer,
         Err(err) => {
-            if let Ok(mut record) = ex.take_record() {
-                record.finish_error(&err);
-            }
-            debug!(id = %ex.request_id, error = %err, "request failed");
+            let Some(mut record) = record else {
+                debug!(error = %err, "request failed");
+                return render(err);
+            };
+            // Only failed requests pay for the copy: the record gives its id to the access log.
+            let id = record.request_id().to_owned();
+            record.finish_error(&err);
+            debug!(id = %id, error = %err, "request failed");
             let mut answer = render(err);
-            headers::stamp_request_id(answer.headers_mut(), &ex.request_id);
+            headers::stamp_request_id(answer.headers_mut(), &id);
             answer
         }
     }
@@ -195,7 +199,8 @@ pub(crate) fn render(err: GatewayError) -> Response {
 
 /// An error outside any flow (unknown path, wrong method): recorded under route `other`.
 pub(crate) fn refuse(gw: Arc<Gateway>, headers: &HeaderMap, err: GatewayError) -> Answer {
-    finish(Exchange::new(gw, "other", headers), Err(err))
+    let record = RequestRecord::begin(gw.metrics.clone(), "other", headers);
+    finish(Some(record), Err(err))
 }
 
 /// A known path asked with a method it does not serve.
