@@ -1,5 +1,6 @@
 //! The edge of the gateway: what every request passes on its way in (head checks, the
-//! size-limited body read) and every answer on its way out. [`finish`] is the one place where an
+//! size-limited body read; [`admit`], all of it in order for the PD routes) and every answer on
+//! its way out. [`finish`] is the one place where an
 //! error becomes an answer: rendered OpenAI-shaped, stamped with `x-request-id`, its outcome
 //! recorded in `pdgate_requests_total`.
 
@@ -15,9 +16,12 @@ use tracing::debug;
 
 use crate::error::GatewayError;
 use crate::headers;
+use crate::limits::Slot;
 use crate::metrics::RequestRecord;
 use crate::pd::Answer;
+use crate::security::auth::Pass;
 use crate::security::budget::{BodyBudget, Reservation};
+use crate::security::guard;
 use crate::state::Gateway;
 
 /// Largest request head (names and values) answered with more than a 431.
@@ -118,6 +122,32 @@ pub(crate) async fn read_request_body(
     tokio::time::timeout(after, read)
         .await
         .unwrap_or(Err(GatewayError::BodyTimeout { after }))
+}
+
+/// A PD request let in by [`admit`]: its headers, its body, and what it holds while it runs.
+pub(crate) struct Admitted {
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    pub(crate) slot: Slot,
+    pub(crate) pass: Pass,
+}
+
+/// What a request on a PD route passes on its way in, in this order: the client key, the
+/// head's size, the request target, the body (within `request_body_timeout` and
+/// `max_body_bytes`), then an admission slot (taken only once the body is read).
+pub(crate) async fn admit(gw: &Gateway, request: Request) -> Result<Admitted, GatewayError> {
+    let pass = gw.client_keys.check(request.headers())?;
+    check_head(request.headers())?;
+    guard::check_target(request.method(), request.uri(), request.version())?;
+    let (parts, body) = request.into_parts();
+    let body = read_request_body(gw, &parts.headers, body).await?;
+    let slot = gw.admission.admit().await?;
+    Ok(Admitted {
+        headers: parts.headers,
+        body,
+        slot,
+        pass,
+    })
 }
 
 /// The end of every request: an answer passes (the flow already named the request and handed

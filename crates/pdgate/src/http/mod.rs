@@ -25,7 +25,7 @@ use axum::routing::{MethodRouter, get, post};
 
 use crate::metrics::RequestRecord;
 use crate::pd::{self, Answer, Route};
-use crate::security::{auth, guard};
+use crate::security::auth;
 use crate::state::Gateway;
 
 /// The gateway's routes. A route asked with another method answers 405 through the edge.
@@ -44,7 +44,7 @@ pub(crate) fn router(gw: Arc<Gateway>) -> Router {
         .with_state(gw)
 }
 
-/// Admission, body, PD flow; every error answered by the edge.
+/// The edge's checks and admission, the PD flow; every error answered by the edge.
 async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
     let record = RequestRecord::begin(gw.metrics.clone(), route.label(), request.headers());
     // Built only when exported or asked for in the logs (`telemetry`): at the default filter
@@ -52,13 +52,13 @@ async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
     let span = record.trace_span().clone();
     let mut record = Some(record);
     let result = async {
-        let pass = gw.client_keys.check(request.headers())?;
-        edge::check_head(request.headers())?;
-        guard::check_target(request.method(), request.uri(), request.version())?;
-        let (parts, body) = request.into_parts();
-        let bytes = edge::read_request_body(&gw, &parts.headers, body).await?;
-        let slot = gw.admission.admit().await?;
-        let mut ex = pd::plan(&gw, &mut record, route, &parts.headers, bytes, None).await?;
+        let edge::Admitted {
+            headers,
+            body,
+            slot,
+            pass,
+        } = edge::admit(&gw, request).await?;
+        let mut ex = pd::plan(&gw, &mut record, route, &headers, body, None).await?;
         let answer = pd::legs::serve(&mut ex).await;
         if answer.is_err() {
             // The edge records the error: the record comes back from the exchange.
