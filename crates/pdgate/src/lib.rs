@@ -14,9 +14,10 @@
 //!   recorded outcome.
 //! - `security`: what the edge applies: request-target checks and the pass-through allow-list,
 //!   client keys and named clients' limits, the body budget, TLS (`[security]`).
-//! - `pd`: one `Exchange` per request: `view` (what the request is) -> `select` (the pair,
-//!   retry targets) -> `legs` (sequential or concurrent) -> `relay` (the decode body to the
-//!   client); `abort` is the one path for engine aborts. `route`: the PD routes (their paths,
+//! - `pd`: one `Exchange` per request (its whole state, private, changed by its methods):
+//!   `view` (what the request is) -> `select` (the pair, retry targets) -> `legs` (sequential
+//!   or concurrent; every failed attempt's next step decided in `retry`) -> `relay` (the decode
+//!   body to the client); `abort` is the one path for engine aborts. `route`: the PD routes (their paths,
 //!   checks and labels).
 //! - `engine`: engine I/O: the connection pool, one leg (typed failures, timeouts), probes.
 //! - `cache`: cache-aware routing: the request's prefix view (block keys), a cache index per

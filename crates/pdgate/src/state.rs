@@ -4,12 +4,13 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use kvtransfer::{Pod, Registry};
 use tokio_util::task::TaskTracker;
 
 use crate::cache::{Cache, CacheMetrics};
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, PrefillFailurePolicy};
 use crate::endpoints::health::Health;
 use crate::endpoints::policy::{self, Policy};
 use crate::endpoints::{EndpointStore, Snapshot, SnapshotInputs};
@@ -20,11 +21,91 @@ use crate::metrics::Metrics;
 /// A set of pods published by a discovery source.
 pub type PodSet = Arc<Vec<Pod>>;
 
+/// What the request path (`pd`, `http`) reads of the configuration, read once when the state is
+/// built: none of it changes while the gateway runs (a reload that changes one of these keys
+/// says it needs a restart), so a request reads these plain values instead of reaching through
+/// the whole [`Config`].
+#[derive(Debug)]
+pub(crate) struct Settings {
+    /// Bound on a prefill leg run before its decode (`prefill_timeout`).
+    pub(crate) prefill_timeout: Duration,
+    /// Bound on a prefill leg run beside its decode: `prefill_timeout`, at most
+    /// `reliability.concurrent_prefill_timeout`.
+    pub(crate) concurrent_prefill_timeout: Duration,
+    /// Bound on the wait for a decode's response head (`decode_timeout`).
+    pub(crate) decode_timeout: Duration,
+    /// Longest silence of a relayed stream (`stream_idle_timeout`).
+    pub(crate) stream_idle_timeout: Duration,
+    /// A decode 5xx later than this, its prefill silent, blames the prefill
+    /// (`reliability.kv_wait_evidence`).
+    pub(crate) kv_wait_evidence: Duration,
+    /// Legs waiting on an endpoint taken out of rotation are given up at once
+    /// (`reliability.retry_on_ejection`).
+    pub(crate) retry_on_ejection: bool,
+    /// What a prefill that failed for good leads to (`on_prefill_failure`).
+    pub(crate) on_prefill_failure: PrefillFailurePolicy,
+    /// Other endpoints one leg may be retried on (`max_retries`).
+    pub(crate) max_retries: usize,
+    /// Requests one endpoint takes at once; 0 unbounded (`max_in_flight_per_endpoint`).
+    pub(crate) max_in_flight_per_endpoint: usize,
+    /// Bound on one encoder leg (`encode_timeout`).
+    pub(crate) encode_timeout: Duration,
+    /// Most multimodal items of one request (`encode_max_items`).
+    pub(crate) encode_max_items: usize,
+    /// What an item no encoder could encode leads to (`on_encode_failure`).
+    pub(crate) on_encode_failure: PrefillFailurePolicy,
+    /// Answers name the endpoints that served them (`security.expose_target_headers`).
+    pub(crate) expose_target_headers: bool,
+    /// Bound on reading a request body (`security.request_body_timeout`).
+    pub(crate) request_body_timeout: Duration,
+    /// Largest request body (`max_body_bytes`).
+    pub(crate) max_body_bytes: usize,
+    /// `/metrics` is served on the API port (no `security.admin_listen`).
+    pub(crate) metrics_on_api: bool,
+    /// The paths relayed to a decode as they are (`security.passthrough`).
+    passthrough: Vec<String>,
+}
+
+impl Settings {
+    fn of(config: &Config) -> Self {
+        let legs = &config.legs;
+        let reliability = &config.reliability;
+        Settings {
+            prefill_timeout: legs.prefill_timeout,
+            concurrent_prefill_timeout: legs
+                .prefill_timeout
+                .min(reliability.concurrent_prefill_timeout),
+            decode_timeout: legs.decode_timeout,
+            stream_idle_timeout: legs.stream_idle_timeout,
+            kv_wait_evidence: reliability.kv_wait_evidence,
+            retry_on_ejection: reliability.retry_on_ejection,
+            on_prefill_failure: legs.on_prefill_failure,
+            max_retries: legs.max_retries as usize,
+            max_in_flight_per_endpoint: config.limits.max_in_flight_per_endpoint,
+            encode_timeout: legs.encode_timeout,
+            encode_max_items: legs.encode_max_items,
+            on_encode_failure: legs.on_encode_failure,
+            expose_target_headers: config.security.expose_target_headers,
+            request_body_timeout: config.security.request_body_timeout,
+            max_body_bytes: config.http.max_body_bytes,
+            metrics_on_api: config.security.admin_listen.is_none(),
+            passthrough: config.security.passthrough.clone(),
+        }
+    }
+
+    /// Whether `path` (already canonical) may be relayed to an engine (`security.passthrough`).
+    pub(crate) fn passes(&self, path: &str) -> bool {
+        crate::security::guard::allows(&self.passthrough, path)
+    }
+}
+
 /// Everything the request path shares.
 #[derive(Debug)]
 pub struct Gateway {
     /// The validated configuration.
     pub config: Config,
+    /// What requests read of it, read once.
+    pub(crate) settings: Settings,
     /// KV-transfer agents by name.
     pub registry: Registry,
     /// The global default connector, normalised.
@@ -153,6 +234,7 @@ impl Gateway {
             store: EndpointStore::default(),
             metrics,
             tasks: TaskTracker::new(),
+            settings: Settings::of(&config),
             config,
         }))
     }

@@ -29,7 +29,7 @@ use crate::extproc::wire;
 use crate::headers;
 use crate::http::edge;
 use crate::limits::Slot;
-use crate::metrics::Cause;
+use crate::metrics::{Cause, RequestRecord};
 use crate::pd::delegate::{self, Delegated, PrefillBy};
 use crate::pd::relay::{self, PartnerResult};
 use crate::pd::{self, Exchange, Route, usage};
@@ -62,7 +62,7 @@ enum Phase {
 
 /// A request whose body is on its way.
 struct Pending {
-    ex: Exchange,
+    record: RequestRecord,
     route: Route,
     headers: HeaderMap,
     pass: Pass,
@@ -122,11 +122,11 @@ pub(crate) fn responses(
 impl Session {
     /// How long the next message may take: what the proxy's edge allows at the same point.
     fn wait(&self) -> Duration {
-        let c = &self.gw.config;
+        let s = &self.gw.settings;
         match &self.phase {
-            Phase::Headers | Phase::Body(_) => c.security.request_body_timeout,
-            Phase::Relay(r) if !r.head => c.legs.decode_timeout,
-            Phase::Relay(_) | Phase::Done => c.legs.stream_idle_timeout,
+            Phase::Headers | Phase::Body(_) => s.request_body_timeout,
+            Phase::Relay(r) if !r.head => s.decode_timeout,
+            Phase::Relay(_) | Phase::Done => s.stream_idle_timeout,
         }
     }
 
@@ -162,14 +162,14 @@ impl Session {
                 "no request headers within the request body timeout",
             )),
             Phase::Body(p) => {
-                Step::Last(immediate(p.ex, GatewayError::BodyTimeout { after }).await)
+                Step::Last(immediate(Some(p.record), GatewayError::BodyTimeout { after }).await)
             }
             Phase::Relay(r) => {
-                let decode = &r.delegated.pd.decode;
+                let decode = r.ex.decode();
                 let err = if r.head {
                     relay::engine_failed(
                         Some(&self.gw.health),
-                        &r.ex.request_id,
+                        r.ex.request_id(),
                         &decode.name,
                         Cause::Silent,
                         &format!("nothing for {after:?}"),
@@ -187,7 +187,7 @@ impl Session {
                 };
                 let Relay { ex, delegated, .. } = *r;
                 drop(delegated);
-                Step::Last(immediate(ex, err).await)
+                Step::Last(immediate(ex.into_record(), err).await)
             }
             Phase::Done => Step::End,
         }
@@ -200,8 +200,8 @@ impl Session {
         let (headers, pseudo) = wire::headers(h.headers.as_ref());
         let path = pseudo.path.unwrap_or_default();
         let route = route_of(&path);
-        let ex = Exchange::new(
-            self.gw.clone(),
+        let record = RequestRecord::begin(
+            self.gw.metrics.clone(),
             route.map_or("other", Route::label),
             &headers,
         );
@@ -225,10 +225,10 @@ impl Session {
             Ok((route, pass))
         })();
         match checked {
-            Err(err) => Step::Last(immediate(ex, err).await),
+            Err(err) => Step::Last(immediate(Some(record), err).await),
             Ok((route, pass)) => {
                 self.phase = Phase::Body(Box::new(Pending {
-                    ex,
+                    record,
                     route,
                     headers,
                     pass,
@@ -243,12 +243,14 @@ impl Session {
         let Phase::Body(pending) = &mut self.phase else {
             return out_of_order("a request body");
         };
-        let limit = self.gw.config.http.max_body_bytes;
+        let limit = self.gw.settings.max_body_bytes;
         if pending.body.len() + b.body.len() > limit {
             let Phase::Body(p) = std::mem::replace(&mut self.phase, Phase::Done) else {
                 return Step::End;
             };
-            return Step::Last(immediate(p.ex, GatewayError::PayloadTooLarge { limit }).await);
+            return Step::Last(
+                immediate(Some(p.record), GatewayError::PayloadTooLarge { limit }).await,
+            );
         }
         pending.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
@@ -264,30 +266,39 @@ impl Session {
     /// The decision: plan, prefill, and the decode's request for the proxy.
     async fn decide(&mut self, pending: Pending) -> Step {
         let Pending {
-            mut ex,
+            record,
             route,
             headers,
             pass,
             body,
         } = pending;
         let subset = wire::subset_hint(self.metadata.as_ref(), &headers);
-        let span = ex.span();
+        let span = record.trace_span().clone();
+        let mut record = Some(record);
         let by = self.by;
+        let gw = self.gw.clone();
         let decided = async {
-            let slot = ex.gw.admission.admit().await?;
-            let plan = pd::plan(&mut ex, route, &headers, body.freeze(), subset.as_deref()).await?;
-            let delegated = delegate::delegate(&mut ex, plan, by).await?;
-            Ok::<_, GatewayError>((slot, delegated))
+            let slot = gw.admission.admit().await?;
+            let (headers, body) = (&headers, body.freeze());
+            let mut ex =
+                pd::plan(&gw, &mut record, route, headers, body, subset.as_deref()).await?;
+            match delegate::delegate(&mut ex, by).await {
+                Ok(delegated) => Ok((slot, ex, delegated)),
+                Err(err) => {
+                    record = ex.into_record();
+                    Err(err)
+                }
+            }
         }
         .instrument(span)
         .await;
-        let (slot, mut delegated) = match decided {
+        let (slot, ex, mut delegated) = match decided {
             Ok(d) => d,
-            Err(err) => return Step::Last(immediate(ex, err).await),
+            Err(err) => return Step::Last(immediate(record, err).await),
         };
         let body = std::mem::take(&mut delegated.body);
-        let response = self.destination(&delegated, body);
-        debug!(id = %ex.request_id, decode = %delegated.pd.decode.name, "destination named");
+        let response = self.destination(&ex, &delegated, body);
+        debug!(id = %ex.request_id(), decode = %ex.decode().name, "destination named");
         self.phase = Phase::Relay(Box::new(Relay {
             ex,
             delegated,
@@ -303,9 +314,9 @@ impl Session {
 
     /// The request-body answer: the decode's body, its headers, and its destination in every
     /// form a proxy reads (`target-pod`, `x-gateway-destination-endpoint`, `envoy.lb`).
-    fn destination(&self, d: &Delegated, body: Bytes) -> ProcessingResponse {
+    fn destination(&self, ex: &Exchange, d: &Delegated, body: Bytes) -> ProcessingResponse {
         // The engine's address: a data-parallel rank is named by the header below.
-        let decode = d.pd.decode.engine_name().as_bytes();
+        let decode = ex.decode().engine_name().as_bytes();
         let mut set = vec![
             wire::set(headers::DECODE_TARGET_HEADER.as_str(), decode),
             wire::set(wire::DESTINATION, decode),
@@ -316,18 +327,19 @@ impl Session {
                 body.len().to_string().as_bytes(),
             ),
         ];
-        if self.by == PrefillBy::Sidecar && !d.pd.served.prefill.is_empty() {
-            set.push(wire::set(wire::PREFILLER, d.pd.served.prefill.as_bytes()));
+        let prefill = &ex.served().prefill;
+        if self.by == PrefillBy::Sidecar && !prefill.is_empty() {
+            set.push(wire::set(wire::PREFILLER, prefill.as_bytes()));
         }
         // As on the proxy's legs: no engine hint from the client (the rank is the gateway's
         // choice, when the decode is a rank), and the engine's credentials.
         let rank_header = kvtransfer::DATA_PARALLEL_RANK_HEADER;
         let mut remove = Vec::new();
-        match d.pd.decode.rank {
+        match ex.decode().rank {
             Some(rank) => set.push(wire::set(rank_header.as_str(), rank.to_string().as_bytes())),
             None => remove.push(rank_header.as_str().to_string()),
         }
-        let engine_key = d.pd.decode.authorization.as_ref();
+        let engine_key = ex.decode().authorization.as_ref();
         match engine_key.or(self.gw.engine_authorization.as_ref()) {
             Some(key) => set.push(wire::set(header::AUTHORIZATION.as_str(), key.as_bytes())),
             None if !self.gw.forward_client_authorization => {
@@ -335,7 +347,7 @@ impl Session {
             }
             None => {}
         }
-        let name = d.pd.decode.engine_name();
+        let name = ex.decode().engine_name();
         wire::request_body(
             wire::common(set, remove, Some(body), true),
             Some(wire::destination_metadata(name)),
@@ -355,22 +367,16 @@ impl Session {
         // The decode answers: its prefill (a sidecar's) is done.
         relay.delegated.sidecar_prefill = None;
         relay.sse = headers::is_event_stream(&headers);
-        let pd = &relay.delegated.pd;
-        if let Some(record) = relay.ex.record() {
-            record.set_served(&pd.served, status);
-            let id = record.request_id().to_string();
-            record
-                .trace()
-                .relay_started(&id, &pd.served, pd.prefill_cached);
-        }
-        if StatusCode::from_u16(status).is_ok_and(|s| s.is_server_error()) {
-            relay.server_error = true;
+        relay.ex.answered(status);
+        relay.server_error = StatusCode::from_u16(status).is_ok_and(|s| s.is_server_error());
+        let ex = &relay.ex;
+        if relay.server_error {
             self.gw
                 .health
-                .observe(&pd.decode.name, Err(Cause::ServerError));
+                .observe(&ex.decode().name, Err(Cause::ServerError));
         }
         let mut out = HeaderMap::new();
-        pd.served.apply(&relay.ex.request_id, &mut out);
+        ex.served().apply(ex.request_id(), &mut out);
         let response =
             wire::response_headers(wire::common(wire::set_all(&out), Vec::new(), None, false));
         if h.end_of_stream {
@@ -407,9 +413,9 @@ impl Session {
                         };
                         let Relay { ex, delegated, .. } = *r;
                         drop(delegated);
-                        return Step::Last(immediate(ex, err).await);
+                        return Step::Last(immediate(ex.into_record(), err).await);
                     }
-                    Ok(Some(cached)) => relay.delegated.pd.prefill_cached = Some(cached),
+                    Ok(Some(cached)) => relay.ex.set_prefill_cached(Some(cached)),
                     Ok(None) => {}
                 }
             }
@@ -422,7 +428,7 @@ impl Session {
             if relay.sse && !relay.error_event && relay::is_error_event(&data) {
                 relay.error_event = true;
             }
-            if let Some(cached) = relay.delegated.pd.prefill_cached
+            if let Some(cached) = relay.ex.prefill_cached()
                 && let Some(patched) = usage::patch(&data, cached, !relay.sse)
             {
                 data = patched;
@@ -455,7 +461,7 @@ impl Session {
         } = *relay;
         if let Ok(mut record) = ex.take_record() {
             let health = (!server_error).then_some(&*self.gw.health);
-            relay::finish_clean(health, &delegated.pd.decode.name, error_event, &mut record);
+            relay::finish_clean(health, &ex.decode().name, error_event, &mut record);
         }
         if let Some(abort) = delegated.abort.as_mut() {
             abort.ended(true);
@@ -485,9 +491,9 @@ fn out_of_order(what: &str) -> Step {
 
 /// `err` as the proxy's answer to the client: rendered and recorded by the edge, like every
 /// error of the proxy (hop-by-hop headers left to the proxy).
-async fn immediate(ex: Exchange, err: GatewayError) -> ProcessingResponse {
+async fn immediate(record: Option<RequestRecord>, err: GatewayError) -> ProcessingResponse {
     let details = err.to_string();
-    let (parts, body) = edge::finish(ex, Err(err)).into_parts();
+    let (parts, body) = edge::finish(record, Err(err)).into_parts();
     let body = axum::body::to_bytes(body, usize::MAX)
         .await
         .unwrap_or_default();

@@ -1,5 +1,6 @@
 //! The edge of the gateway: what every request passes on its way in (head checks, the
-//! size-limited body read) and every answer on its way out. [`finish`] is the one place where an
+//! size-limited body read; [`admit`], all of it in order for the PD routes) and every answer on
+//! its way out. [`finish`] is the one place where an
 //! error becomes an answer: rendered OpenAI-shaped, stamped with `x-request-id`, its outcome
 //! recorded in `pdgate_requests_total`.
 
@@ -15,8 +16,12 @@ use tracing::debug;
 
 use crate::error::GatewayError;
 use crate::headers;
-use crate::pd::{Answer, Exchange};
+use crate::limits::Slot;
+use crate::metrics::RequestRecord;
+use crate::pd::Answer;
+use crate::security::auth::Pass;
 use crate::security::budget::{BodyBudget, Reservation};
+use crate::security::guard;
 use crate::state::Gateway;
 
 /// Largest request head (names and values) answered with more than a 431.
@@ -112,30 +117,59 @@ pub(crate) async fn read_request_body(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Bytes, GatewayError> {
-    let after = gw.config.security.request_body_timeout;
-    let read = read_body(
-        headers,
-        body,
-        gw.config.http.max_body_bytes,
-        &gw.body_budget,
-    );
+    let after = gw.settings.request_body_timeout;
+    let read = read_body(headers, body, gw.settings.max_body_bytes, &gw.body_budget);
     tokio::time::timeout(after, read)
         .await
         .unwrap_or(Err(GatewayError::BodyTimeout { after }))
 }
 
-/// The end of every exchange: an answer passes (the flow already named the request and handed
-/// its record to the body); an error is recorded, rendered and stamped here, once.
-pub(crate) fn finish(mut ex: Exchange, result: Result<Answer, GatewayError>) -> Answer {
+/// A PD request let in by [`admit`]: its headers, its body, and what it holds while it runs.
+pub(crate) struct Admitted {
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    pub(crate) slot: Slot,
+    pub(crate) pass: Pass,
+}
+
+/// What a request on a PD route passes on its way in, in this order: the client key, the
+/// head's size, the request target, the body (within `request_body_timeout` and
+/// `max_body_bytes`), then an admission slot (taken only once the body is read).
+pub(crate) async fn admit(gw: &Gateway, request: Request) -> Result<Admitted, GatewayError> {
+    let pass = gw.client_keys.check(request.headers())?;
+    check_head(request.headers())?;
+    guard::check_target(request.method(), request.uri(), request.version())?;
+    let (parts, body) = request.into_parts();
+    let body = read_request_body(gw, &parts.headers, body).await?;
+    let slot = gw.admission.admit().await?;
+    Ok(Admitted {
+        headers: parts.headers,
+        body,
+        slot,
+        pass,
+    })
+}
+
+/// The end of every request: an answer passes (the flow already named the request and handed
+/// its record to the body); an error is recorded in `record` (the request's, while no answer
+/// holds it), rendered and stamped with the request id here, once.
+pub(crate) fn finish(
+    record: Option<RequestRecord>,
+    result: Result<Answer, GatewayError>,
+) -> Answer {
     match result {
         Ok(answer) => answer,
         Err(err) => {
-            if let Ok(mut record) = ex.take_record() {
-                record.finish_error(&err);
-            }
-            debug!(id = %ex.request_id, error = %err, "request failed");
+            let Some(mut record) = record else {
+                debug!(error = %err, "request failed");
+                return render(err);
+            };
+            // Only failed requests pay for the copy: the record gives its id to the access log.
+            let id = record.request_id().to_owned();
+            record.finish_error(&err);
+            debug!(id = %id, error = %err, "request failed");
             let mut answer = render(err);
-            headers::stamp_request_id(answer.headers_mut(), &ex.request_id);
+            headers::stamp_request_id(answer.headers_mut(), &id);
             answer
         }
     }
@@ -195,7 +229,8 @@ pub(crate) fn render(err: GatewayError) -> Response {
 
 /// An error outside any flow (unknown path, wrong method): recorded under route `other`.
 pub(crate) fn refuse(gw: Arc<Gateway>, headers: &HeaderMap, err: GatewayError) -> Answer {
-    finish(Exchange::new(gw, "other", headers), Err(err))
+    let record = RequestRecord::begin(gw.metrics.clone(), "other", headers);
+    finish(Some(record), Err(err))
 }
 
 /// A known path asked with a method it does not serve.

@@ -9,7 +9,8 @@
 //!   stripped from the body).
 //!
 //! The PD routes (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/messages`)
-//! hand an [`Exchange`] to the PD flow in `pd`.
+//! hand the request's record to the PD flow in `pd`: `pd::plan` builds the request's `Exchange`
+//! from it, `pd::legs::serve` runs it, and an error gives the record back to the edge.
 
 pub(crate) mod edge;
 pub(crate) mod listener;
@@ -22,8 +23,9 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::routing::{MethodRouter, get, post};
 
-use crate::pd::{self, Answer, Exchange, Route};
-use crate::security::{auth, guard};
+use crate::metrics::RequestRecord;
+use crate::pd::{self, Answer, Route};
+use crate::security::auth;
 use crate::state::Gateway;
 
 /// The gateway's routes. A route asked with another method answers 405 through the edge.
@@ -42,24 +44,30 @@ pub(crate) fn router(gw: Arc<Gateway>) -> Router {
         .with_state(gw)
 }
 
-/// Admission, body, PD flow; every error answered by the edge.
+/// The edge's checks and admission, the PD flow; every error answered by the edge.
 async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
-    let mut ex = Exchange::new(gw, route.label(), request.headers());
+    let record = RequestRecord::begin(gw.metrics.clone(), route.label(), request.headers());
     // Built only when exported or asked for in the logs (`telemetry`): at the default filter
     // the span is disabled and costs a cached interest check.
-    let span = ex.span();
+    let span = record.trace_span().clone();
+    let mut record = Some(record);
     let result = async {
-        let pass = ex.gw.client_keys.check(request.headers())?;
-        edge::check_head(request.headers())?;
-        guard::check_target(request.method(), request.uri(), request.version())?;
-        let (parts, body) = request.into_parts();
-        let bytes = edge::read_request_body(&ex.gw, &parts.headers, body).await?;
-        let slot = ex.gw.admission.admit().await?;
-        let answer = pd::serve(&mut ex, route, &parts.headers, bytes).await?;
-        Ok(auth::hold(answer, slot, pass))
+        let edge::Admitted {
+            headers,
+            body,
+            slot,
+            pass,
+        } = edge::admit(&gw, request).await?;
+        let mut ex = pd::plan(&gw, &mut record, route, &headers, body, None).await?;
+        let answer = pd::legs::serve(&mut ex).await;
+        if answer.is_err() {
+            // The edge records the error: the record comes back from the exchange.
+            record = ex.into_record();
+        }
+        Ok(auth::hold(answer?, slot, pass))
     };
     let result = tracing::Instrument::instrument(result, span).await;
-    edge::finish(ex, result)
+    edge::finish(record, result)
 }
 
 async fn completions(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {

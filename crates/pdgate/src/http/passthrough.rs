@@ -16,8 +16,9 @@ use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg};
 use crate::headers::{self, DECODE_TARGET_HEADER};
 use crate::http::edge;
+use crate::metrics::RequestRecord;
+use crate::pd::Answer;
 use crate::pd::relay::RelayBody;
-use crate::pd::{Answer, Exchange};
 use crate::security::auth::{self, Pass};
 use crate::security::guard;
 use crate::state::Gateway;
@@ -32,17 +33,21 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request
     if let Err(err) = guard::check_target(request.method(), request.uri(), request.version()) {
         return edge::refuse(gw, request.headers(), err);
     }
-    if !gw.config.security.allows(request.uri().path()) {
+    if !gw.settings.passes(request.uri().path()) {
         let path = request.uri().path().to_string();
         return edge::refuse(gw, request.headers(), GatewayError::NotFound { path });
     }
-    let mut ex = Exchange::new(gw, "passthrough", request.headers());
+    let mut record = Some(RequestRecord::begin(
+        gw.metrics.clone(),
+        "passthrough",
+        request.headers(),
+    ));
     let result = async {
         edge::check_head(request.headers())?;
-        forward(&mut ex, request, pass).await
+        forward(&gw, &mut record, request, pass).await
     }
     .await;
-    edge::finish(ex, result)
+    edge::finish(record, result)
 }
 
 /// The body an engine may see: empty, or a JSON object (unique keys, bounded depth) without any
@@ -64,8 +69,13 @@ fn clean_body(body: Bytes) -> Result<(Bytes, Option<String>), GatewayError> {
     Ok((json.to_bytes(), model))
 }
 
-async fn forward(ex: &mut Exchange, request: Request, pass: Pass) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
+/// Relays the request to a decode; the relayed body takes `record` (left there on an error).
+async fn forward(
+    gw: &Gateway,
+    record: &mut Option<RequestRecord>,
+    request: Request,
+    pass: Pass,
+) -> Result<Answer, GatewayError> {
     let (parts, body) = request.into_parts();
     let path = parts.uri.path().to_string();
     let path_and_query = parts
@@ -73,7 +83,7 @@ async fn forward(ex: &mut Exchange, request: Request, pass: Pass) -> Result<Answ
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or(path);
-    let body = edge::read_request_body(&gw, &parts.headers, body).await?;
+    let body = edge::read_request_body(gw, &parts.headers, body).await?;
     let slot = gw.admission.admit().await?;
     let (body, model) = clean_body(body)?;
     let snap = gw.store.load();
@@ -100,36 +110,42 @@ async fn forward(ex: &mut Exchange, request: Request, pass: Pass) -> Result<Answ
         forwarded.insert(header::CONTENT_TYPE, ct.clone());
     }
     let load = LoadGuard::acquire(&decode.load);
+    let request_id = record.as_ref().map_or("", |r| r.request_id());
     let leg = LegRequest {
         leg: Leg::Decode,
         endpoint: decode.target(),
         path: &path_and_query,
         method: parts.method,
         body,
-        request_id: &ex.request_id,
+        request_id,
         headers: &forwarded,
         extra: &[],
     };
-    let head = client::send_within(&gw.client, leg, gw.config.legs.decode_timeout).await?;
+    let head = client::send_within(&gw.client, leg, gw.settings.decode_timeout).await?;
+    let Some(record) = record.take() else {
+        return Err(GatewayError::Internal("request measured twice".into()));
+    };
+    // The answer names the request; the record keeps its id for the access log.
+    let request_id = record.request_id().to_owned();
     let (head_parts, body) = head.into_parts();
     let sse = headers::is_event_stream(&head_parts.headers);
     let relay = RelayBody::new(
         body,
-        gw.config.legs.stream_idle_timeout,
+        gw.settings.stream_idle_timeout,
         sse,
         vec![load],
-        ex.take_record()?,
+        record,
         decode.name.clone(),
     );
     let mut response = Answer::new(Body::new(relay));
     *response.status_mut() = head_parts.status;
     headers::copy_end_to_end(&head_parts.headers, response.headers_mut());
-    if gw.config.security.expose_target_headers
+    if gw.settings.expose_target_headers
         && let Ok(v) = http::HeaderValue::from_str(&decode.name)
     {
         response.headers_mut().insert(DECODE_TARGET_HEADER, v);
     }
-    headers::stamp_request_id(response.headers_mut(), &ex.request_id);
+    headers::stamp_request_id(response.headers_mut(), &request_id);
     Ok(auth::hold(response, slot, pass))
 }
 

@@ -104,7 +104,7 @@ fn unserved_models(gw: &Gateway, snap: &crate::endpoints::Snapshot) -> Vec<Strin
 /// `/metrics` on the API port: behind the client keys, and absent (404) when an admin listener
 /// serves it.
 pub(crate) async fn api_metrics(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Answer {
-    if gw.config.security.admin_listen.is_some() {
+    if !gw.settings.metrics_on_api {
         let err = crate::error::GatewayError::NotFound {
             path: "/metrics".into(),
         };

@@ -117,9 +117,17 @@ impl RequestRecord {
         }
     }
 
-    /// The request id, for the access log.
-    pub fn set_request_id(&mut self, id: &str) {
-        self.request_id = id.to_string();
+    /// Starts measuring a request on the route labelled `route` (a closed set), named by its
+    /// `x-request-id` (or a new id), its spans started from the request's `headers`.
+    pub(crate) fn begin(
+        metrics: Arc<Metrics>,
+        route: &'static str,
+        headers: &http::HeaderMap,
+    ) -> Self {
+        let mut record = RequestRecord::start(metrics, route);
+        record.request_id = crate::headers::request_id(headers);
+        record.trace = crate::telemetry::RequestTrace::start(&record.request_id, route, headers);
+        record
     }
 
     /// The request's spans.
@@ -169,8 +177,11 @@ impl RequestRecord {
         self.model = model.to_string();
     }
 
-    /// Marks the end of the prefill leg.
+    /// Marks the end of the prefill leg (the first mark counts).
     pub fn prefill_done(&mut self) {
+        if self.prefill_done.is_some() {
+            return;
+        }
         let now = Instant::now();
         self.trace.prefill_done(&self.request_id);
         self.prefill_done = Some(now);

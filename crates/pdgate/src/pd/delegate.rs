@@ -15,7 +15,7 @@ use crate::endpoints::LoadGuard;
 use crate::error::GatewayError;
 use crate::pd::abort::AbortOnLeave;
 use crate::pd::relay::PartnerResult;
-use crate::pd::{Exchange, Pd, Plan, legs};
+use crate::pd::{Exchange, legs};
 
 /// Who runs the prefill leg.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,10 +28,9 @@ pub(crate) enum PrefillBy {
     Sidecar,
 }
 
-/// The decode leg, ready for another proxy to send, and what it holds meanwhile.
+/// The decode leg, ready for another proxy to send, and what it holds meanwhile (the request's
+/// state stays in its [`Exchange`]).
 pub(crate) struct Delegated {
-    /// The request's state (served endpoints, the prefill's cached tokens, the agent).
-    pub(crate) pd: Pd,
     /// The decode leg's body: the agent's, or the client's without transfer fields.
     pub(crate) body: Bytes,
     /// The decode leg's `x-request-id` (a connector may address its engines through it).
@@ -46,58 +45,43 @@ pub(crate) struct Delegated {
     pub(crate) abort: Option<AbortOnLeave>,
 }
 
-/// Runs the prefill side of `plan` (or leaves it to a sidecar) and shapes the decode leg.
-pub(crate) async fn delegate(
-    ex: &mut Exchange,
-    plan: Plan,
-    by: PrefillBy,
-) -> Result<Delegated, GatewayError> {
-    let gw = ex.gw.clone();
-    let Plan {
-        mut pd,
-        decode_only,
-    } = plan;
+/// Runs the prefill side of the planned exchange `ex` (or leaves it to a sidecar) and shapes
+/// the decode leg.
+pub(crate) async fn delegate(ex: &mut Exchange, by: PrefillBy) -> Result<Delegated, GatewayError> {
     let mut partner = None;
     let mut sidecar_prefill = None;
-    let body = if decode_only {
-        pd.clean.to_bytes()
+    let body = if ex.alone() {
+        ex.plain_body()
     } else {
-        match (by, pd.agent.dispatch()) {
+        match (by, ex.agent().dispatch()) {
             (PrefillBy::Sidecar, _) => {
-                sidecar_prefill = Some(LoadGuard::computing(&pd.prefill.load, pd.prefill_tokens));
-                pd.clean.to_bytes()
+                let prefill = ex.prefill();
+                sidecar_prefill = Some(LoadGuard::computing(&prefill.load, ex.prefill_tokens()));
+                ex.plain_body()
             }
             // Boxed like the proxy's flows: the prefill leg's future is large.
             (PrefillBy::Gateway, Dispatch::Sequential) => {
-                Box::pin(legs::prefill_and_merge(ex, &mut pd)).await?
+                match Box::pin(legs::prefill_and_merge(ex)).await? {
+                    Some(body) => body,
+                    // The prefill failed: the decode serves the client's request alone.
+                    None => ex.plain_body(),
+                }
             }
             (PrefillBy::Gateway, Dispatch::Concurrent) => {
-                let limit = legs::concurrent_prefill_limit(&gw);
-                let ec = pd.encode_for_prefill(&gw, &ex.request_id).await?;
-                partner = Some(legs::start_prefill(
-                    &gw,
-                    &ex.request_id,
-                    &mut pd,
-                    limit,
-                    ec,
-                )?);
-                pd.ctx.req_body.clone()
+                let limit = ex.settings().concurrent_prefill_timeout;
+                let request = ex.prefill_request().await?;
+                partner = Some(legs::start_prefill(ex, limit, request)?);
+                ex.decode_body()
             }
         }
     };
-    let leg_request_id = (pd.ctx.transfer.leg_request_id.as_deref())
-        .unwrap_or(&ex.request_id)
-        .to_string();
-    let decode_load = LoadGuard::acquire(&pd.decode.load);
-    gw.health.begin(&pd.decode.name);
-    let abort = AbortOnLeave::new(
-        &gw,
-        pd.agent.as_ref(),
-        Arc::clone(&pd.decode),
-        &ex.request_id,
-    );
+    let leg_request_id = ex.leg_request_id().to_string();
+    let decode = ex.decode();
+    let decode_load = LoadGuard::acquire(&decode.load);
+    let gw = ex.gw();
+    gw.health.begin(&decode.name);
+    let abort = AbortOnLeave::new(gw, ex.agent(), Arc::clone(decode), ex.request_id());
     Ok(Delegated {
-        pd,
         body,
         leg_request_id,
         partner,

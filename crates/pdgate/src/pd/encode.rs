@@ -65,7 +65,7 @@ pub(crate) fn work(
     if requests.is_empty() {
         return Ok(None);
     }
-    let max = gw.config.legs.encode_max_items;
+    let max = gw.settings.encode_max_items;
     if requests.len() > max {
         return Err(GatewayError::bad_request(
             format!(
@@ -129,7 +129,7 @@ pub(crate) async fn for_prefill_leg(
             Ok(encoder::merge_ec_params(&items))
         }
         Err(err)
-            if gw.config.legs.on_encode_failure == PrefillFailurePolicy::Fallback
+            if gw.settings.on_encode_failure == PrefillFailurePolicy::Fallback
                 && !err.status().is_client_error() =>
         {
             warn!(id = %request_id, error = %err, "no encoder encoded an item; the prefill encodes the request's items itself");
@@ -152,7 +152,7 @@ async fn item(
     body: Bytes,
     model: Option<&str>,
 ) -> Result<Option<EncodedItem>, GatewayError> {
-    let cap = gw.config.limits.max_in_flight_per_endpoint;
+    let cap = gw.settings.max_in_flight_per_endpoint;
     let mut tried: Vec<String> = Vec::new();
     loop {
         let open: Vec<Arc<Endpoint>> = encoders
@@ -174,7 +174,7 @@ async fn item(
             Err(err) => err,
         };
         let again = err.retryable()
-            && tried.len() < gw.config.legs.max_retries as usize
+            && tried.len() < gw.settings.max_retries
             && encoders.len() > tried.len() + 1;
         if !again || !gw.retry_budget.try_withdraw() {
             return Err(err);
@@ -195,7 +195,7 @@ async fn leg(
 ) -> Result<Option<EncodedItem>, GatewayError> {
     let _load = LoadGuard::acquire(&encoder.load);
     gw.health.begin(&encoder.name);
-    let limit = gw.config.legs.encode_timeout;
+    let limit = gw.settings.encode_timeout;
     let request = LegRequest {
         leg: Leg::Encode,
         endpoint: encoder.target(),

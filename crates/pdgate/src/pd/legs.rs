@@ -1,7 +1,10 @@
-//! The two legs, scheduled as the prefill's agent wants them ([`kvtransfer::Dispatch`]):
-//! [`sequential`] (prefill, merge its answer, then decode) or [`concurrent`] (both at once; a
-//! prefill failing before the decode's first byte restarts both on another prefill). Both end at
-//! the decode's response head and hand over to the relay.
+//! The two legs, scheduled as the prefill's agent wants them ([`kvtransfer::Dispatch`]), from
+//! [`serve`]: [`sequential`] (prefill, merge its answer, then decode) or [`concurrent`] (both at
+//! once; a prefill failing before the decode's first byte restarts both on another prefill), or
+//! the decode alone ([`decode_only`], [`decode_last`]). The prefill leg is [`prefill_leg`], the
+//! decode leg up to its head [`send`], shared by every flow. Every failed attempt ends in one
+//! [`Failure`], and [`Exchange::next`] (`pd::retry`) decides what follows; the flows here carry
+//! it out. They end at the decode's response head and hand over to the relay.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,22 +13,20 @@ use bytes::Bytes;
 use futures_util::future::OptionFuture;
 use http::{Method, Response};
 use http_body::Frame;
-use kvtransfer::MergeOutcome;
+use kvtransfer::Dispatch;
 use tokio::time::timeout;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{Instrument, info_span, warn};
+use tracing::{Instrument, info_span};
 
-use crate::config::PrefillFailurePolicy;
 use crate::endpoints::{Endpoint, LoadGuard};
 use crate::engine::EngineBody;
 use crate::engine::client::{self, Collected, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
-use crate::pd::decode_head::{self, DecodeHead};
 use crate::pd::handover::{FirstByte, first_byte, next_frame};
 use crate::pd::relay::{self, PartnerResult};
-use crate::pd::retry::{self, fall_back, kv_wait_failure, retry_both_legs};
-use crate::pd::{Answer, Exchange, Pd, abort, encode, select, usage};
+use crate::pd::retry::{self, Failure, Next};
+use crate::pd::{Answer, Exchange, usage};
 use crate::state::Gateway;
 
 /// The prefill leg, owned, so it can run on its own task beside the decode leg.
@@ -43,22 +44,15 @@ struct PrefillJob {
 }
 
 impl PrefillJob {
-    fn new(
-        pd: &Pd,
-        request_id: &str,
-        request: kvtransfer::PrefillRequest,
-        limit: Duration,
-    ) -> Self {
+    fn new(ex: &Exchange, request: kvtransfer::PrefillRequest, limit: Duration) -> Self {
         PrefillJob {
             limit,
-            tokens: pd.prefill_tokens,
-            endpoint: pd.prefill.clone(),
-            path: pd.route.path(),
+            tokens: ex.prefill_tokens(),
+            endpoint: ex.prefill().clone(),
+            path: ex.route().path(),
             // A connector that addresses its engines through the request id chose the legs' id.
-            request_id: (pd.ctx.transfer.leg_request_id.as_deref())
-                .unwrap_or(request_id)
-                .to_string(),
-            forwarded: pd.forwarded.clone(),
+            request_id: ex.leg_request_id().to_string(),
+            forwarded: ex.forwarded().clone(),
             body: request.body,
             extra: request.headers,
         }
@@ -96,7 +90,7 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
     };
     let limit = job.limit;
     let started = tokio::time::Instant::now();
-    let went_down = decode_head::went_down(gw, &job.endpoint.name);
+    let went_down = went_down(gw, &job.endpoint.name);
     // Biased: the leg's own outcome first (and no random draw per poll).
     let result = tokio::select! {
         biased;
@@ -129,137 +123,72 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
     result
 }
 
+/// Runs the planned exchange `ex` to the client's answer: the decode alone when the plan says
+/// so, else the two legs as the agent schedules them.
+pub(crate) async fn serve(ex: &mut Exchange) -> Result<Answer, GatewayError> {
+    // Boxed: the flows' futures are large, and every async caller up to axum's own box would
+    // otherwise hold (and move) them inline.
+    if ex.alone() {
+        return Box::pin(decode_only(ex)).await;
+    }
+    match ex.agent().dispatch() {
+        Dispatch::Sequential => Box::pin(sequential(ex)).await,
+        Dispatch::Concurrent => Box::pin(concurrent(ex)).await,
+    }
+}
+
 /// Prefill, merge, decode. A failed prefill is retried on another prefill, then (by policy)
 /// either fails the request or lets the decode serve it alone. A decode taken out of rotation
 /// while the request waits for its head is given up at once: the request moves to another decode
-/// (once), where both legs run again (its KV may already be gone), or the fallback alone.
-pub(crate) async fn sequential(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
-    let mut body = prefill_and_merge(ex, &mut pd).await?;
-    let mut moved = false;
+/// (once), where both legs run again (its KV may already be gone).
+pub(crate) async fn sequential(ex: &mut Exchange) -> Result<Answer, GatewayError> {
     loop {
+        let Some(body) = prefill_and_merge(ex).await? else {
+            return decode_last(ex, false).await;
+        };
         // Boxed, like the prefill leg: this flow's own future then stays small, and the flows'
-        // box (`pd::serve`) copies no more than the request's state.
-        let sent = decode_head::send(ex, &mut pd, body.clone(), &mut moved, false);
-        match Box::pin(sent).await? {
-            Some((head, _)) => return decode_head::relay_head(ex, pd, head),
-            // Moved: the KV went to the old decode, so the prefill runs again; a fallback
-            // sends the same plain request.
-            None if !pd.served.fallback => body = prefill_and_merge(ex, &mut pd).await?,
-            None => {}
+        // box (`serve`) copies no more than the request's state.
+        match Box::pin(send(ex, body, false)).await {
+            Ok((head, _)) => return relay_head(ex, head),
+            // Moved: the KV went to the old decode, so the prefill runs again.
+            Err(Next::RetryBoth | Next::RetryLeg) => {}
+            Err(Next::Alone) => return decode_last(ex, false).await,
+            Err(Next::Fail(err)) => return Err(err),
         }
     }
-}
-
-/// The prefill leg's body for the current pair: the agent's (bound to the decode), with the
-/// encoders' parameters `ec` for this leg set on it.
-fn prefill_body(
-    pd: &mut Pd,
-    ec: Option<Bytes>,
-) -> Result<kvtransfer::PrefillRequest, GatewayError> {
-    pd.agent.bind_decode(&mut pd.ctx, &pd.decode.pod)?;
-    let source = pd.prefill_base.as_ref().unwrap_or(&pd.clean);
-    let body = pd
-        .agent
-        .augment_prefill_request(&mut pd.ctx, &pd.prefill.pod, source)?;
-    encode::attach(body, ec)
 }
 
 /// The prefill leg (retried on other prefills) and the merge of its answer: the decode leg's
-/// body (the client's own when the decode serves alone after a failed prefill).
-pub(crate) async fn prefill_and_merge(
-    ex: &mut Exchange,
-    pd: &mut Pd,
-) -> Result<Bytes, GatewayError> {
-    let gw = ex.gw.clone();
-    let mut tried = vec![pd.prefill.name.clone()];
-    let collected = loop {
-        // Each prefill leg loads its items' encoder output once: encoded again for each.
-        let ec = pd.encode_for_prefill(&gw, &ex.request_id).await?;
-        let prefill_request = prefill_body(pd, ec)?;
-        let job = PrefillJob::new(
-            pd,
-            &ex.request_id,
-            prefill_request,
-            gw.config.legs.prefill_timeout,
-        );
-        // Boxed, like the decode leg below: this flow's own future then stays small, and the
-        // flows' box (`pd::serve`) copies no more than the request's state.
-        let collected = Box::pin(prefill_leg(&gw, job))
-            .instrument(prefill_span(&ex.request_id, &pd.prefill.name))
-            .await;
-        let retryable = match &collected {
-            Ok(c) => c.status.is_server_error(),
-            Err(e) => e.retryable(),
+/// body, or `None` when the decode serves the client's request alone after the prefill failed.
+pub(crate) async fn prefill_and_merge(ex: &mut Exchange) -> Result<Option<Bytes>, GatewayError> {
+    let gw = ex.gw().clone();
+    loop {
+        let request = ex.prefill_request().await?;
+        let job = PrefillJob::new(ex, request, gw.settings.prefill_timeout);
+        let span = prefill_span(ex.request_id(), &ex.prefill().name);
+        // Boxed, like the decode leg: this flow's own future then stays small, and the flows'
+        // box (`serve`) copies no more than the request's state.
+        let collected = Box::pin(prefill_leg(&gw, job)).instrument(span).await;
+        let err = match collected {
+            Ok(c) if c.status.is_success() => match ex.merge_prefill(&c.body) {
+                Ok(body) => return Ok(Some(body)),
+                Err(err) => err,
+            },
+            Ok(c) => client::status_error(Leg::Prefill, c),
+            Err(err) => err,
         };
-        if retryable
-            && let Some(next) = select::retry_target(
-                &gw,
-                Leg::Prefill,
-                pd.model.as_deref(),
-                &pd.prefill,
-                &pd.decode,
-                &tried,
-            )
-        {
-            let why = collected
-                .as_ref()
-                .err()
-                .map_or("prefill failed", retry::why_moved);
-            warn!(id = %ex.request_id, from = %pd.prefill.name, to = %next.name, "{why}; retrying on another prefill");
-            if let Some(r) = ex.record() {
-                r.trace().retried();
+        match ex.next(Failure::Prefill(err)).await {
+            Next::RetryLeg | Next::RetryBoth => {}
+            Next::Alone => {
+                ex.prefill_done();
+                return Ok(None);
             }
-            tried.push(next.name.clone());
-            pd.switch_prefill(&ex.request_id, next)?;
-            ex.touched(pd);
-            continue;
+            Next::Fail(err) => {
+                ex.prefill_done();
+                return Err(err);
+            }
         }
-        break collected;
-    };
-    if let Some(r) = ex.record() {
-        r.prefill_done();
     }
-    let merged = match collected {
-        Ok(c) if c.status.is_success() => {
-            pd.prefill_cached = usage::reported(&c.body);
-            pd.agent
-                .merge_prefill_response(&mut pd.ctx, &c.body, &pd.prefill.pod)
-                .map_err(GatewayError::from)
-        }
-        Ok(c) if c.status.is_client_error() => {
-            return Err(client::status_error(Leg::Prefill, c));
-        }
-        Ok(c) => Err(client::status_error(Leg::Prefill, c)),
-        Err(e) => Err(e),
-    };
-    let decode_body = match merged {
-        Ok(MergeOutcome::KvAttached) => pd.ctx.req_body.clone(),
-        Ok(MergeOutcome::Recompute) => {
-            warn!(
-                id = %ex.request_id,
-                prefill = %pd.prefill.name,
-                "prefill answered without KV-transfer parameters; the decode recomputes the prompt"
-            );
-            gw.metrics.count_recompute(pd.served.connector);
-            // The decode computes the prompt itself: its own usage is the right one.
-            pd.prefill_cached = None;
-            pd.ctx.req_body.clone()
-        }
-        Err(err) => match gw.config.legs.on_prefill_failure {
-            PrefillFailurePolicy::Fail => return Err(err),
-            PrefillFailurePolicy::Fallback if !pd.agent.allows_decode_only() => return Err(err),
-            PrefillFailurePolicy::Fallback => {
-                let why = retry::why_moved(&err);
-                warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "{why}; decode serves the request alone");
-                gw.metrics.count_fallback(pd.served.connector);
-                pd.served.fallback = true;
-                // A plain request: no transfer state (an id naming the failed prefill) goes with it.
-                pd.restart(&ex.request_id);
-                pd.clean.to_bytes()
-            }
-        },
-    };
-    Ok(decode_body)
 }
 
 /// Both legs at once. The response head is held until the decode's first byte or the
@@ -268,124 +197,51 @@ pub(crate) async fn prefill_and_merge(
 /// Blame by evidence: a decode 5xx that came after `reliability.kv_wait_evidence` while the
 /// prefill had not answered is the decode giving up waiting for KV: it counts against the
 /// prefill, and the request moves to another prefill (or falls back) like a failed prefill.
-pub(crate) async fn concurrent(ex: &mut Exchange, mut pd: Pd) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
-    let mut state = Attempts {
-        limit: concurrent_prefill_limit(&gw),
-        tried: vec![pd.prefill.name.clone()],
-        bootstrap: pd.agent.needs_bootstrap_lookup(),
-        requeried: false,
-        moved: false,
-    };
+pub(crate) async fn concurrent(ex: &mut Exchange) -> Result<Answer, GatewayError> {
     loop {
-        // The one place an attempt's outcome becomes the next step: relay, both legs again
-        // (another decode, fresh facts, another prefill), the decode alone, or fail.
-        match attempt(ex, &mut pd, &mut state).await? {
-            Outcome::Ready {
-                head,
-                decode_load,
-                partner,
-                prefix,
-            } => {
-                if partner.is_none()
-                    && let Some(r) = ex.record()
-                {
-                    r.prefill_done();
+        match attempt(ex).await {
+            Ok(ready) => {
+                if ready.partner.is_none() {
+                    ex.prefill_done();
                 }
-                let record = ex.take_record()?;
-                return Ok(relay::respond(
-                    &gw,
-                    &ex.request_id,
-                    head,
-                    pd,
-                    decode_load,
-                    partner,
-                    prefix,
-                    record,
-                ));
+                return relay::respond(
+                    ex,
+                    ready.head,
+                    ready.decode_load,
+                    ready.partner,
+                    ready.prefix,
+                );
             }
-            Outcome::Moved => {}
-            Outcome::StaleFacts { decode, fresh } => {
-                retry::retry_on_fresh_facts(&gw, &mut pd, ex, &decode, fresh).await?;
-            }
-            Outcome::PrefillFailed(err) => {
-                if let Err(err) = retry_both_legs(&gw, &mut pd, ex, &mut state.tried, err).await {
-                    return fall_back(ex, pd, err).await;
-                }
-            }
-            Outcome::DecodeFailed(err) => {
-                abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
-                return Err(err);
-            }
+            // Another prefill, another decode or fresh bootstrap facts: both legs again.
+            Err(Next::RetryBoth | Next::RetryLeg) => {}
+            Err(Next::Alone) => return decode_last(ex, false).await,
+            Err(Next::Fail(err)) => return Err(err),
         }
     }
 }
 
-/// How one attempt of both legs ended, before any decode byte reached the client.
-// One per attempt, matched at once: boxing the large variant would cost an allocation per
-// request for nothing.
-#[allow(clippy::large_enum_variant)]
-enum Outcome {
-    /// The decode's head (and first frame, when it was read) with the prefill still running or
-    /// done: relay it.
-    Ready {
-        head: Response<EngineBody>,
-        decode_load: LoadGuard,
-        partner: Option<AbortOnDropHandle<PartnerResult>>,
-        prefix: Option<Frame<Bytes>>,
-    },
-    /// The decode was taken out of rotation: the request moved to another decode.
-    Moved,
-    /// The decode refused the prefill's stale bootstrap facts; `fresh` carries new ones.
-    StaleFacts {
-        decode: Arc<Endpoint>,
-        fresh: Arc<Endpoint>,
-    },
-    /// The prefill failed, or by evidence never handed its KV over.
-    PrefillFailed(GatewayError),
-    /// The decode failed.
-    DecodeFailed(GatewayError),
+/// An attempt of both legs that reached the decode's head (and, with a prefill still running or
+/// a bootstrap-based connector, its first frame) before any decode byte reached the client.
+struct Ready {
+    head: Response<EngineBody>,
+    decode_load: LoadGuard,
+    partner: Option<AbortOnDropHandle<PartnerResult>>,
+    prefix: Option<Frame<Bytes>>,
 }
 
-/// What a concurrent request keeps across its attempts.
-struct Attempts {
-    /// Bound on each prefill leg.
-    limit: Duration,
-    /// Prefills used.
-    tried: Vec<String>,
-    /// A bootstrap-based connector (Mooncake): a decode failure may be the prefill's stale facts
-    /// (a restarted prefill's new engine id); checked once per request (`requeried`).
-    bootstrap: bool,
-    requeried: bool,
-    /// Moved to another decode once already.
-    moved: bool,
-}
-
-/// Bound on a prefill leg that runs beside its decode.
-pub(crate) fn concurrent_prefill_limit(gw: &Gateway) -> Duration {
-    gw.config
-        .legs
-        .prefill_timeout
-        .min(gw.config.reliability.concurrent_prefill_timeout)
-}
-
-/// Starts the prefill leg of a concurrent connector on its own task (aborted when dropped),
-/// after the agent shaped both legs: the decode leg's body is then `pd.ctx.req_body`. The task
-/// answers the cached prompt tokens the prefill reports. `ec`: the encoders' parameters for
-/// this prefill leg ([`Pd::encode_for_prefill`]).
+/// Starts the prefill leg of a concurrent connector (`request`: [`Exchange::prefill_request`])
+/// on its own task (aborted when dropped), after the agent shaped both legs: the decode leg's
+/// body is then [`Exchange::decode_body`]. The task answers the cached prompt tokens the prefill
+/// reports.
 pub(crate) fn start_prefill(
-    gw: &Arc<Gateway>,
-    request_id: &str,
-    pd: &mut Pd,
+    ex: &mut Exchange,
     limit: Duration,
-    ec: Option<Bytes>,
+    request: kvtransfer::PrefillRequest,
 ) -> Result<AbortOnDropHandle<PartnerResult>, GatewayError> {
-    let prefill_request = prefill_body(pd, ec)?;
-    pd.agent
-        .merge_prefill_response(&mut pd.ctx, b"", &pd.prefill.pod)?;
-    let gw = gw.clone();
-    let job = PrefillJob::new(pd, request_id, prefill_request, limit);
-    let span = prefill_span(request_id, &pd.prefill.name);
+    ex.merge_before_prefill()?;
+    let gw = ex.gw().clone();
+    let job = PrefillJob::new(ex, request, limit);
+    let span = prefill_span(ex.request_id(), &ex.prefill().name);
     Ok(AbortOnDropHandle::new(tokio::spawn(
         async move {
             let c = prefill_leg(&gw, job).await?;
@@ -400,26 +256,23 @@ pub(crate) fn start_prefill(
 }
 
 /// One attempt of both legs, up to the decode's head and (with a prefill still running or a
-/// bootstrap-based connector) its first frame.
-async fn attempt(
-    ex: &mut Exchange,
-    pd: &mut Pd,
-    state: &mut Attempts,
-) -> Result<Outcome, GatewayError> {
+/// bootstrap-based connector) its first frame. A failure ends in the next step
+/// [`Exchange::next`] decided.
+async fn attempt(ex: &mut Exchange) -> Result<Ready, Next> {
     enum Step {
         Prefill(Result<PartnerResult, tokio::task::JoinError>),
-        Decode(Result<Option<(DecodeHead, Duration)>, GatewayError>),
+        Decode(Result<(DecodeHead, Duration), Next>),
     }
-    let gw = ex.gw.clone();
-    let ec = pd.encode_for_prefill(&gw, &ex.request_id).await?;
-    let prefill_task = start_prefill(&gw, &ex.request_id, pd, state.limit, ec)?;
+    let request = ex.prefill_request().await.map_err(Next::Fail)?;
+    let limit = ex.settings().concurrent_prefill_timeout;
+    let prefill_task = start_prefill(ex, limit, request).map_err(Next::Fail)?;
     let mut partner = Some(prefill_task);
     let decode_sent = tokio::time::Instant::now();
     // The prefill's cached tokens, when it answers before the decode's head.
     let mut early_cached = None;
     let step = {
-        let body = pd.ctx.req_body.clone();
-        let decode = decode_head::send(ex, pd, body, &mut state.moved, false);
+        let body = ex.decode_body();
+        let decode = send(ex, body, false);
         tokio::pin!(decode);
         loop {
             let step = tokio::select! {
@@ -436,9 +289,9 @@ async fn attempt(
             }
         }
     };
-    pd.prefill_cached = early_cached;
-    let head = match step {
-        Step::Decode(head) => head,
+    ex.set_prefill_cached(early_cached);
+    let ((head, decode_load), took) = match step {
+        Step::Decode(head) => head?,
         Step::Prefill(done) => {
             // The decode future is dropped (its connection closed).
             let err = match done {
@@ -446,88 +299,209 @@ async fn attempt(
                 Ok(Ok(_)) => GatewayError::Internal("prefill outcome lost".into()),
                 Err(join) => GatewayError::Internal(format!("prefill task ended: {join}")),
             };
-            return Ok(Outcome::PrefillFailed(err));
+            return Err(ex.next(Failure::Prefill(err)).await);
         }
     };
-    let ((head, decode, decode_load), took) = match head {
-        Ok(Some(head)) => head,
-        // Moved to another decode: both legs again there.
-        Ok(None) => return Ok(Outcome::Moved),
-        Err(err) => return Ok(Outcome::DecodeFailed(err)),
+    let (kv_wait_evidence, idle) = {
+        let s = ex.settings();
+        (s.kv_wait_evidence, s.stream_idle_timeout)
     };
     if head.status().is_server_error() {
-        let kv_wait = partner.is_some() && took >= gw.config.reliability.kv_wait_evidence;
-        if kv_wait {
+        if partner.is_some() && took >= kv_wait_evidence {
             // The prefill never handed its KV over: its failure, not the decode's.
             drop((partner.take(), head, decode_load));
-            let err = kv_wait_failure(&gw, pd, &ex.request_id, &decode.name, took);
-            return Ok(Outcome::PrefillFailed(err));
+            let err = retry::kv_wait_failure(ex, took);
+            return Err(ex.next(Failure::Prefill(err)).await);
         }
-        if state.bootstrap && !state.requeried {
-            state.requeried = true;
-            if let Some(fresh) = retry::fresh_prefill(&gw, &pd.prefill).await {
-                drop((partner.take(), head, decode_load));
-                return Ok(Outcome::StaleFacts { decode, fresh });
-            }
+        if ex.first_requery()
+            && let Some(fresh) = retry::fresh_prefill(ex.gw(), ex.prefill()).await
+        {
+            drop((partner.take(), head, decode_load));
+            return Err(ex.next(Failure::StaleFacts(fresh)).await);
         }
-        gw.health.observe(&decode.name, Err(Cause::ServerError));
+        ex.gw()
+            .health
+            .observe(&ex.decode().name, Err(Cause::ServerError));
     }
-    pd.switch_decode(decode);
     let (parts, mut body) = head.into_parts();
     let mut prefix = None;
     if let Some(task) = partner.as_mut() {
-        let idle = gw.config.legs.stream_idle_timeout;
-        match first_byte(&mut body, task, idle, &pd.decode).await {
+        match first_byte(&mut body, task, idle, ex.decode()).await {
             // A streaming decode sends its head before it waits for KV (as vLLM does): an
             // error event as its first frame, late, with the prefill still silent, is the
             // same KV-wait failure, and the client has nothing yet.
             FirstByte::Frame(Some(frame))
-                if decode_sent.elapsed() >= gw.config.reliability.kv_wait_evidence
+                if decode_sent.elapsed() >= kv_wait_evidence
                     && frame.data_ref().is_some_and(|d| relay::is_error_event(d)) =>
             {
                 drop((partner.take(), body, decode_load));
-                let waited = decode_sent.elapsed();
-                let err = kv_wait_failure(&gw, pd, &ex.request_id, &pd.decode.name, waited);
-                return Ok(Outcome::PrefillFailed(err));
+                let err = retry::kv_wait_failure(ex, decode_sent.elapsed());
+                return Err(ex.next(Failure::Prefill(err)).await);
             }
             FirstByte::Frame(frame) => prefix = frame,
             FirstByte::PrefillDone(cached) => {
-                pd.prefill_cached = cached;
+                ex.set_prefill_cached(cached);
                 partner = None;
             }
             FirstByte::PrefillFailed(err) => {
                 drop((body, decode_load));
-                return Ok(Outcome::PrefillFailed(err));
+                return Err(ex.next(Failure::Prefill(err)).await);
             }
-            FirstByte::DecodeFailed(err) => return Ok(Outcome::DecodeFailed(err)),
+            FirstByte::DecodeFailed(err) => return Err(ex.next(Failure::Decode(err)).await),
         }
     }
     // A streaming decode reports a refused KV pull as an error event after its 200 head.
-    if state.bootstrap && !state.requeried {
+    if ex.may_requery() {
         if prefix.is_none() {
-            let idle = gw.config.legs.stream_idle_timeout;
-            match next_frame(&mut body, idle, &pd.decode).await {
+            match next_frame(&mut body, idle, ex.decode()).await {
                 Ok(frame) => prefix = frame,
-                Err(err) => return Ok(Outcome::DecodeFailed(err)),
+                Err(err) => return Err(ex.next(Failure::Decode(err)).await),
             }
         }
         let refused = prefix
             .as_ref()
             .and_then(Frame::data_ref)
             .is_some_and(|d| relay::is_error_event(d));
-        if refused {
-            state.requeried = true;
-            if let Some(fresh) = retry::fresh_prefill(&gw, &pd.prefill).await {
-                drop((partner.take(), body, decode_load));
-                let decode = pd.decode.clone();
-                return Ok(Outcome::StaleFacts { decode, fresh });
-            }
+        if refused
+            && ex.first_requery()
+            && let Some(fresh) = retry::fresh_prefill(ex.gw(), ex.prefill()).await
+        {
+            drop((partner.take(), body, decode_load));
+            return Err(ex.next(Failure::StaleFacts(fresh)).await);
         }
     }
-    Ok(Outcome::Ready {
+    Ok(Ready {
         head: Response::from_parts(parts, body),
         decode_load,
         partner,
         prefix,
     })
+}
+
+/// A decode's response head with the load it holds (the endpoint is the exchange's decode).
+pub(crate) type DecodeHead = (Response<EngineBody>, LoadGuard);
+
+/// The span of the decode leg up to its response head (`retries`: unreachable decodes left for
+/// another one).
+fn decode_span(request_id: &str, endpoint: &str, decode_only: bool) -> tracing::Span {
+    info_span!(
+        "decode",
+        request_id,
+        endpoint,
+        otel.kind = "client",
+        decode_only,
+        retries = tracing::field::Empty,
+    )
+}
+
+/// Sends `body` as the decode leg of `ex` and waits for its head ([`decode_head`]), also giving
+/// how long the head took. A failure ends in the step [`Exchange::next`] decides: another
+/// decode for an unreachable one is tried here; any other step (the request moved to another
+/// decode, or failed) is the caller's.
+pub(crate) async fn send(
+    ex: &mut Exchange,
+    body: Bytes,
+    decode_only: bool,
+) -> Result<(DecodeHead, Duration), Next> {
+    let span = decode_span(ex.request_id(), &ex.decode().name, decode_only);
+    async {
+        ex.decode_leg_started();
+        let mut retries: i64 = 0;
+        loop {
+            let err = match decode_head(ex, body.clone()).await {
+                Ok(head) => return Ok(head),
+                Err(err) => err,
+            };
+            match ex.next(Failure::Decode(err)).await {
+                Next::RetryLeg => {
+                    retries += 1;
+                    tracing::Span::current().record("retries", retries);
+                }
+                next => return Err(next),
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Resolves once `endpoint` is taken out of rotation, when legs waiting on it are to be given up
+/// then (`reliability.retry_on_ejection`); pending otherwise. Both legs select on it.
+pub(crate) async fn went_down(gw: &Gateway, endpoint: &str) {
+    if gw.settings.retry_on_ejection {
+        gw.health.went_down(endpoint).await;
+    } else {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Sends the decode leg to the exchange's decode and waits for its response head within the
+/// decode timeout; also gives how long the head took. A decode taken out of rotation meanwhile
+/// ends the wait at once (`reliability.retry_on_ejection`). A 5xx head is the caller's to blame
+/// (the decode's own failure, or for a concurrent connector possibly the prefill's).
+async fn decode_head(ex: &Exchange, body: Bytes) -> Result<(DecodeHead, Duration), GatewayError> {
+    let gw = ex.gw();
+    let endpoint = ex.decode();
+    let load = LoadGuard::acquire(&endpoint.load);
+    gw.health.begin(&endpoint.name);
+    let leg = LegRequest {
+        leg: Leg::Decode,
+        endpoint: endpoint.target(),
+        path: ex.route().path(),
+        method: Method::POST,
+        body,
+        request_id: ex.leg_request_id(),
+        headers: ex.forwarded(),
+        extra: &[],
+    };
+    let sent = tokio::time::Instant::now();
+    let head = tokio::select! {
+        head = client::send_within(&gw.client, leg, gw.settings.decode_timeout) => head,
+        // Already counted (that is why it is down): not observed again.
+        () = went_down(gw, &endpoint.name) => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Released, "was taken out of rotation while the request waited for its answer".into())),
+    };
+    match head {
+        // A decode's success is counted when its body ends cleanly (the relay), not at the
+        // head: a decode that breaks its streams after a 200 must not look healthy.
+        Ok(head) => Ok(((head, load), sent.elapsed())),
+        Err(err) => {
+            gw.health.observe(&endpoint.name, Err(Cause::of(&err)));
+            Err(err)
+        }
+    }
+}
+
+/// The decode alone, by choice: it holds (almost) all of the prompt in its own cache, so the
+/// client's request goes to it as a plain request, with no prefill leg and no transfer fields.
+pub(crate) async fn decode_only(ex: &mut Exchange) -> Result<Answer, GatewayError> {
+    decode_last(ex, true).await
+}
+
+/// Sends the client's plain request as the decode leg (no prefill leg left running) and relays
+/// its response; a decode taken out of rotation before its head hands the same body to another
+/// decode (once).
+pub(crate) async fn decode_last(
+    ex: &mut Exchange,
+    decode_only: bool,
+) -> Result<Answer, GatewayError> {
+    let body = ex.plain_body();
+    loop {
+        match send(ex, body.clone(), decode_only).await {
+            Ok((head, _)) => return relay_head(ex, head),
+            Err(Next::Fail(err)) => return Err(err),
+            // Moved to another decode: the same plain request there.
+            Err(Next::Alone | Next::RetryBoth | Next::RetryLeg) => {}
+        }
+    }
+}
+
+/// Relays the decode's response (no prefill leg left running).
+pub(crate) fn relay_head(ex: &mut Exchange, head: DecodeHead) -> Result<Answer, GatewayError> {
+    let (head, decode_load) = head;
+    let health = &ex.gw().health;
+    if head.status().is_server_error() {
+        health.observe(&ex.decode().name, Err(Cause::ServerError));
+    }
+    health.model_refused(head.status());
+    relay::respond(ex, head, decode_load, None, None)
 }

@@ -31,8 +31,7 @@ use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::headers;
 use crate::metrics::{Cause, RequestRecord};
 use crate::pd::abort::AbortOnLeave;
-use crate::pd::{Answer, Pd, usage};
-use crate::state::Gateway;
+use crate::pd::{Answer, Exchange, usage};
 
 /// The outcome of a leg running beside the relayed body: for a concurrent prefill, the cached
 /// prompt tokens its answer reports (written into the usage the decode reports).
@@ -390,35 +389,31 @@ impl Body for RelayBody {
 }
 
 /// The client's answer: the decode's status and end-to-end headers, the serving endpoints, and
-/// the relayed body (wrapped in the agent's abort-on-leave guard when it has an abort call).
-#[allow(clippy::too_many_arguments)] // one call per flow; a struct would only rename them
+/// the relayed body (wrapped in the agent's abort-on-leave guard when it has an abort call). The
+/// body takes the exchange's record from here on.
 pub(crate) fn respond(
-    gw: &Gateway,
-    request_id: &str,
+    ex: &mut Exchange,
     head: http::Response<EngineBody>,
-    pd: Pd,
     decode_load: LoadGuard,
     partner: Option<AbortOnDropHandle<PartnerResult>>,
     prefix: Option<Frame<Bytes>>,
-    mut record: RequestRecord,
-) -> Answer {
+) -> Result<Answer, GatewayError> {
     let (parts, body) = head.into_parts();
-    record.set_served(&pd.served, parts.status.as_u16());
-    record
-        .trace()
-        .relay_started(request_id, &pd.served, pd.prefill_cached);
+    let record = ex.answer_record(parts.status.as_u16())?;
+    let (served, cached) = (ex.served(), ex.prefill_cached());
     let sse = headers::is_event_stream(&parts.headers);
+    let gw = ex.gw();
     let relay = RelayBody::new(
         body,
-        gw.config.legs.stream_idle_timeout,
+        gw.settings.stream_idle_timeout,
         sse,
         vec![decode_load],
         record,
-        pd.decode.name.clone(),
+        ex.decode().name.clone(),
     )
     .with_partner(partner)
     .with_prefix(prefix)
-    .with_cached_tokens(pd.prefill_cached);
+    .with_cached_tokens(cached);
     // A 5xx head was counted already; any other answer counts when its body ends.
     let relay = if parts.status.is_server_error() {
         relay
@@ -427,15 +422,15 @@ pub(crate) fn respond(
     };
     let mut body = axum::body::Body::new(relay);
     // vLLM aborts when its connection closes; an agent with an abort call also wants to be told.
-    if let Some(guard) = AbortOnLeave::new(gw, pd.agent.as_ref(), pd.decode.clone(), request_id) {
+    if let Some(guard) = AbortOnLeave::new(gw, ex.agent(), ex.decode().clone(), ex.request_id()) {
         body = GuardedBody::wrap(body, guard);
     }
     let mut response = http::Response::new(body);
     *response.status_mut() = parts.status;
     let out = response.headers_mut();
     headers::copy_end_to_end(&parts.headers, out);
-    pd.served.apply(request_id, out);
-    response
+    served.apply(ex.request_id(), out);
+    Ok(response)
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
-//! A concurrent request's second chances, before any decode byte reached the client: blame by
-//! evidence (a decode that gave up waiting for KV), another prefill for both legs, fresh
-//! bootstrap facts for the same prefill, or the decode alone (fallback).
+//! Second chances, decided in one place: every failed attempt of a leg, before any decode byte
+//! reached the client, ends in one [`Failure`], and [`Exchange::next`] turns it into the next
+//! step ([`Next`]): the leg again elsewhere, both legs again, the decode alone (fallback), or
+//! fail. The flows (`legs`) only carry the step out. Also here: blame by evidence
+//! (a decode that gave up waiting for KV) and fresh bootstrap facts for a prefill.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,12 +14,40 @@ use crate::endpoints::Endpoint;
 use crate::engine::client;
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
-use crate::pd::decode_head::decode_last;
-use crate::pd::{Answer, Exchange, Pd, abort, select};
+use crate::pd::{Exchange, abort};
 use crate::state::Gateway;
 
 /// Longest a request waits for the reconciler to look a prefill's bootstrap facts up again.
 pub(crate) const REQUERY_WAIT: Duration = Duration::from_secs(2);
+
+/// How an attempt of a leg failed, before any decode byte reached the client.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The prefill failed, or by evidence never handed its KV over.
+    Prefill(GatewayError),
+    /// The decode leg failed: a connection that could not be opened (nothing was sent), a
+    /// decode taken out of rotation while the request waited ([`UpstreamKind::Released`]), or
+    /// any other failure.
+    Decode(GatewayError),
+    /// The decode refused the prefill's stale bootstrap facts; the prefill's endpoint with fresh
+    /// ones ([`fresh_prefill`]).
+    StaleFacts(Arc<Endpoint>),
+}
+
+/// What a request does after a [`Failure`]. The exchange was already moved (another endpoint,
+/// a fresh routing context, the decode told to drop the request) when the step says so.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// The failed leg again, on the endpoint the exchange now names.
+    RetryLeg,
+    /// Both legs again, on the endpoints the exchange now names.
+    RetryBoth,
+    /// The decode alone with the client's request (a fallback, or a decode-alone request moved
+    /// to another decode).
+    Alone,
+    /// The request fails with this error.
+    Fail(GatewayError),
+}
 
 /// Why a request leaves its prefill, for the log: a prefill taken out of rotation while the
 /// request waited did not fail it.
@@ -26,6 +56,114 @@ pub(crate) fn why_moved(err: &GatewayError) -> &'static str {
         "prefill taken out of rotation while the request waited"
     } else {
         "prefill failed"
+    }
+}
+
+impl Exchange {
+    /// The one place a failed attempt becomes the next step.
+    ///
+    /// - A prefill failure that may be retried moves the request to another prefill
+    ///   (`max_retries`, the retry budget): the leg again (sequential), or both legs again after
+    ///   the decode dropped the request (concurrent). Otherwise, with `on_prefill_failure =
+    ///   "fallback"` and a connector whose decode can serve a plain request, the decode serves
+    ///   the client's request alone; a client error (the prefill refused the request) never
+    ///   falls back.
+    /// - A decode that could not be reached is retried on another decode (nothing was sent).
+    /// - A decode taken out of rotation before its head moves the request, once, to another
+    ///   decode: both legs again there (its KV may be gone), or the same plain request for a
+    ///   decode serving alone.
+    /// - Stale bootstrap facts: both legs again on the fresh ones, once.
+    /// - Anything else fails the request; a concurrent pair's decode is told to drop it.
+    pub(crate) async fn next(&mut self, failure: Failure) -> Next {
+        match failure {
+            Failure::Prefill(err) => self.after_prefill(err).await,
+            Failure::Decode(err) => self.after_decode(err).await,
+            Failure::StaleFacts(fresh) => {
+                let gw = self.gw().clone();
+                warn!(id = %self.request_id(), prefill = %self.prefill().name, decode = %self.decode().name, "decode failed on the prefill's stale bootstrap facts (its engine id changed); retrying once on fresh ones");
+                abort::abort_now(&gw, self.agent(), self.decode(), self.request_id()).await;
+                if let Err(err) = self.switch_prefill(fresh) {
+                    return Next::Fail(err);
+                }
+                gw.metrics.count_retry(Leg::Prefill);
+                self.retried();
+                Next::RetryBoth
+            }
+        }
+    }
+
+    async fn after_prefill(&mut self, err: GatewayError) -> Next {
+        let gw = self.gw().clone();
+        let concurrent = self.concurrent_pair();
+        let next = if err.retryable() {
+            self.retry_target(Leg::Prefill, false)
+        } else {
+            None
+        };
+        let why = why_moved(&err);
+        if let Some(next) = next {
+            if concurrent {
+                warn!(id = %self.request_id(), from = %self.prefill().name, to = %next.name, error = %err, "{why} before the first decode byte; retrying both legs");
+                // The decode must drop the request before the retry reuses its id.
+                abort::abort_now(&gw, self.agent(), self.decode(), self.request_id()).await;
+            } else {
+                warn!(id = %self.request_id(), from = %self.prefill().name, to = %next.name, "{why}; retrying on another prefill");
+            }
+            self.retried();
+            return match self.switch_prefill(next) {
+                Ok(()) if concurrent => Next::RetryBoth,
+                Ok(()) => Next::RetryLeg,
+                Err(err) => Next::Fail(err),
+            };
+        }
+        let fallback = gw.settings.on_prefill_failure == PrefillFailurePolicy::Fallback
+            && self.agent().allows_decode_only()
+            && !err.status().is_client_error();
+        if !fallback {
+            // The decode must drop the bootstrapped request before its id is given up.
+            if concurrent {
+                abort::abort_later(&gw, self.agent(), self.decode(), self.request_id());
+            }
+            return Next::Fail(err);
+        }
+        if concurrent {
+            // ... and before its id is reused.
+            abort::abort_now(&gw, self.agent(), self.decode(), self.request_id()).await;
+        }
+        warn!(id = %self.request_id(), prefill = %self.prefill().name, error = %err, "{why}; decode serves the request alone");
+        self.fall_back();
+        Next::Alone
+    }
+
+    async fn after_decode(&mut self, err: GatewayError) -> Next {
+        let gw = self.gw().clone();
+        let decode = self.decode().clone();
+        if err.is_connect_failure()
+            && let Some(next) = self.retry_target(Leg::Decode, false)
+        {
+            warn!(id = %self.request_id(), from = %decode.name, to = %next.name, "decode unreachable; retrying on another decode");
+            self.switch_decode(next);
+            return Next::RetryLeg;
+        }
+        if err.is_release()
+            && self.first_move()
+            && let Some(next) = self.retry_target(Leg::Decode, true)
+        {
+            warn!(id = %self.request_id(), from = %decode.name, to = %next.name, "decode taken out of rotation before its answer; moving the request to another decode");
+            self.retried();
+            abort::abort_later(&gw, self.agent(), &decode, self.request_id());
+            self.restart();
+            self.switch_decode(next);
+            return if self.alone() {
+                Next::Alone
+            } else {
+                Next::RetryBoth
+            };
+        }
+        if self.concurrent_pair() {
+            abort::abort_later(&gw, self.agent(), &decode, self.request_id());
+        }
+        Next::Fail(err)
     }
 }
 
@@ -46,121 +184,27 @@ pub(crate) async fn fresh_prefill(gw: &Gateway, prefill: &Endpoint) -> Option<Ar
         .then(|| now.clone())
 }
 
-/// Runs both legs again on `fresh` (the same prefill, its bootstrap facts looked up again) after
-/// a decode refused the stale ones: the decode drops the request first.
-pub(crate) async fn retry_on_fresh_facts(
-    gw: &Gateway,
-    pd: &mut Pd,
-    ex: &mut Exchange,
-    decode: &Endpoint,
-    fresh: Arc<Endpoint>,
-) -> Result<(), GatewayError> {
-    let request_id = ex.request_id.as_str();
-    warn!(id = %request_id, prefill = %pd.prefill.name, decode = %decode.name, "decode failed on the prefill's stale bootstrap facts (its engine id changed); retrying once on fresh ones");
-    abort::abort_now(gw, pd.agent.as_ref(), decode, request_id).await;
-    pd.switch_prefill(request_id, fresh)?;
-    ex.touched(pd);
-    gw.metrics.count_retry(Leg::Prefill);
-    if let Some(r) = ex.record() {
-        r.trace().retried();
-    }
-    Ok(())
-}
-
 /// A decode gave up waiting for KV (a late 5xx or first-frame error event) while its concurrent
 /// prefill had not answered: logged, counted against the prefill, and returned as the prefill's
 /// (retryable) failure.
-pub(crate) fn kv_wait_failure(
-    gw: &Gateway,
-    pd: &Pd,
-    request_id: &str,
-    decode: &str,
-    waited: Duration,
-) -> GatewayError {
+pub(crate) fn kv_wait_failure(ex: &Exchange, waited: Duration) -> GatewayError {
+    let gw = ex.gw();
+    let prefill = ex.prefill();
     warn!(
-        id = %request_id,
-        prefill = %pd.prefill.name,
-        decode,
+        id = %ex.request_id(),
+        prefill = %prefill.name,
+        decode = %ex.decode().name,
         ?waited,
         "decode gave up waiting for KV while the prefill had not answered; blaming the prefill"
     );
-    gw.health.observe(&pd.prefill.name, Err(Cause::KvWait));
-    if pd.agent.needs_bootstrap_lookup() {
-        gw.requery.ask(&pd.prefill.name);
+    gw.health.observe(&prefill.name, Err(Cause::KvWait));
+    if ex.agent().needs_bootstrap_lookup() {
+        gw.requery.ask(&prefill.name);
     }
     client::upstream(
         Leg::Prefill,
-        pd.prefill.target(),
+        prefill.target(),
         UpstreamKind::Timeout,
         format!("did not hand its KV over within {waited:?}"),
     )
-}
-
-/// A concurrent prefill failed before any decode byte reached the client: moves `pd` to
-/// another prefill (the caller restarts both legs), or gives the error back.
-pub(crate) async fn retry_both_legs(
-    gw: &Gateway,
-    pd: &mut Pd,
-    ex: &mut Exchange,
-    tried: &mut Vec<String>,
-    err: GatewayError,
-) -> Result<(), GatewayError> {
-    let request_id = ex.request_id.as_str();
-    let next = if err.retryable() {
-        select::retry_target(
-            gw,
-            Leg::Prefill,
-            pd.model.as_deref(),
-            &pd.prefill,
-            &pd.decode,
-            tried,
-        )
-    } else {
-        None
-    };
-    let Some(next) = next else {
-        return Err(err);
-    };
-    let why = why_moved(&err);
-    warn!(id = %request_id, from = %pd.prefill.name, to = %next.name, error = %err, "{why} before the first decode byte; retrying both legs");
-    // The decode must drop the request before the retry reuses its id.
-    abort::abort_now(gw, pd.agent.as_ref(), &pd.decode, request_id).await;
-    tried.push(next.name.clone());
-    pd.switch_prefill(request_id, next)?;
-    ex.touched(pd);
-    if let Some(r) = ex.record() {
-        r.trace().retried();
-    }
-    Ok(())
-}
-
-/// The concurrent prefill failed for good before any decode byte reached the client. With
-/// `on_prefill_failure = "fallback"` and a connector whose decode can serve a plain request
-/// ([`kvtransfer::KvTransferAgent::allows_decode_only`]), the decode serves the client's request
-/// alone, marked `x-pdgate-fallback`; otherwise the decode is told to drop the request and the
-/// error goes back. A client error (the prefill refused the request) never falls back.
-pub(crate) async fn fall_back(
-    ex: &mut Exchange,
-    mut pd: Pd,
-    err: GatewayError,
-) -> Result<Answer, GatewayError> {
-    let gw = ex.gw.clone();
-    let fallback = gw.config.legs.on_prefill_failure == PrefillFailurePolicy::Fallback
-        && pd.agent.allows_decode_only()
-        && !err.status().is_client_error();
-    // The decode must drop the bootstrapped request before its id is reused (or given up).
-    if !fallback {
-        abort::abort_later(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id);
-        return Err(err);
-    }
-    abort::abort_now(&gw, pd.agent.as_ref(), &pd.decode, &ex.request_id).await;
-    let why = why_moved(&err);
-    warn!(id = %ex.request_id, prefill = %pd.prefill.name, error = %err, "{why}; decode serves the request alone");
-    gw.metrics.count_fallback(pd.served.connector);
-    pd.served.fallback = true;
-    pd.prefill_cached = None;
-    // A plain request: no transfer state (an id naming the failed prefill) goes with it.
-    pd.restart(&ex.request_id);
-    let body = pd.clean.to_bytes();
-    decode_last(ex, pd, body, false).await
 }

@@ -114,7 +114,7 @@ pub(crate) fn pair(
         .cloned()
         .collect();
     let prefills = under_cap(
-        gw.config.limits.max_in_flight_per_endpoint,
+        gw.settings.max_in_flight_per_endpoint,
         &gw.metrics,
         gw.health.hold_back_probed(prefills),
     )?;
@@ -147,7 +147,7 @@ fn decode_for(
         .cloned()
         .collect();
     let decodes = under_cap(
-        gw.config.limits.max_in_flight_per_endpoint,
+        gw.settings.max_in_flight_per_endpoint,
         &gw.metrics,
         gw.health.hold_back_probed(decodes),
     )?;
@@ -172,11 +172,11 @@ pub(crate) fn retry_target(
     decode: &Endpoint,
     tried: &[String],
 ) -> Option<Arc<Endpoint>> {
-    if tried.len() > gw.config.legs.max_retries as usize {
+    if tried.len() > gw.settings.max_retries {
         return None;
     }
     let snap = gw.store.load();
-    let cap = gw.config.limits.max_in_flight_per_endpoint;
+    let cap = gw.settings.max_in_flight_per_endpoint;
     let connector = prefill.connector.as_deref().unwrap_or_default();
     let open = |e: &Arc<Endpoint>| {
         !tried.iter().any(|t| t == &e.name)

@@ -228,11 +228,12 @@ impl SecurityConfig {
         v.set_sensitive(true);
         Ok(Some(v))
     }
+}
 
-    /// Whether `path` (already canonical) may be relayed to an engine.
-    pub(crate) fn allows(&self, path: &str) -> bool {
-        self.passthrough.iter().any(|p| p == path)
-    }
+/// Whether `path` (already canonical) may be relayed to an engine: one of `passthrough` (the
+/// section's allow-list) exactly.
+pub(crate) fn allows(passthrough: &[String], path: &str) -> bool {
+    passthrough.iter().any(|p| p == path)
 }
 
 /// Why a path is not canonical, or `Ok`. Canonical: starts with `/`, no empty, `.` or `..`
@@ -344,10 +345,10 @@ mod tests {
     #[test]
     fn the_allow_list_is_exact_and_validated() {
         let c = SecurityConfig::default();
-        assert!(c.allows("/v1/embeddings"));
-        assert!(!c.allows("/v1/embeddings/"));
-        assert!(!c.allows("/v1/load_lora_adapter"));
-        assert!(!c.allows("/V1/embeddings"));
+        assert!(allows(&c.passthrough, "/v1/embeddings"));
+        assert!(!allows(&c.passthrough, "/v1/embeddings/"));
+        assert!(!allows(&c.passthrough, "/v1/load_lora_adapter"));
+        assert!(!allows(&c.passthrough, "/V1/embeddings"));
         let bad = SecurityConfig {
             passthrough: vec!["/v1//x".into()],
             ..SecurityConfig::default()

@@ -39,7 +39,7 @@ impl<'a> Candidates<'a> {
         let mut chosen = Vec::with_capacity(all.len());
         chosen.extend(all.iter().filter(keep));
         let chosen = under_cap(
-            gw.config.limits.max_in_flight_per_endpoint,
+            gw.settings.max_in_flight_per_endpoint,
             &gw.metrics,
             gw.health.hold_back_probed(chosen),
         )?;
@@ -105,7 +105,7 @@ pub(super) fn pair(
     // Candidates are borrowed from the snapshot (a decision over a large fleet would otherwise
     // spend more on reference counts than on scoring), or are its whole lists when every
     // endpoint qualifies: no cap, no probe held back, and all serve the model and pair.
-    let whole = gw.config.limits.max_in_flight_per_endpoint == 0
+    let whole = gw.settings.max_in_flight_per_endpoint == 0
         && snap.all_serve(model)
         && gw.health.holds_back_none();
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
