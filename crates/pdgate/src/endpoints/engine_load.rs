@@ -178,8 +178,9 @@ fn scrapes(snap: &Snapshot, authorization: Option<&http::HeaderValue>) -> Vec<Sc
 
 /// Scrapes every prefill and decode engine of the current snapshot each `interval` and
 /// stores their load beyond this gateway on their endpoints ([`apply`]); ends when `cancel`
-/// fires. Each scrape is bounded by about two intervals (at most 2 s): a scrape that fails or
-/// times out clears its endpoints' estimate, so none is older than about three intervals.
+/// fires. Each scrape is bounded by one interval (at least 20 ms, at most 2 s) and a round
+/// starts when the last one ended and the interval passed: a scrape that fails or times out
+/// clears its endpoints' estimate, so none outlives about three intervals.
 pub async fn run(
     snapshot: impl Fn() -> Arc<Snapshot> + Send + 'static,
     client: EnginePool,
@@ -190,7 +191,7 @@ pub async fn run(
     if interval.is_zero() {
         return;
     }
-    let limit = (interval * 2).clamp(Duration::from_millis(20), Duration::from_secs(2));
+    let limit = interval.clamp(Duration::from_millis(20), Duration::from_secs(2));
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // By endpoint name (the key of its load): the mean tokens of its recent requests.
