@@ -28,8 +28,11 @@
 #   ca_precise_do       ca_precise, and a request with at most BENCH_DECODE_ONLY_BELOW uncached
 #                       tokens on its decode is served there alone (--decode-only-below-tokens)
 #   ca_precise_x2       ca_precise on two pdgate replicas (same config, each subscribed to every
-#                       engine's events), pdbench alternating between them request by request:
-#                       each replica sees only its own in-flight load
+#                       engine's events), pdbench alternating between them request by request;
+#                       each replica scrapes the engines' /metrics every
+#                       BENCH_ENGINE_LOAD_INTERVAL (cache.engine_load_interval) to count the
+#                       other's load (0s: each sees only its own in-flight load)
+#   ca_precise_scrape   ca_precise on one replica with that same scrape (what it costs alone)
 #   ca_shed             ca_precise_do, and admission sheds (429) a request whose prefill already
 #                       has more than BENCH_SHED_TOKENS predicted tokens queued ahead of it
 #                       (cache.max_queued_prefill_tokens; off by default in pdgate)
@@ -68,6 +71,8 @@
 #   BENCH_CONNECTOR     the fleet's KV connector (the peers need shfs)                      [shfs]
 #   VLLM_ROUTER_VERSION, SMG_VERSION  the peers' PyPI versions                   [0.1.17, 1.13.*]
 #   BENCH_DECODE_ONLY_BELOW  ca_precise_do's threshold (tokens)                          [512]
+#   BENCH_ENGINE_LOAD_INTERVAL  ca_precise_x2's and ca_precise_scrape's
+#                       cache.engine_load_interval                                    [500ms]
 #   BENCH_SHED_TOKENS   ca_shed's bound: about the TTFT objective times one prefill's
 #                       throughput (the H100 8B profile: ~20k tokens/s at long contexts)   [32768]
 #   BENCH_ARM_TIMEOUT   seconds per pdbench run                                         [1800]
@@ -101,6 +106,7 @@ VLLM_ROUTER_VERSION="${VLLM_ROUTER_VERSION:-0.1.17}"
 SMG_VERSION="${SMG_VERSION:-1.13.*}"
 DECODE_ONLY_BELOW="${BENCH_DECODE_ONLY_BELOW:-512}"
 SHED_TOKENS="${BENCH_SHED_TOKENS:-32768}"
+ENGINE_LOAD_INTERVAL="${BENCH_ENGINE_LOAD_INTERVAL:-500ms}"
 ARM_TIMEOUT="${BENCH_ARM_TIMEOUT:-1800}"
 NICE=(nice -n "${BENCH_NICE:-0}")
 BENCH_VENV="$CACHE/bench-venv"
@@ -193,7 +199,7 @@ fi
   echo "# bench/fleet.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "trace=$TRACE prefill=$PREFILL decode=$DECODE profile=${PROFILE:-default} kv_cache_blocks=${KV_BLOCKS:-default}"
   echo "time_scale=$TIME_SCALE rate_factors=$RATE_FACTORS requests=${REQUESTS:-all} slo_ttft=$SLO_TTFT slo_itl=$SLO_ITL"
-  echo "arms=$ARMS connector=$CONNECTOR decode_only_below=$DECODE_ONLY_BELOW shed_tokens=$SHED_TOKENS machine: $CORES CPUs, $(uname -r)"
+  echo "arms=$ARMS connector=$CONNECTOR decode_only_below=$DECODE_ONLY_BELOW shed_tokens=$SHED_TOKENS engine_load_interval=$ENGINE_LOAD_INTERVAL machine: $CORES CPUs, $(uname -r)"
 } >"$OUT/params.txt"
 printf 'arm\trate_factor\twall_s\tgateway_cpu_s\tfleet_cpu_s\tpdbench_cpu_s\tmachine_busy\n' >"$OUT/proc.tsv"
 
@@ -237,7 +243,11 @@ run_arm() {
   case "$arm" in
     round_robin | least_request) policy=$arm ;;
     ca_approx) policy=cache_aware ;;
-    ca_precise | ca_precise_x2) policy=cache_aware events=1 flags+=("${PRECISE_KEYS[@]}") ;;
+    ca_precise) policy=cache_aware events=1 flags+=("${PRECISE_KEYS[@]}") ;;
+    ca_precise_x2 | ca_precise_scrape)
+      policy=cache_aware events=1
+      flags+=("${PRECISE_KEYS[@]}" --set "cache.engine_load_interval=$ENGINE_LOAD_INTERVAL")
+      ;;
     ca_precise_do)
       policy=cache_aware events=1
       flags+=("${PRECISE_KEYS[@]}" --decode-only-below-tokens "$DECODE_ONLY_BELOW")

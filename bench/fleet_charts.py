@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-ORDER = ["round_robin", "least_request", "ca_approx", "ca_precise", "ca_precise_x2", "ca_precise_do", "ca_shed",
-         "vllm_router", "smg"]
+ORDER = ["round_robin", "least_request", "ca_approx", "ca_precise", "ca_precise_scrape", "ca_precise_x2",
+         "ca_precise_do", "ca_shed", "vllm_router", "smg"]
 
 
 def load(out: Path):

@@ -101,6 +101,18 @@ impl RunningGateway {
             gateway.config.health.clone(),
             cancel.clone(),
         ));
+        if let Some(cache) = &gateway.cache
+            && !cache.config.engine_load_interval.is_zero()
+        {
+            let gw = gateway.clone();
+            tasks.spawn(crate::endpoints::engine_load::run(
+                move || gw.store.load(),
+                gateway.client.clone(),
+                gateway.engine_authorization.clone(),
+                cache.config.engine_load_interval,
+                cancel.clone(),
+            ));
+        }
         tasks.spawn(gateway.client_keys.clone().watch(
             gateway.config.security.reload_interval,
             gateway.metrics.clone(),

@@ -84,6 +84,12 @@ pub struct CacheConfig {
     pub engine_tokenize_timeout: Duration,
     /// Prompts whose engine tokens are remembered (least recently used forgotten first).
     pub engine_tokenize_cache: usize,
+    /// Scrape every prefill and decode engine's `/metrics` this often for the requests it
+    /// runs and queues (`vllm:num_requests_running` + `vllm:num_requests_waiting`), and count
+    /// those this gateway did not send (other replicas', other clients') in its cost; 0 (the
+    /// default) never scrapes, and each gateway sees only its own load.
+    #[serde(deserialize_with = "crate::durations::de_duration")]
+    pub engine_load_interval: Duration,
 }
 
 impl Default for CacheConfig {
@@ -109,9 +115,13 @@ impl Default for CacheConfig {
             engine_tokenize: None,
             engine_tokenize_timeout: Duration::from_millis(50),
             engine_tokenize_cache: 10_000,
+            engine_load_interval: Duration::ZERO,
         }
     }
 }
+
+/// The shortest `engine_load_interval` accepted (other than 0, off).
+pub const MIN_ENGINE_LOAD_INTERVAL: Duration = Duration::from_millis(10);
 
 fn field(name: &str, message: impl Into<String>) -> ConfigError {
     ConfigError::Field {
@@ -164,6 +174,16 @@ impl CacheConfig {
         if self.capacity_per_endpoint == 0 {
             return Err(field("capacity_per_endpoint", "must be positive"));
         }
+        // Every engine is scraped each interval: below this the scrapes cost the engines more
+        // than a fresher view can win.
+        if !self.engine_load_interval.is_zero()
+            && self.engine_load_interval < MIN_ENGINE_LOAD_INTERVAL
+        {
+            return Err(field(
+                "engine_load_interval",
+                format!("must be 0 (off) or at least {MIN_ENGINE_LOAD_INTERVAL:?}"),
+            ));
+        }
         Ok(())
     }
 }
@@ -203,6 +223,11 @@ mod tests {
             assert!(e.contains("cache.queued_weight"), "{e}");
         }
         c.queued_weight = 0.0;
+        assert!(c.validate().is_ok());
+        c.engine_load_interval = Duration::from_millis(5);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("cache.engine_load_interval"), "{e}");
+        c.engine_load_interval = Duration::from_millis(250);
         assert!(c.validate().is_ok());
     }
 

@@ -40,9 +40,11 @@ impl DecisionKind {
 pub(crate) struct Facts {
     /// Leading blocks of the prompt it holds.
     pub(crate) blocks: u32,
-    /// Requests it holds now.
+    /// Requests it holds now: this gateway's, plus others' where its metrics are scraped
+    /// (`Load::with_others`).
     pub(crate) in_flight: u32,
-    /// Prompt tokens it is computing for them, where predicted (see `Load::held`).
+    /// Prompt tokens it is computing for them, where predicted (see `Load::held`), plus the
+    /// estimate for others' requests (`endpoints::engine_load`).
     pub(crate) computing: u32,
 }
 

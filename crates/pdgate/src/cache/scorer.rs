@@ -173,7 +173,9 @@ impl Scorer<'_> {
                 }
                 _ => self.blocks_by_id(e),
             };
-            let (in_flight, computing) = e.load.held();
+            // Its whole load: this gateway's, and what its metrics say others sent it
+            // (`cache.engine_load_interval`), so replicas do not all pick the same idle one.
+            let (in_flight, computing) = e.load.with_others();
             score::Facts {
                 blocks,
                 in_flight,

@@ -7,6 +7,7 @@
 
 pub mod adapters;
 pub mod bootstrap;
+pub mod engine_load;
 pub mod health;
 pub mod policy;
 pub mod ranks;
@@ -81,7 +82,15 @@ pub struct Load {
     /// queued ahead of a new request). Guards add and subtract the same amounts, so both halves
     /// are exact (the tokens modulo 2^32, four billion).
     held: AtomicU64,
+    /// What the engine holds beyond [`Load::held`], packed the same way: requests other
+    /// gateways (or clients) sent it, and an estimate of the prompt tokens it computes for them.
+    /// Written by [`engine_load`] from the engine's own metrics at each scrape (zero when that
+    /// scrape is off or failed), so a decision reads both words with two relaxed loads.
+    others: AtomicU64,
     total: AtomicU64,
+    /// Predicted prompt tokens of every request ever sent ([`LoadGuard::computing`]): with
+    /// [`Load::total`], the mean per request [`engine_load`] prices others' requests at.
+    tokens_total: AtomicU64,
     /// A small number no other live endpoint of the [`LoadTable`] has (0 outside one): per
     /// endpoint state elsewhere is a vector indexed by it, found without hashing a name.
     slot: u32,
@@ -115,6 +124,41 @@ impl Load {
     pub fn total(&self) -> u64 {
         self.total.load(Ordering::Relaxed)
     }
+
+    /// What the engine holds for others, as [`Load::held`] packs it: requests beyond this
+    /// gateway's, and the prompt tokens estimated for them (`cache.engine_load_interval`; zero
+    /// while off).
+    #[inline]
+    pub fn others(&self) -> (u32, u32) {
+        let others = self.others.load(Ordering::Relaxed);
+        (others as u32, (others >> 32) as u32)
+    }
+
+    /// This gateway's load plus the others' ([`Load::held`] + [`Load::others`]): the engine's
+    /// whole load as far as pdgate knows it, for cost-based choices.
+    #[inline]
+    pub fn with_others(&self) -> (u32, u32) {
+        let (requests, tokens) = self.held();
+        let (other_requests, other_tokens) = self.others();
+        (
+            requests.saturating_add(other_requests),
+            tokens.saturating_add(other_tokens),
+        )
+    }
+
+    /// Replaces what the engine is known to hold for others.
+    pub(crate) fn set_others(&self, requests: u32, tokens: u32) {
+        let word = u64::from(requests) | u64::from(tokens) << 32;
+        self.others.store(word, Ordering::Relaxed);
+    }
+
+    /// Requests ever sent here and their predicted prompt tokens, summed.
+    pub(crate) fn sent(&self) -> (u64, u64) {
+        (
+            self.total.load(Ordering::Relaxed),
+            self.tokens_total.load(Ordering::Relaxed),
+        )
+    }
 }
 
 /// Holds one unit of an endpoint's in-flight count (and the prompt tokens that request makes it
@@ -138,6 +182,10 @@ impl LoadGuard {
         let held = 1 | u64::from(tokens) << 32;
         load.held.fetch_add(held, Ordering::Relaxed);
         load.total.fetch_add(1, Ordering::Relaxed);
+        if tokens != 0 {
+            load.tokens_total
+                .fetch_add(u64::from(tokens), Ordering::Relaxed);
+        }
         LoadGuard {
             load: load.clone(),
             held,

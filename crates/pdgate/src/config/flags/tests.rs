@@ -73,8 +73,11 @@ fn cache_flags_and_set_reach_the_cache_section() {
         "cache.approximate_ttl=30s",
         "--set",
         "cache.load_weight=64",
+        "--set",
+        "cache.engine_load_interval=500ms",
     ]);
     let c = cli.run.load().unwrap();
+    assert_eq!(c.cache.engine_load_interval, Duration::from_millis(500));
     assert_eq!(c.cache.block_size, 32);
     assert_eq!(c.cache.decode_only_below_tokens, 128);
     assert_eq!(c.cache.approximate_ttl, Duration::from_secs(30));
