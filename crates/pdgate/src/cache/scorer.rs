@@ -165,6 +165,9 @@ impl Scorer<'_> {
         // candidate's id is found by the slot of its `Load` and one pointer compare. (A table of
         // blocks by slot, built per decision from these two, cost more to build than it saved.)
         let (by_slot, blocks): (&[_], &[u32]) = (&self.state.by_slot, &self.state.blocks);
+        // Others' load is read only where it is scraped: off, a candidate costs one load as
+        // before (the branch is the same for every candidate).
+        let others = !cfg.engine_load_interval.is_zero();
         let facts = candidates.iter().map(|e| {
             let e = e.as_ref();
             let blocks = match by_slot.get(e.load.slot()) {
@@ -175,7 +178,11 @@ impl Scorer<'_> {
             };
             // Its whole load: this gateway's, and what its metrics say others sent it
             // (`cache.engine_load_interval`), so replicas do not all pick the same idle one.
-            let (in_flight, computing) = e.load.with_others();
+            let (in_flight, computing) = if others {
+                e.load.with_others()
+            } else {
+                e.load.held()
+            };
             score::Facts {
                 blocks,
                 in_flight,

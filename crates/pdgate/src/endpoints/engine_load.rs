@@ -315,6 +315,12 @@ vllm:request_success_total{engine=\"0\",finished_reason=\"stop\"} 7.0
         assert_eq!(others(10, 4), 6);
         assert_eq!(others(3, 4), 0, "own requests not yet at the engine");
         assert_eq!(others(u64::MAX, 0), u32::MAX);
+        // Capped so that the sum with this gateway's word never carries between its halves.
+        let load = Arc::new(Load::default());
+        let _own = LoadGuard::computing(&load, 7);
+        load.set_others(u32::MAX, u32::MAX);
+        assert_eq!(load.others(), ((1 << 31) - 1, (1 << 31) - 1));
+        assert_eq!(load.with_others(), (1 << 31, (1 << 31) + 6));
 
         let load = Arc::new(Load::default());
         let _own = [

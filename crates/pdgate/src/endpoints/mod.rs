@@ -135,20 +135,23 @@ impl Load {
     }
 
     /// This gateway's load plus the others' ([`Load::held`] + [`Load::others`]): the engine's
-    /// whole load as far as pdgate knows it, for cost-based choices.
+    /// whole load as far as pdgate knows it, for cost-based choices. One add of the two words:
+    /// each half of the others' word is kept below 2^31 ([`Load::set_others`]), so the requests
+    /// never carry into the tokens (this gateway holds fewer than 2^31 requests).
     #[inline]
     pub fn with_others(&self) -> (u32, u32) {
-        let (requests, tokens) = self.held();
-        let (other_requests, other_tokens) = self.others();
-        (
-            requests.saturating_add(other_requests),
-            tokens.saturating_add(other_tokens),
-        )
+        let word = self
+            .held
+            .load(Ordering::Relaxed)
+            .wrapping_add(self.others.load(Ordering::Relaxed));
+        (word as u32, (word >> 32) as u32)
     }
 
-    /// Replaces what the engine is known to hold for others.
+    /// Replaces what the engine is known to hold for others (each capped below 2^31, see
+    /// [`Load::with_others`]).
     pub(crate) fn set_others(&self, requests: u32, tokens: u32) {
-        let word = u64::from(requests) | u64::from(tokens) << 32;
+        const MOST: u32 = (1 << 31) - 1;
+        let word = u64::from(requests.min(MOST)) | u64::from(tokens.min(MOST)) << 32;
         self.others.store(word, Ordering::Relaxed);
     }
 
