@@ -7,8 +7,7 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -16,29 +15,12 @@ use pdgate::config::{Config, PrefillFailurePolicy};
 use pdsim::{Connector, Faults, Role};
 use serde_json::{Value, json};
 
-/// Log output kept in memory.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 impl Captured {
     /// Every JSON line logged about request `id`: its access line (`request_id`) and the
     /// gateway's own lines about it (`id`).
     fn lines_of(&self, id: &str) -> Vec<Value> {
-        let bytes = self.0.lock().unwrap().clone();
-        String::from_utf8(bytes)
-            .unwrap()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        self.json_lines()
+            .into_iter()
             .filter(|v| v["fields"]["request_id"] == id || v["fields"]["id"] == id)
             .collect()
     }
