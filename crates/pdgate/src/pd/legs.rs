@@ -442,7 +442,7 @@ pub(crate) async fn went_down(gw: &Gateway, endpoint: &str) {
 async fn decode_head(ex: &Exchange, body: Bytes) -> Result<(DecodeHead, Duration), GatewayError> {
     let gw = ex.gw();
     let endpoint = ex.decode();
-    let load = LoadGuard::acquire(&endpoint.load);
+    let load = LoadGuard::computing(&endpoint.load, ex.decode_tokens());
     gw.health.begin(&endpoint.name);
     let leg = LegRequest {
         leg: Leg::Decode,
