@@ -205,10 +205,20 @@ pub(super) fn pair(
 
 /// `max_queued_prefill_tokens`: the chosen prefill (the cheapest) already has more than the
 /// bound of predicted prompt tokens to compute ahead of this request, so every other one is
-/// at least as far behind: shed it. An idle prefill takes any prompt, however long.
+/// at least as far behind: shed it. An idle prefill takes any prompt, however long. Where the
+/// engines' load is scraped (`engine_load_interval`), the estimate for others' requests counts
+/// too, as it does in the cost.
 fn admit(gw: &Gateway, cfg: &CacheConfig, prefill: &Endpoint) -> Result<(), GatewayError> {
     let bound = cfg.max_queued_prefill_tokens as usize;
-    if bound == 0 || prefill.load.computing_tokens() <= bound {
+    if bound == 0 {
+        return Ok(());
+    }
+    let (_, queued) = if cfg.engine_load_interval.is_zero() {
+        prefill.load.held()
+    } else {
+        prefill.load.with_others()
+    };
+    if queued as usize <= bound {
         return Ok(());
     }
     gw.metrics.count_rejected("queued_prefill_tokens");
@@ -316,6 +326,24 @@ mod tests {
             assert_eq!(d.load.held(), (2, 128), "{chosen:?}");
         }
         drop(legs);
+    }
+
+    #[test]
+    fn admission_counts_others_queued_tokens_where_the_engines_are_scraped() {
+        let fleet = "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
+                     [[decode]]\nurl = \"http://10.0.0.2:8000\"\n";
+        for (scraped, shed) in [("", false), ("engine_load_interval = \"1s\"\n", true)] {
+            let cache = format!("max_queued_prefill_tokens = 100\n{scraped}");
+            let (gw, snap, view) = cache_fleet(fleet, &cache);
+            // Another replica's requests: 2, with 500 prompt tokens to compute between them.
+            snap.prefill[0].load.set_others(2, 500);
+            let result = pair(&gw, &snap, Some("b"), Some(&view));
+            assert_eq!(
+                matches!(result, Err(GatewayError::Overloaded { .. })),
+                shed,
+                "{cache}"
+            );
+        }
     }
 
     #[test]
