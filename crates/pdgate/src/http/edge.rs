@@ -22,7 +22,7 @@ use crate::pd::Answer;
 use crate::security::auth::Pass;
 use crate::security::budget::{BodyBudget, Reservation};
 use crate::security::guard;
-use crate::state::Gateway;
+use crate::state::{Edge, Gateway};
 
 /// Largest request head (names and values) answered with more than a 431.
 pub(crate) const MAX_HEADER_BYTES: usize = 64 * 1024;
@@ -113,12 +113,12 @@ pub(crate) async fn read_body(
 /// `max_body_bytes` (413). A client that sends a head and then stalls holds nothing but its
 /// connection: the admission slot is taken only after this returns.
 pub(crate) async fn read_request_body(
-    gw: &Gateway,
+    edge: &Edge,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Bytes, GatewayError> {
-    let after = gw.settings.request_body_timeout;
-    let read = read_body(headers, body, gw.settings.max_body_bytes, &gw.body_budget);
+    let after = edge.request_body_timeout;
+    let read = read_body(headers, body, edge.max_body_bytes, &edge.body_budget);
     tokio::time::timeout(after, read)
         .await
         .unwrap_or(Err(GatewayError::BodyTimeout { after }))
@@ -135,13 +135,13 @@ pub(crate) struct Admitted {
 /// What a request on a PD route passes on its way in, in this order: the client key, the
 /// head's size, the request target, the body (within `request_body_timeout` and
 /// `max_body_bytes`), then an admission slot (taken only once the body is read).
-pub(crate) async fn admit(gw: &Gateway, request: Request) -> Result<Admitted, GatewayError> {
-    let pass = gw.client_keys.check(request.headers())?;
+pub(crate) async fn admit(edge: &Edge, request: Request) -> Result<Admitted, GatewayError> {
+    let pass = edge.client_keys.check(request.headers())?;
     check_head(request.headers())?;
     guard::check_target(request.method(), request.uri(), request.version())?;
     let (parts, body) = request.into_parts();
-    let body = read_request_body(gw, &parts.headers, body).await?;
-    let slot = gw.admission.admit().await?;
+    let body = read_request_body(edge, &parts.headers, body).await?;
+    let slot = edge.admission.admit().await?;
     Ok(Admitted {
         headers: parts.headers,
         body,

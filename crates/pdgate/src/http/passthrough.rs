@@ -26,7 +26,7 @@ use crate::state::Gateway;
 /// The fallback route.
 pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
     // A client without a key learns nothing, not even which paths exist.
-    let pass = match gw.client_keys.check(request.headers()) {
+    let pass = match gw.edge.client_keys.check(request.headers()) {
         Ok(pass) => pass,
         Err(err) => return edge::refuse(gw, request.headers(), err),
     };
@@ -83,8 +83,8 @@ async fn forward(
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or(path);
-    let body = edge::read_request_body(gw, &parts.headers, body).await?;
-    let slot = gw.admission.admit().await?;
+    let body = edge::read_request_body(&gw.edge, &parts.headers, body).await?;
+    let slot = gw.edge.admission.admit().await?;
     let (body, model) = clean_body(body)?;
     let snap = gw.store.load();
     let decodes: Vec<_> = snap
@@ -93,7 +93,7 @@ async fn forward(
         .filter(|d| d.serves(model.as_deref()))
         .cloned()
         .collect();
-    let Some(i) = gw.decode_policy.pick(&decodes) else {
+    let Some(i) = gw.routing.decode_policy.pick(&decodes) else {
         return Err(GatewayError::NoEndpoint {
             what: "decode",
             model: model.unwrap_or_default(),
@@ -103,8 +103,8 @@ async fn forward(
     let mut forwarded = headers::forwarded(&parts.headers);
     client::engine_credentials(
         &mut forwarded,
-        gw.forward_client_authorization,
-        gw.engine_authorization.as_ref(),
+        gw.engines.forward_client_authorization,
+        gw.engines.engine_authorization.as_ref(),
     );
     if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
         forwarded.insert(header::CONTENT_TYPE, ct.clone());
@@ -121,7 +121,7 @@ async fn forward(
         headers: &forwarded,
         extra: &[],
     };
-    let head = client::send_within(&gw.client, leg, gw.settings.decode_timeout).await?;
+    let head = client::send_within(&gw.engines.client, leg, gw.settings.decode_timeout).await?;
     let Some(record) = record.take() else {
         return Err(GatewayError::Internal("request measured twice".into()));
     };

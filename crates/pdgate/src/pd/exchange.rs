@@ -17,7 +17,7 @@ use crate::headers::{self, Served};
 use crate::metrics::RequestRecord;
 use crate::pd::view::RequestView;
 use crate::pd::{Route, encode, select, usage};
-use crate::state::{Gateway, Settings};
+use crate::state::{Engines, Gateway, Settings};
 
 /// One PD request on its way through the gateway: the shared state it reads, its id and metrics
 /// record, the pair serving it and everything a leg is built from, and what its second chances
@@ -81,7 +81,8 @@ pub(crate) async fn plan(
     }
     let view = RequestView::read(&clean, route)?;
     debug!(id, model = ?view.model, stream = view.stream, "request read");
-    gw.retry_budget.deposit();
+    let routing = &gw.routing;
+    routing.retry_budget.deposit();
     let snapshot = match decodes {
         None => gw.store.load(),
         Some(names) => Arc::new(select::within(
@@ -90,12 +91,12 @@ pub(crate) async fn plan(
             view.model.as_deref(),
         )?),
     };
-    let prefix = match gw.cache.as_ref() {
+    let prefix = match routing.cache.as_ref() {
         None => None,
         Some(c) => Some(
             crate::cache::view_of(
                 c,
-                &gw.client,
+                &gw.engines.client,
                 &gw.health,
                 &snapshot,
                 &clean,
@@ -111,7 +112,7 @@ pub(crate) async fn plan(
         decode_only,
         predicted_cached,
         prefill_tokens,
-    } = select::pair(gw, &snapshot, view.model.as_deref(), prefix.as_ref())?;
+    } = select::pair(routing, &snapshot, view.model.as_deref(), prefix.as_ref())?;
     if let Some(cached) = predicted_cached {
         debug!(id, cached, decode_only, "cache-aware decision");
     }
@@ -152,7 +153,7 @@ pub(crate) async fn plan(
         None
     } else {
         encode::work(
-            gw,
+            &gw.settings.encode,
             &snapshot,
             &clean,
             route,
@@ -174,8 +175,8 @@ pub(crate) async fn plan(
         model: view.model.as_deref(),
         prefill: &prefill.name,
         decode: &decode.name,
-        prefill_policy: gw.prefill_policy.name(),
-        decode_policy: gw.decode_policy.name(),
+        prefill_policy: routing.prefill_policy.name(),
+        decode_policy: routing.decode_policy.name(),
         decode_only,
         predicted_cached,
     });
@@ -195,8 +196,8 @@ pub(crate) async fn plan(
     let mut forwarded = headers::forwarded(headers);
     crate::engine::client::engine_credentials(
         &mut forwarded,
-        gw.forward_client_authorization,
-        gw.engine_authorization.as_ref(),
+        gw.engines.forward_client_authorization,
+        gw.engines.engine_authorization.as_ref(),
     );
     let prefill_base = if decode_only {
         None
@@ -231,7 +232,8 @@ pub(crate) async fn plan(
 }
 
 impl Exchange {
-    /// The shared state.
+    /// The shared state, for a task that outlives the borrow of the exchange (and hands out the
+    /// handles below).
     pub(crate) fn gw(&self) -> &Arc<Gateway> {
         &self.gw
     }
@@ -239,6 +241,11 @@ impl Exchange {
     /// What the request path reads of the configuration.
     pub(crate) fn settings(&self) -> &Settings {
         &self.gw.settings
+    }
+
+    /// What the legs are sent with.
+    pub(crate) fn engines(&self) -> &Engines {
+        &self.gw.engines
     }
 
     /// The client's request id (the answer's `x-request-id`).
@@ -370,7 +377,11 @@ impl Exchange {
             None => None,
             Some(work) => {
                 let (id, model) = (&self.request_id, self.model.as_deref());
-                encode::for_prefill_leg(&self.gw, Some(work), id, model, &self.forwarded).await?
+                let gw = &self.gw;
+                let snap = gw.store.load();
+                let (engines, routing) = (&gw.engines, &gw.routing);
+                encode::for_prefill_leg(engines, routing, &snap, work, id, model, &self.forwarded)
+                    .await?
             }
         };
         self.agent.bind_decode(&mut self.ctx, &self.decode.pod)?;
@@ -399,7 +410,9 @@ impl Exchange {
                 prefill = %self.prefill.name,
                 "prefill answered without KV-transfer parameters; the decode recomputes the prompt"
             );
-            self.gw.metrics.count_recompute(self.served.connector);
+            self.engines()
+                .metrics
+                .count_recompute(self.served.connector);
             // The decode computes the prompt itself: its own usage is the right one.
             self.prefill_cached = None;
         }
@@ -459,7 +472,7 @@ impl Exchange {
     /// The decode serves the client's request alone after a failed prefill: marked as a
     /// fallback, counted, and with no transfer state (an id naming the failed prefill) left.
     pub(crate) fn fall_back(&mut self) {
-        self.gw.metrics.count_fallback(self.served.connector);
+        self.engines().metrics.count_fallback(self.served.connector);
         self.served.fallback = true;
         self.prefill_cached = None;
         self.restart();
@@ -476,14 +489,15 @@ impl Exchange {
         };
         let model = self.model.as_deref();
         let (prefill, decode) = (&self.prefill, &self.decode);
+        let (routing, snap) = (&self.gw.routing, self.gw.store.load());
         if moving {
             let tried = std::slice::from_ref(&decode.name);
-            return select::retry_target(&self.gw, leg, model, prefill, decode, tried);
+            return select::retry_target(routing, &snap, leg, model, prefill, decode, tried);
         }
         if tried.is_empty() {
             tried.push(current.name.clone());
         }
-        let next = select::retry_target(&self.gw, leg, model, prefill, decode, tried)?;
+        let next = select::retry_target(routing, &snap, leg, model, prefill, decode, tried)?;
         tried.push(next.name.clone());
         Some(next)
     }

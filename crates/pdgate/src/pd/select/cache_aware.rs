@@ -11,8 +11,9 @@ use crate::endpoints::policy::Policy;
 use crate::endpoints::{Endpoint, Role, Snapshot};
 use crate::error::GatewayError;
 use crate::limits::under_cap;
+use crate::metrics::Metrics;
 use crate::pd::select::{Pair, decode_for, no_pair};
-use crate::state::Gateway;
+use crate::state::Routing;
 
 /// One role's candidates for a decision.
 enum Candidates<'a> {
@@ -28,7 +29,7 @@ impl<'a> Candidates<'a> {
     /// `all` if `whole`, else those of `all` that `keep` allows, under the per-endpoint cap and
     /// without a half-open endpoint being probed.
     fn of(
-        gw: &Gateway,
+        routing: &Routing,
         whole: bool,
         all: &'a [Arc<Endpoint>],
         keep: impl FnMut(&&'a Arc<Endpoint>) -> bool,
@@ -39,9 +40,9 @@ impl<'a> Candidates<'a> {
         let mut chosen = Vec::with_capacity(all.len());
         chosen.extend(all.iter().filter(keep));
         let chosen = under_cap(
-            gw.settings.max_in_flight_per_endpoint,
-            &gw.metrics,
-            gw.health.hold_back_probed(chosen),
+            routing.max_in_flight_per_endpoint,
+            &routing.metrics,
+            routing.health.hold_back_probed(chosen),
         )?;
         Ok(Candidates::Chosen(chosen))
     }
@@ -93,7 +94,7 @@ fn pick_by(
 /// request alone. Otherwise the prefill is chosen among those that pair with it. With only the
 /// prefill policy cache-aware, the prefill is chosen first, as without a cache.
 pub(super) fn pair(
-    gw: &Gateway,
+    routing: &Routing,
     cache: &Cache,
     snap: &Snapshot,
     model: Option<&str>,
@@ -105,13 +106,13 @@ pub(super) fn pair(
     // Candidates are borrowed from the snapshot (a decision over a large fleet would otherwise
     // spend more on reference counts than on scoring), or are its whole lists when every
     // endpoint qualifies: no cap, no probe held back, and all serve the model and pair.
-    let whole = gw.settings.max_in_flight_per_endpoint == 0
+    let whole = routing.max_in_flight_per_endpoint == 0
         && snap.all_serve(model)
-        && gw.health.holds_back_none();
+        && routing.health.holds_back_none();
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
     let pick_prefill = |prefills: Candidates<'_>, scorer: &mut Scorer<'_>| {
         pick_by(
-            gw.prefill_policy.as_ref(),
+            routing.prefill_policy.as_ref(),
             scorer,
             cache,
             Role::Prefill,
@@ -121,12 +122,12 @@ pub(super) fn pair(
         .ok_or_else(|| no_pair(snap, model))
     };
     // The prefill's prediction (cached, uncached), or the decode's when it serves alone.
-    let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
-        let decodes = Candidates::of(gw, whole, &snap.decode, |d| {
+    let (prefill, decode, decode_only, predicted) = if routing.decode_policy.cache_aware() {
+        let decodes = Candidates::of(routing, whole, &snap.decode, |d| {
             d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
         })?;
         let (decode, d_choice) = pick_by(
-            gw.decode_policy.as_ref(),
+            routing.decode_policy.as_ref(),
             &mut scorer,
             cache,
             Role::Decode,
@@ -142,12 +143,12 @@ pub(super) fn pair(
             // The prefill only names the connector; no leg goes to it.
             (Arc::clone(first), decode, true, d_choice)
         } else {
-            let prefills = Candidates::of(gw, whole, &snap.prefill, |p| pairing(p))?;
+            let prefills = Candidates::of(routing, whole, &snap.prefill, |p| pairing(p))?;
             let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
             (prefill, decode, false, p_choice)
         }
     } else {
-        let prefills = Candidates::of(gw, whole, &snap.prefill, |p| {
+        let prefills = Candidates::of(routing, whole, &snap.prefill, |p| {
             p.serves(model)
                 && snap
                     .decode
@@ -155,11 +156,11 @@ pub(super) fn pair(
                     .any(|d| d.serves(model) && snap.pairs(p, d))
         })?;
         let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
-        let decode = decode_for(gw, snap, model, &prefill)?;
+        let decode = decode_for(routing, snap, model, Some(&prefill))?;
         (prefill, decode, false, p_choice)
     };
     if !decode_only && predicted.is_some() {
-        admit(gw, &cache.config, &prefill)?;
+        admit(&routing.metrics, &cache.config, &prefill)?;
     }
     // Both engines will hold the prompt's blocks: the prefill computed them, the decode
     // received (or computed) them and caches them too. One walk of the keys writes both.
@@ -187,12 +188,12 @@ pub(super) fn pair(
 /// `max_queued_prefill_tokens`: the chosen prefill (the cheapest) already has more than the
 /// bound of predicted prompt tokens to compute ahead of this request, so every other one is
 /// at least as far behind: shed it. An idle prefill takes any prompt, however long.
-fn admit(gw: &Gateway, cfg: &CacheConfig, prefill: &Endpoint) -> Result<(), GatewayError> {
+fn admit(metrics: &Metrics, cfg: &CacheConfig, prefill: &Endpoint) -> Result<(), GatewayError> {
     let bound = cfg.max_queued_prefill_tokens as usize;
     if bound == 0 || prefill.load.computing_tokens() <= bound {
         return Ok(());
     }
-    gw.metrics.count_rejected("queued_prefill_tokens");
+    metrics.count_rejected("queued_prefill_tokens");
     Err(GatewayError::Overloaded {
         retry_after_secs: crate::limits::RETRY_AFTER_SECS,
     })
@@ -218,6 +219,7 @@ mod tests {
     use crate::cache::score::DecisionKind;
     use crate::cache::view::KeyKind;
     use crate::pd::select::pair;
+    use crate::state::Gateway;
 
     /// A gateway with `cache_aware` on both roles over `toml`'s endpoints, its snapshot, and
     /// the view of a 4-block token prompt.
@@ -230,7 +232,7 @@ mod tests {
         let pods = config.pods().expect("pods");
         let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("gateway");
         let snap = gw.publish(&pods, &std::collections::BTreeSet::new());
-        let cache = gw.cache.clone().expect("a cache");
+        let cache = gw.routing.cache.clone().expect("a cache");
         let tokens: Vec<u32> = (0..64).collect();
         let view = cache.model(Some("b"), &snap).token_view(&tokens);
         (gw, snap, view)
@@ -238,7 +240,7 @@ mod tests {
 
     /// Records that the decode named `name` and the first prefill hold `view` (model "b").
     fn seed(gw: &Gateway, snap: &Snapshot, name: &str, view: &PrefixView) {
-        let cache = gw.cache.as_ref().expect("a cache");
+        let cache = gw.routing.cache.as_ref().expect("a cache");
         let d = snap
             .decode
             .iter()
@@ -272,7 +274,7 @@ mod tests {
         assert!(snap.all_serve(Some("b")));
         let holder = snap.decode[1].name.clone();
         seed(&gw, &snap, &holder, &view);
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(chosen.decode.name, holder);
         assert_eq!(chosen.predicted_cached, Some(48));
         // A decode that serves another model only is no candidate, though it holds the prompt.
@@ -287,7 +289,7 @@ mod tests {
         let only_a = snap.decode[0].name.clone();
         seed(&gw, &snap, &only_a, &view);
         for _ in 0..20 {
-            let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+            let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
             assert_eq!(chosen.decode.name, snap.decode[1].name);
         }
         // At the per-endpoint cap the holder is left out; all at the cap is an overload.
@@ -296,11 +298,11 @@ mod tests {
         let holder = snap.decode[1].name.clone();
         seed(&gw, &snap, &holder, &view);
         let busy = crate::endpoints::LoadGuard::acquire(&snap.decode[1].load);
-        let pair1 = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        let pair1 = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(pair1.decode.name, snap.decode[0].name);
         let also = crate::endpoints::LoadGuard::acquire(&snap.decode[0].load);
         assert!(matches!(
-            pair(&gw, &snap, Some("b"), Some(&view)),
+            pair(&gw.routing, &snap, Some("b"), Some(&view)),
             Err(GatewayError::Overloaded { .. })
         ));
         drop((busy, also));
@@ -315,7 +317,7 @@ mod tests {
         );
         let (holder, other) = (&snap.prefill[0], &snap.prefill[1]);
         seed(&gw, &snap, &snap.decode[0].name, &view);
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(chosen.prefill.name, holder.name);
         // 48 of the 64 tokens cached there: it computes the last block.
         assert_eq!(
@@ -327,7 +329,7 @@ mod tests {
         let short = crate::endpoints::LoadGuard::acquire(&other.load);
         assert_eq!(holder.load.held(), (1, 1000));
         assert_eq!(other.load.held(), (1, 0));
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(chosen.prefill.name, other.name);
         assert_eq!(
             (chosen.predicted_cached, chosen.prefill_tokens),
