@@ -214,8 +214,8 @@ impl Session {
                     path: route.path().to_string(),
                 });
             }
-            let pass = self.gw.edge.client_keys.check(&headers)?;
-            edge::check_head(&headers)?;
+            // The proxy matched the route on its exact (canonical) path: no target to check.
+            let pass = edge::check_request(&self.gw.edge.client_keys, &headers, None)?;
             if h.end_of_stream {
                 return Err(GatewayError::bad_request(
                     "the request has no body; send the request as JSON",
