@@ -71,7 +71,7 @@ struct Pending {
 
 /// A decided request, held until its response ends (dropped early: a reset).
 struct Relay {
-    ex: Exchange,
+    ex: Box<Exchange>,
     delegated: Delegated,
     // Held for the request's life, like the proxy's answer holds them (`auth::hold`).
     _slot: Slot,

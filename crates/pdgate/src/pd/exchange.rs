@@ -63,7 +63,9 @@ pub(crate) struct Exchange {
 /// proxy's processor): parse the body, strip client transfer fields, read the request, choose
 /// the pair (the decode among `decodes` when given: a proxy's subset hint), check the request
 /// against the connector, and name the request in its record. The exchange takes the record
-/// from `record`; an error leaves it there.
+/// from `record`; an error leaves it there. The exchange is boxed: it is large, and the
+/// caller's future holds it while the legs run, so it is built once where it stays and only
+/// its pointer moves.
 pub(crate) async fn plan(
     gw: &Arc<Gateway>,
     record: &mut Option<RequestRecord>,
@@ -71,7 +73,7 @@ pub(crate) async fn plan(
     headers: &HeaderMap,
     body: Bytes,
     decodes: Option<&[String]>,
-) -> Result<Exchange, GatewayError> {
+) -> Result<Box<Exchange>, GatewayError> {
     let id = record.as_ref().map_or("", |r| r.request_id());
     let mut clean = kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH)
         .map_err(GatewayError::refused_body)?;
@@ -207,7 +209,7 @@ pub(crate) async fn plan(
     let request_id = record.request_id().to_owned();
     record.touched(if decode_only { "" } else { &prefill.name }, &decode.name);
     let ctx = context(&request_id, clean.clone(), &prefill);
-    Ok(Exchange {
+    Ok(Box::new(Exchange {
         gw: gw.clone(),
         request_id,
         record: Some(record),
@@ -228,7 +230,7 @@ pub(crate) async fn plan(
         tried_decodes: Vec::new(),
         moved: false,
         requeried: false,
-    })
+    }))
 }
 
 impl Exchange {
@@ -547,4 +549,19 @@ fn context(request_id: &str, clean: JsonBody, prefill: &Endpoint) -> RoutingCont
     ctx.transfer_key = uuid::Uuid::new_v4().simple().to_string();
     ctx.transfer.dp_rank = prefill.rank;
     ctx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `plan` hands back, and what the request's future holds while the legs run, is a
+    /// pointer: moving the exchange itself would copy all of it at every step.
+    #[test]
+    fn a_planned_exchange_moves_as_a_pointer() {
+        use std::mem::size_of;
+        let handed_back = size_of::<Result<Box<Exchange>, GatewayError>>();
+        assert!(handed_back < size_of::<Exchange>());
+        assert!(size_of::<Result<Box<Exchange>, GatewayError>>() <= size_of::<GatewayError>() + 8);
+    }
 }
