@@ -25,6 +25,9 @@
 #   ca_approx           cache_aware on both roles, approximate keys (fleet without KV events)
 #   ca_precise          cache_aware on both roles, the fleet publishes KV events (`--kv-events`;
 #                       the gateway config it writes subscribes to them)
+#   ca_precise_affine   ca_precise with the decode of a disaggregated request weighed by the
+#                       prefix it holds, as a prefill is (cache.decode_cache_weight = 1; the
+#                       default 0 chooses it by its load and the KV it holds)
 #   ca_precise_do       ca_precise, and a request with at most BENCH_DECODE_ONLY_BELOW uncached
 #                       tokens on its decode is served there alone (--decode-only-below-tokens)
 #   ca_precise_x2       ca_precise on two pdgate replicas (same config, each subscribed to every
@@ -244,6 +247,10 @@ run_arm() {
     round_robin | least_request) policy=$arm ;;
     ca_approx) policy=cache_aware ;;
     ca_precise) policy=cache_aware events=1 flags+=("${PRECISE_KEYS[@]}") ;;
+    ca_precise_affine)
+      policy=cache_aware events=1
+      flags+=("${PRECISE_KEYS[@]}" --set cache.decode_cache_weight=1)
+      ;;
     ca_precise_x2 | ca_precise_scrape)
       policy=cache_aware events=1
       flags+=("${PRECISE_KEYS[@]}" --set "cache.engine_load_interval=$ENGINE_LOAD_INTERVAL")

@@ -31,7 +31,12 @@ async fn requests_sharing_a_prefix_stick_to_the_endpoints_that_hold_it() {
             sim(Role::Decode, Connector::Shfs),
             sim(Role::Decode, Connector::Shfs),
         ],
-        cache_aware,
+        |c| {
+            cache_aware(c);
+            // Decodes weigh their prefix as prefills do (by default a decode that receives the
+            // KV is chosen by its load alone: `a_disaggregated_decode_is_chosen_by_...`).
+            c.cache.decode_cache_weight = 1.0;
+        },
     )
     .await;
     let mut served: BTreeMap<usize, BTreeSet<(String, String)>> = BTreeMap::new();

@@ -249,7 +249,9 @@ async fn a_cleared_engine_cache_is_forgotten() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_reading_the_same_events_agree() {
-    let fleet = start(|_| {}).await;
+    // Decodes weigh the blocks they hold (by default a decode receiving the KV is chosen by its
+    // load, which each gateway sees only for itself).
+    let fleet = start(|c| c.cache.decode_cache_weight = 1.0).await;
     let config = fleet.gateway.gateway().config.clone();
     let gw = pdgate::Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("config");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -37,6 +37,14 @@ pub struct CacheConfig {
     pub queued_weight: f64,
     /// Cost of one in-flight request on an endpoint, in uncached-token units.
     pub load_weight: f64,
+    /// Cost of one prompt token the decode of a disaggregated request does not hold, in place
+    /// of `cache_weight` when the decode is chosen. That decode computes none of the prompt (it
+    /// receives the KV cache), so by default (0) it is chosen by its load alone: the KV it
+    /// holds for its requests (their prompt tokens, weighed by `queued_weight`) and their
+    /// count. A higher value keeps a family's requests on the decode that holds its prefix
+    /// (less to transfer) at the price of piling a hot family onto one decode. Where the
+    /// decode may serve alone (`decode_only_below_tokens`), its cache still decides that.
+    pub decode_cache_weight: f64,
     /// Imbalance guard: when the busiest candidate holds more than `balance_abs` in-flight
     /// requests above the idlest one *and* more than `balance_rel` times as many, the cache is
     /// ignored for that decision and the least loaded endpoint wins.
@@ -101,6 +109,7 @@ impl Default for CacheConfig {
             cache_weight: 1.0,
             queued_weight: 1.0,
             load_weight: 256.0,
+            decode_cache_weight: 0.0,
             balance_abs: 32,
             balance_rel: 1.5,
             capacity_per_endpoint: 1 << 20,
@@ -155,6 +164,7 @@ impl CacheConfig {
             ("cache_weight", self.cache_weight),
             ("queued_weight", self.queued_weight),
             ("load_weight", self.load_weight),
+            ("decode_cache_weight", self.decode_cache_weight),
         ];
         for (name, v) in finite {
             if !v.is_finite() || v < 0.0 {

@@ -185,6 +185,9 @@ impl ModelCache {
 #[derive(Debug)]
 pub(crate) struct Cache {
     pub(crate) config: CacheConfig,
+    /// `config` as the decode of a disaggregated request is weighed: its uncached tokens at
+    /// `decode_cache_weight` (it receives the prompt's KV and computes none of it).
+    pub(crate) decode_config: CacheConfig,
     /// By model name (known models only; foldhash: SipHash was half of a decision's model
     /// lookup).
     models: RwLock<HashMap<String, Arc<ModelCache>, foldhash::fast::RandomState>>,
@@ -294,6 +297,10 @@ impl Cache {
         ));
         Ok(Cache {
             config: config.clone(),
+            decode_config: CacheConfig {
+                cache_weight: config.decode_cache_weight,
+                ..config.clone()
+            },
             models: RwLock::new(HashMap::default()),
             default,
             tokenizers,

@@ -43,8 +43,9 @@ pub(crate) struct Facts {
     /// Requests it holds now: this gateway's, plus others' where its metrics are scraped
     /// (`Load::with_others`).
     pub(crate) in_flight: u32,
-    /// Prompt tokens it is computing for them, where predicted (see `Load::held`), plus the
-    /// estimate for others' requests (`endpoints::engine_load`).
+    /// Prompt tokens it is computing for them (a decode: whose KV it holds for them), where
+    /// known (see `Load::held`), plus the estimate for others' requests
+    /// (`endpoints::engine_load`).
     pub(crate) computing: u32,
 }
 

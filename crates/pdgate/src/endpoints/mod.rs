@@ -79,7 +79,7 @@ pub struct Load {
     /// What it holds, in one word so that a cache-aware decision reads both halves with one
     /// load: the requests in the low 32 bits, and in the high 32 the prompt tokens it computes
     /// for them where pdgate predicted them (a cache-aware prefill's uncached tokens: work
-    /// queued ahead of a new request). Guards add and subtract the same amounts, so both halves
+    /// queued ahead of a new request; on a decode, the prompt tokens whose KV it holds). Guards add and subtract the same amounts, so both halves
     /// are exact (the tokens modulo 2^32, four billion).
     held: AtomicU64,
     /// What the engine holds beyond [`Load::held`], packed the same way: requests other
@@ -180,7 +180,8 @@ impl LoadGuard {
     }
 
     /// Counts one more request on `load`, which computes `tokens` prompt tokens for it (a
-    /// prefill leg whose uncached tokens a cache-aware decision predicted).
+    /// prefill leg whose uncached tokens a cache-aware decision predicted; a decode leg, whose
+    /// prompt's KV it holds).
     pub fn computing(load: &Arc<Load>, tokens: u32) -> LoadGuard {
         let held = 1 | u64::from(tokens) << 32;
         load.held.fetch_add(held, Ordering::Relaxed);

@@ -47,6 +47,9 @@ pub(crate) struct Exchange {
     /// Prompt tokens `prefill` is predicted to compute (0 unknown), counted in its load while a
     /// prefill leg runs there.
     prefill_tokens: u32,
+    /// Prompt tokens whose KV the decode holds (0 unknown), counted in its load while the
+    /// decode leg runs there.
+    decode_tokens: u32,
     /// The encoder requests of a multimodal request behind encoders ([`encode::work`]).
     encode: Option<encode::Work>,
     /// Prefills used (empty until the first one fails: the first is `prefill`).
@@ -114,6 +117,7 @@ pub(crate) async fn plan(
         decode_only,
         predicted_cached,
         prefill_tokens,
+        decode_tokens,
     } = select::pair(routing, &snapshot, view.model.as_deref(), prefix.as_ref())?;
     if let Some(cached) = predicted_cached {
         debug!(id, cached, decode_only, "cache-aware decision");
@@ -225,6 +229,7 @@ pub(crate) async fn plan(
         prefill_cached: None,
         prefill_base,
         prefill_tokens,
+        decode_tokens,
         encode,
         tried_prefills: Vec::new(),
         tried_decodes: Vec::new(),
@@ -331,6 +336,11 @@ impl Exchange {
     /// Prompt tokens the prefill is predicted to compute (0 unknown).
     pub(crate) fn prefill_tokens(&self) -> u32 {
         self.prefill_tokens
+    }
+
+    /// Prompt tokens whose KV the decode holds, counted in its load (0 unknown).
+    pub(crate) fn decode_tokens(&self) -> u32 {
+        self.decode_tokens
     }
 
     /// The prefill's reported cached prompt tokens.

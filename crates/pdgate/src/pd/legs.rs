@@ -445,7 +445,7 @@ pub(crate) async fn went_down(engines: &Engines, endpoint: &str) {
 async fn decode_head(ex: &Exchange, body: Bytes) -> Result<(DecodeHead, Duration), GatewayError> {
     let engines = ex.engines();
     let endpoint = ex.decode();
-    let load = LoadGuard::acquire(&endpoint.load);
+    let load = LoadGuard::computing(&endpoint.load, ex.decode_tokens());
     engines.health.begin(&endpoint.name);
     let leg = LegRequest {
         leg: Leg::Decode,

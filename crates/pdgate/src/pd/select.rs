@@ -33,6 +33,9 @@ pub(crate) struct Pair {
     /// Prompt tokens the prefill is predicted to compute (its uncached ones), counted in its
     /// load while the prefill leg runs; 0 where not predicted (no cache-aware prefill choice).
     pub(crate) prefill_tokens: u32,
+    /// Prompt tokens whose KV the decode will hold, counted in its load while its leg runs (a
+    /// cache-aware decode's cost weighs them); 0 where the prompt was not read.
+    pub(crate) decode_tokens: u32,
 }
 
 /// Why no pair serves `model`. A LoRA adapter that no prefill or no decode holds does not
@@ -130,6 +133,7 @@ pub(crate) fn pair(
         decode_only: false,
         predicted_cached: None,
         prefill_tokens: 0,
+        decode_tokens: 0,
     })
 }
 

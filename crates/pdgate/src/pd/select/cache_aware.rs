@@ -55,13 +55,12 @@ impl<'a> Candidates<'a> {
     }
 }
 
-/// Picks among `candidates` by cache and load (recording the decision in metrics) when
-/// `policy` is cache-aware, else by the policy; the prediction is `None` then.
+/// Picks among `candidates` by cache and load, weighed by `cfg`, when `policy` is cache-aware,
+/// else by the policy; the prediction is `None` then.
 fn pick_by(
     policy: &dyn Policy,
-    scorer: &mut Scorer<'_>,
-    cache: &Cache,
-    role: Role,
+    scorer: &Scorer<'_>,
+    cfg: &CacheConfig,
     candidates: &Candidates<'_>,
     view: &PrefixView,
 ) -> Option<(Arc<Endpoint>, Option<Choice>)> {
@@ -76,16 +75,22 @@ fn pick_by(
         return Some((Arc::clone(candidates.get(i)), None));
     }
     let choice = match candidates {
-        Candidates::Whole(all) => scorer.choose(all, view, &cache.config),
-        Candidates::Chosen(chosen) => scorer.choose(chosen, view, &cache.config),
+        Candidates::Whole(all) => scorer.choose(all, view, cfg),
+        Candidates::Chosen(chosen) => scorer.choose(chosen, view, cfg),
     }?;
-    cache.metrics.decision(
-        role.as_str(),
-        choice.kind.label(),
-        choice.cached_tokens,
-        view.prompt_tokens,
-    );
     Some((Arc::clone(candidates.get(choice.index)), Some(choice)))
+}
+
+/// Records a role's cache-aware decision in the cache metrics.
+fn note(cache: &Cache, role: Role, choice: Option<Choice>, view: &PrefixView) {
+    if let Some(c) = choice {
+        cache.metrics.decision(
+            role.as_str(),
+            c.kind.label(),
+            c.cached_tokens,
+            view.prompt_tokens,
+        );
+    }
 }
 
 /// Cache-aware selection. With a `cache_aware` decode policy the decode is chosen first (by its
@@ -110,41 +115,54 @@ pub(super) fn pair(
         && snap.all_serve(model)
         && routing.health.holds_back_none();
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
-    let pick_prefill = |prefills: Candidates<'_>, scorer: &mut Scorer<'_>| {
-        pick_by(
+    let pick_prefill = |prefills: Candidates<'_>, scorer: &Scorer<'_>| {
+        let (prefill, choice) = pick_by(
             routing.prefill_policy.as_ref(),
             scorer,
-            cache,
-            Role::Prefill,
+            &cache.config,
             &prefills,
             view,
         )
-        .ok_or_else(|| no_pair(snap, model))
+        .ok_or_else(|| no_pair(snap, model))?;
+        note(cache, Role::Prefill, choice, view);
+        Ok::<_, GatewayError>((prefill, choice))
     };
     // The prefill's prediction (cached, uncached), or the decode's when it serves alone.
     let (prefill, decode, decode_only, predicted) = if routing.decode_policy.cache_aware() {
         let decodes = Candidates::of(routing, whole, &snap.decode, |d| {
             d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
         })?;
-        let (decode, d_choice) = pick_by(
-            routing.decode_policy.as_ref(),
-            &mut scorer,
-            cache,
-            Role::Decode,
-            &decodes,
-            view,
-        )
-        .ok_or_else(|| no_pair(snap, model))?;
-        let pairing = |p: &Endpoint| p.serves(model) && snap.pairs(p, &decode);
-        let pairing_prefills = || snap.prefill.iter().filter(|p| pairing(p));
-        let alone = d_choice.is_some_and(|c| decode_only_fits(&cache.config, c, view))
-            && pairing_prefills().all(|p| p.agent.as_ref().is_some_and(|a| a.allows_decode_only()));
-        if alone && let Some(first) = pairing_prefills().next() {
+        let pick_decode = |cfg: &CacheConfig| {
+            pick_by(routing.decode_policy.as_ref(), &scorer, cfg, &decodes, view)
+                .ok_or_else(|| no_pair(snap, model))
+        };
+        let pairing = |p: &Endpoint, decode: &Endpoint| p.serves(model) && snap.pairs(p, decode);
+        // A decode that may serve alone is weighed as a prefill is, by what it would compute.
+        let alone = if cache.config.decode_only_below_tokens > 0 {
+            let (decode, choice) = pick_decode(&cache.config)?;
+            let fits = choice.is_some_and(|c| decode_only_fits(&cache.config, c, view));
+            let mut pairing_prefills = snap.prefill.iter().filter(|p| pairing(p, &decode));
+            let first = pairing_prefills.clone().next().cloned();
+            let allowed =
+                pairing_prefills.all(|p| p.agent.as_ref().is_some_and(|a| a.allows_decode_only()));
             // The prefill only names the connector; no leg goes to it.
-            (Arc::clone(first), decode, true, d_choice)
+            first
+                .filter(|_| fits && allowed)
+                .map(|first| (first, decode, choice))
         } else {
-            let prefills = Candidates::of(routing, whole, &snap.prefill, |p| pairing(p))?;
-            let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
+            None
+        };
+        if let Some((first, decode, choice)) = alone {
+            note(cache, Role::Decode, choice, view);
+            (first, decode, true, choice)
+        } else {
+            // One that receives the prompt's KV computes none of it: chosen by its load (the KV
+            // it holds and its requests), its cache weighing only `decode_cache_weight`, so a
+            // hot family does not pile onto the decode that holds its prefix.
+            let (decode, choice) = pick_decode(&cache.decode_config)?;
+            note(cache, Role::Decode, choice, view);
+            let prefills = Candidates::of(routing, whole, &snap.prefill, |p| pairing(p, &decode))?;
+            let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
             (prefill, decode, false, p_choice)
         }
     } else {
@@ -155,7 +173,7 @@ pub(super) fn pair(
                     .iter()
                     .any(|d| d.serves(model) && snap.pairs(p, d))
         })?;
-        let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
+        let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
         let decode = decode_for(routing, snap, model, Some(&prefill))?;
         (prefill, decode, false, p_choice)
     };
@@ -182,15 +200,26 @@ pub(super) fn pair(
             Some(c) if !decode_only => c.uncached_tokens,
             _ => 0,
         },
+        decode_tokens: view.prompt_tokens,
     })
 }
 
 /// `max_queued_prefill_tokens`: the chosen prefill (the cheapest) already has more than the
 /// bound of predicted prompt tokens to compute ahead of this request, so every other one is
-/// at least as far behind: shed it. An idle prefill takes any prompt, however long.
+/// at least as far behind: shed it. An idle prefill takes any prompt, however long. Where the
+/// engines' load is scraped (`engine_load_interval`), the estimate for others' requests counts
+/// too, as it does in the cost.
 fn admit(metrics: &Metrics, cfg: &CacheConfig, prefill: &Endpoint) -> Result<(), GatewayError> {
     let bound = cfg.max_queued_prefill_tokens as usize;
-    if bound == 0 || prefill.load.computing_tokens() <= bound {
+    if bound == 0 {
+        return Ok(());
+    }
+    let (_, queued) = if cfg.engine_load_interval.is_zero() {
+        prefill.load.held()
+    } else {
+        prefill.load.with_others()
+    };
+    if queued as usize <= bound {
         return Ok(());
     }
     metrics.count_rejected("queued_prefill_tokens");
@@ -221,12 +250,12 @@ mod tests {
     use crate::pd::select::pair;
     use crate::state::Gateway;
 
-    /// A gateway with `cache_aware` on both roles over `toml`'s endpoints, its snapshot, and
-    /// the view of a 4-block token prompt.
-    fn cache_fleet(toml: &str) -> (Arc<Gateway>, Arc<Snapshot>, PrefixView) {
+    /// A gateway with `cache_aware` on both roles over `toml`'s endpoints (and `cache`'s lines
+    /// in its `[cache]`), its snapshot, and the view of a 4-block token prompt.
+    fn cache_fleet(toml: &str, cache: &str) -> (Arc<Gateway>, Arc<Snapshot>, PrefixView) {
         let toml = format!(
             "kv_connector = \"shfs\"\nprefill_policy = \"cache_aware\"\n\
-             decode_policy = \"cache_aware\"\n{toml}[cache]\nblock_size = 16\n"
+             decode_policy = \"cache_aware\"\n{toml}[cache]\nblock_size = 16\n{cache}"
         );
         let config = crate::config::Config::from_toml(&toml).expect("config");
         let pods = config.pods().expect("pods");
@@ -257,6 +286,68 @@ mod tests {
         );
     }
 
+    /// A decode's cache weighed as a prefill's is.
+    const AFFINE: &str = "decode_cache_weight = 1.0\n";
+
+    #[test]
+    fn a_disaggregated_decode_is_chosen_by_its_load_and_the_kv_it_holds() {
+        let fleet = "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
+                     [[decode]]\nurl = \"http://10.0.0.2:8000\"\n\
+                     [[decode]]\nurl = \"http://10.0.0.3:8000\"\n";
+        // A light request weight, so that the 64-token prompt's cache could outweigh it.
+        for (cache, holder_wins) in [
+            ("load_weight = 1.0\n", false),
+            ("load_weight = 1.0\ndecode_cache_weight = 1.0\n", true),
+        ] {
+            let (gw, snap, view) = cache_fleet(fleet, cache);
+            let (holder, other) = (&snap.decode[1], &snap.decode[0]);
+            seed(&gw, &snap, &holder.name, &view);
+            // The holder already holds the KV of a 10-token prompt: 11 against the other's 0,
+            // and with its cache weighed 16 (its uncached block) + 11 against 64.
+            let held = crate::endpoints::LoadGuard::computing(&holder.load, 10);
+            let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
+            let expected = if holder_wins { holder } else { other };
+            assert_eq!(chosen.decode.name, expected.name, "{cache}");
+            // The decode leg counts the whole prompt's KV in its load.
+            assert_eq!(chosen.decode_tokens, 64);
+            drop(held);
+        }
+        // Under the default weights, each request's KV steers the next one away.
+        let (gw, snap, view) = cache_fleet(fleet, "");
+        let mut legs = Vec::new();
+        let mut chosen = Vec::new();
+        for _ in 0..4 {
+            let p = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
+            legs.push(crate::endpoints::LoadGuard::computing(
+                &p.decode.load,
+                p.decode_tokens,
+            ));
+            chosen.push(p.decode.name.clone());
+        }
+        for d in snap.decode.iter() {
+            assert_eq!(d.load.held(), (2, 128), "{chosen:?}");
+        }
+        drop(legs);
+    }
+
+    #[test]
+    fn admission_counts_others_queued_tokens_where_the_engines_are_scraped() {
+        let fleet = "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
+                     [[decode]]\nurl = \"http://10.0.0.2:8000\"\n";
+        for (scraped, shed) in [("", false), ("engine_load_interval = \"1s\"\n", true)] {
+            let cache = format!("max_queued_prefill_tokens = 100\n{scraped}");
+            let (gw, snap, view) = cache_fleet(fleet, &cache);
+            // Another replica's requests: 2, with 500 prompt tokens to compute between them.
+            snap.prefill[0].load.set_others(2, 500);
+            let result = pair(&gw.routing, &snap, Some("b"), Some(&view));
+            assert_eq!(
+                matches!(result, Err(GatewayError::Overloaded { .. })),
+                shed,
+                "{cache}"
+            );
+        }
+    }
+
     #[test]
     fn cache_aware_candidates_are_the_qualifying_endpoints_only() {
         let ep = |role: &str, i: usize, models: &str| {
@@ -270,7 +361,7 @@ mod tests {
             ep("decode", 3, ""),
         ]
         .concat();
-        let (gw, snap, view) = cache_fleet(&uniform);
+        let (gw, snap, view) = cache_fleet(&uniform, AFFINE);
         assert!(snap.all_serve(Some("b")));
         let holder = snap.decode[1].name.clone();
         seed(&gw, &snap, &holder, &view);
@@ -284,7 +375,7 @@ mod tests {
             ep("decode", 3, ""),
         ]
         .concat();
-        let (gw, snap, view) = cache_fleet(&mixed);
+        let (gw, snap, view) = cache_fleet(&mixed, AFFINE);
         assert!(!snap.all_serve(Some("b")));
         let only_a = snap.decode[0].name.clone();
         seed(&gw, &snap, &only_a, &view);
@@ -294,7 +385,7 @@ mod tests {
         }
         // At the per-endpoint cap the holder is left out; all at the cap is an overload.
         let capped = format!("max_in_flight_per_endpoint = 1\n{uniform}");
-        let (gw, snap, view) = cache_fleet(&capped);
+        let (gw, snap, view) = cache_fleet(&capped, AFFINE);
         let holder = snap.decode[1].name.clone();
         seed(&gw, &snap, &holder, &view);
         let busy = crate::endpoints::LoadGuard::acquire(&snap.decode[1].load);
@@ -314,6 +405,7 @@ mod tests {
             "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
              [[prefill]]\nurl = \"http://10.0.0.2:8000\"\n\
              [[decode]]\nurl = \"http://10.0.0.3:8000\"\n",
+            "",
         );
         let (holder, other) = (&snap.prefill[0], &snap.prefill[1]);
         seed(&gw, &snap, &snap.decode[0].name, &view);
