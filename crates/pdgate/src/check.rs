@@ -238,7 +238,12 @@ pub async fn run(
     // The fleet as the gateway sees it once discovery settled (bootstrap facts looked up,
     // health checked): which endpoints pair, and which are excluded and why.
     let fleet = start(&config, &registry, pods.clone()).await?;
-    let ready = wait_ready(&fleet.gateway().client, &fleet.base_url(), opts.timeout).await;
+    let ready = wait_ready(
+        &fleet.gateway().engines.client,
+        &fleet.base_url(),
+        opts.timeout,
+    )
+    .await;
     let snapshot = fleet.gateway().store.load();
     fleet.shutdown(Duration::from_secs(2)).await;
     if let Err(why) = ready {
@@ -367,7 +372,7 @@ async fn check_pair(
     opts: &CheckOptions,
 ) -> Result<PairReport, crate::Error> {
     let running = start(config, registry, pods).await?;
-    let client = running.gateway().client.clone();
+    let client = running.gateway().engines.client.clone();
     let base = running.base_url();
     let mut report = PairReport {
         prefill: p.name.clone(),

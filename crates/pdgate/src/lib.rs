@@ -33,7 +33,8 @@
 //!   that reads it where the layering allows), its flags, validation.
 //! - [`telemetry`]: logging set-up, the request's spans (`request`, `prefill`, `kv_handoff`,
 //!   `decode`, `relay`), OpenTelemetry export (`[telemetry]`, off by default).
-//! - `state`: [`Gateway`], the shared state. `run`: [`RunningGateway`], bind/serve/drain.
+//! - `state`: [`Gateway`], the shared state, and the handles it gives components (`Routing`
+//!   for selection, `Engines` for legs, `Edge` for the way in). `run`: [`RunningGateway`], bind/serve/drain.
 //! - `metrics`: Prometheus. `headers`: header names and the request id. `error`:
 //!   [`GatewayError`], typed by where it came from ([`Leg`], [`UpstreamKind`]), and
 //!   [`ConfigError`]. `durations`: durations as the file spells them. `watch`: files re-read

@@ -97,23 +97,23 @@ impl RunningGateway {
         ));
         tasks.spawn(crate::endpoints::health::run(
             gateway.health.clone(),
-            gateway.client.clone(),
+            gateway.engines.client.clone(),
             gateway.config.health.clone(),
             cancel.clone(),
         ));
-        if let Some(cache) = &gateway.cache
+        if let Some(cache) = &gateway.routing.cache
             && !cache.config.engine_load_interval.is_zero()
         {
             let gw = gateway.clone();
             tasks.spawn(crate::endpoints::engine_load::run(
                 move || gw.store.load(),
-                gateway.client.clone(),
-                gateway.engine_authorization.clone(),
+                gateway.engines.client.clone(),
+                gateway.engines.engine_authorization.clone(),
                 cache.config.engine_load_interval,
                 cancel.clone(),
             ));
         }
-        tasks.spawn(gateway.client_keys.clone().watch(
+        tasks.spawn(gateway.edge.client_keys.clone().watch(
             gateway.config.security.reload_interval,
             gateway.metrics.clone(),
             cancel.clone(),
@@ -230,8 +230,8 @@ impl RunningGateway {
         self.cancel.cancel();
         let drain = async {
             while self.tasks.join_next().await.is_some() {}
-            self.gateway.tasks.close();
-            self.gateway.tasks.wait().await;
+            self.gateway.engines.tasks.close();
+            self.gateway.engines.tasks.wait().await;
         };
         let started = tokio::time::Instant::now();
         if tokio::time::timeout(deadline, drain).await.is_err() {
@@ -243,7 +243,7 @@ impl RunningGateway {
                 .finish(deadline.saturating_sub(started.elapsed()))
                 .await;
         }
-        if let Some(cache) = &self.gateway.cache {
+        if let Some(cache) = &self.gateway.routing.cache {
             cache.stop();
         }
     }
@@ -264,7 +264,7 @@ impl Drop for RunningGateway {
     fn drop(&mut self) {
         self.cancel.cancel();
         self.tasks.abort_all();
-        if let Some(cache) = &self.gateway.cache {
+        if let Some(cache) = &self.gateway.routing.cache {
             cache.stop();
         }
     }

@@ -39,27 +39,12 @@ pub(crate) struct Settings {
     /// A decode 5xx later than this, its prefill silent, blames the prefill
     /// (`reliability.kv_wait_evidence`).
     pub(crate) kv_wait_evidence: Duration,
-    /// Legs waiting on an endpoint taken out of rotation are given up at once
-    /// (`reliability.retry_on_ejection`).
-    pub(crate) retry_on_ejection: bool,
     /// What a prefill that failed for good leads to (`on_prefill_failure`).
     pub(crate) on_prefill_failure: PrefillFailurePolicy,
-    /// Other endpoints one leg may be retried on (`max_retries`).
-    pub(crate) max_retries: usize,
-    /// Requests one endpoint takes at once; 0 unbounded (`max_in_flight_per_endpoint`).
-    pub(crate) max_in_flight_per_endpoint: usize,
-    /// Bound on one encoder leg (`encode_timeout`).
-    pub(crate) encode_timeout: Duration,
-    /// Most multimodal items of one request (`encode_max_items`).
-    pub(crate) encode_max_items: usize,
-    /// What an item no encoder could encode leads to (`on_encode_failure`).
-    pub(crate) on_encode_failure: PrefillFailurePolicy,
+    /// The encoder legs' knobs.
+    pub(crate) encode: EncodeSettings,
     /// Answers name the endpoints that served them (`security.expose_target_headers`).
     pub(crate) expose_target_headers: bool,
-    /// Bound on reading a request body (`security.request_body_timeout`).
-    pub(crate) request_body_timeout: Duration,
-    /// Largest request body (`max_body_bytes`).
-    pub(crate) max_body_bytes: usize,
     /// `/metrics` is served on the API port (no `security.admin_listen`).
     pub(crate) metrics_on_api: bool,
     /// The paths relayed to a decode as they are (`security.passthrough`).
@@ -78,16 +63,13 @@ impl Settings {
             decode_timeout: legs.decode_timeout,
             stream_idle_timeout: legs.stream_idle_timeout,
             kv_wait_evidence: reliability.kv_wait_evidence,
-            retry_on_ejection: reliability.retry_on_ejection,
             on_prefill_failure: legs.on_prefill_failure,
-            max_retries: legs.max_retries as usize,
-            max_in_flight_per_endpoint: config.limits.max_in_flight_per_endpoint,
-            encode_timeout: legs.encode_timeout,
-            encode_max_items: legs.encode_max_items,
-            on_encode_failure: legs.on_encode_failure,
+            encode: EncodeSettings {
+                timeout: legs.encode_timeout,
+                max_items: legs.encode_max_items,
+                on_failure: legs.on_encode_failure,
+            },
             expose_target_headers: config.security.expose_target_headers,
-            request_body_timeout: config.security.request_body_timeout,
-            max_body_bytes: config.http.max_body_bytes,
             metrics_on_api: config.security.admin_listen.is_none(),
             passthrough: config.security.passthrough.clone(),
         }
@@ -99,7 +81,82 @@ impl Settings {
     }
 }
 
-/// Everything the request path shares.
+/// The encoder legs' knobs (`pd::encode`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EncodeSettings {
+    /// Bound on one encoder leg (`encode_timeout`).
+    pub(crate) timeout: Duration,
+    /// Most multimodal items of one request (`encode_max_items`).
+    pub(crate) max_items: usize,
+    /// What an item no encoder could encode leads to (`on_encode_failure`).
+    pub(crate) on_failure: PrefillFailurePolicy,
+}
+
+/// What chooses the endpoints of a request (`pd::select`): the two policies, the cache index,
+/// health (an endpoint being probed is held back), the per-endpoint bound, and what a failed
+/// leg's next endpoint may use (`max_retries`, the retry budget).
+#[derive(Debug)]
+pub(crate) struct Routing {
+    /// Prefill selection.
+    pub(crate) prefill_policy: Box<dyn Policy>,
+    /// Decode selection.
+    pub(crate) decode_policy: Box<dyn Policy>,
+    /// Cache-aware routing state, when a policy is `cache_aware`.
+    pub(crate) cache: Option<Arc<Cache>>,
+    /// Endpoint health (the gateway's).
+    pub(crate) health: Arc<Health>,
+    /// Metrics (the gateway's): refusals and retries.
+    pub(crate) metrics: Arc<Metrics>,
+    /// Requests one endpoint takes at once; 0 unbounded (`max_in_flight_per_endpoint`).
+    pub(crate) max_in_flight_per_endpoint: usize,
+    /// Other endpoints one leg may be retried on (`max_retries`).
+    pub(crate) max_retries: usize,
+    /// Bounds retries across requests.
+    pub(crate) retry_budget: RetryBudget,
+}
+
+/// What sends legs to engines (`pd::legs`, `pd::encode`, `pd::abort`, the passthrough relay):
+/// the pooled client, the engines' credentials, health and metrics for the outcomes, the tasks
+/// background aborts run on, and whether a leg waiting on an endpoint taken out of rotation
+/// gives up.
+#[derive(Debug)]
+pub(crate) struct Engines {
+    /// Pooled engine client.
+    pub(crate) client: EnginePool,
+    /// Endpoint health (the gateway's).
+    pub(crate) health: Arc<Health>,
+    /// Metrics (the gateway's).
+    pub(crate) metrics: Arc<Metrics>,
+    /// Short background work spawned by requests (engine aborts), waited for at shutdown.
+    pub(crate) tasks: TaskTracker,
+    /// `Authorization` for engine legs (`security.engine_api_key`).
+    pub(crate) engine_authorization: Option<http::HeaderValue>,
+    /// Whether client `Authorization` headers go to engines.
+    pub(crate) forward_client_authorization: bool,
+    /// Legs waiting on an endpoint taken out of rotation are given up at once
+    /// (`reliability.retry_on_ejection`).
+    pub(crate) retry_on_ejection: bool,
+}
+
+/// What a request passes on its way in (`http::edge`, the ext_proc server): the client keys,
+/// the body's limits and the memory budget of bodies being read, and the gateway-wide request
+/// limit.
+#[derive(Debug)]
+pub(crate) struct Edge {
+    /// The client API keys (none: the API is open).
+    pub(crate) client_keys: Arc<crate::security::auth::ClientKeys>,
+    /// Bounds the memory held by request bodies being read.
+    pub(crate) body_budget: crate::security::budget::BodyBudget,
+    /// The gateway-wide request limit.
+    pub(crate) admission: Admission,
+    /// Bound on reading a request body (`security.request_body_timeout`).
+    pub(crate) request_body_timeout: Duration,
+    /// Largest request body (`max_body_bytes`).
+    pub(crate) max_body_bytes: usize,
+}
+
+/// Everything the request path shares. It owns the handles each component is given
+/// ([`Routing`], [`Engines`], [`Edge`]), so a signature says what a component touches.
 #[derive(Debug)]
 pub struct Gateway {
     /// The validated configuration.
@@ -112,36 +169,20 @@ pub struct Gateway {
     pub default_connector: String,
     /// The routable snapshot.
     pub store: EndpointStore,
-    /// Pooled engine client.
-    pub(crate) client: EnginePool,
-    /// Prefill selection.
-    pub(crate) prefill_policy: Box<dyn Policy>,
-    /// Decode selection.
-    pub(crate) decode_policy: Box<dyn Policy>,
+    /// Endpoint selection.
+    pub(crate) routing: Routing,
+    /// Engine legs.
+    pub(crate) engines: Engines,
+    /// The way in.
+    pub(crate) edge: Edge,
     /// Metrics.
     pub(crate) metrics: Arc<Metrics>,
-    /// Short background work spawned by requests (engine aborts), waited for at shutdown.
-    pub(crate) tasks: TaskTracker,
     /// Endpoint health (active checks and passive outlier detection).
     pub(crate) health: Arc<Health>,
-    /// The gateway-wide request limit.
-    pub(crate) admission: Admission,
-    /// The client API keys (none: the API is open).
-    pub(crate) client_keys: Arc<crate::security::auth::ClientKeys>,
     /// The listener's TLS (`security.tls_cert`), if configured.
     pub(crate) server_tls: Option<crate::security::tls::ServerTls>,
-    /// `Authorization` for engine legs (`security.engine_api_key`).
-    pub(crate) engine_authorization: Option<http::HeaderValue>,
-    /// Whether client `Authorization` headers go to engines.
-    pub(crate) forward_client_authorization: bool,
-    /// Bounds the memory held by request bodies being read.
-    pub(crate) body_budget: crate::security::budget::BodyBudget,
-    /// Bounds retries across requests.
-    pub(crate) retry_budget: RetryBudget,
     /// Set at the start of a graceful shutdown: `/ready` answers 503 from then on.
     pub(crate) draining: AtomicBool,
-    /// Cache-aware routing state, when a policy is `cache_aware`.
-    pub(crate) cache: Option<Arc<Cache>>,
     /// Prefills whose bootstrap facts the reconciler must look up again now.
     pub(crate) requery: crate::endpoints::bootstrap::Requery,
 }
@@ -207,33 +248,52 @@ impl Gateway {
             .map_err(|e| tls_error("engine_ca_file", e))?;
         let server_tls = crate::security::tls::ServerTls::from_config(&config.security)
             .map_err(|e| tls_error("tls_cert", e))?;
-        Ok(Arc::new(Gateway {
-            server_tls,
-            health: Arc::new(
-                Health::new(&config.health.clone(), metrics.clone())
-                    .with_half_open_probe(config.reliability.half_open_probe)
-                    .with_latency_outliers(config.reliability.latency_rule()),
-            ),
-            admission: Admission::new(&config.limits, metrics.clone()),
+        let health = Arc::new(
+            Health::new(&config.health.clone(), metrics.clone())
+                .with_half_open_probe(config.reliability.half_open_probe)
+                .with_latency_outliers(config.reliability.latency_rule()),
+        );
+        let routing = Routing {
+            prefill_policy,
+            decode_policy,
+            cache,
+            health: health.clone(),
+            metrics: metrics.clone(),
+            max_in_flight_per_endpoint: config.limits.max_in_flight_per_endpoint,
+            max_retries: config.legs.max_retries as usize,
             retry_budget: RetryBudget::new(&config.limits),
-            client_keys: Arc::new(client_keys),
+        };
+        let engines = Engines {
+            client: EnginePool::with_tls(config.pool, Some(engine_tls)),
+            health: health.clone(),
+            metrics: metrics.clone(),
+            tasks: TaskTracker::new(),
             engine_authorization,
             forward_client_authorization: config.security.forwards_client_authorization(),
+            retry_on_ejection: config.reliability.retry_on_ejection,
+        };
+        let edge = Edge {
+            client_keys: Arc::new(client_keys),
             body_budget: crate::security::budget::BodyBudget::new(
                 config.security.max_buffered_body_bytes,
                 config.security.body_budget_wait,
             ),
+            admission: Admission::new(&config.limits, metrics.clone()),
+            request_body_timeout: config.security.request_body_timeout,
+            max_body_bytes: config.http.max_body_bytes,
+        };
+        Ok(Arc::new(Gateway {
+            server_tls,
+            health,
+            routing,
+            engines,
+            edge,
             draining: AtomicBool::new(false),
-            cache,
             requery: Default::default(),
-            prefill_policy,
-            decode_policy,
-            client: EnginePool::with_tls(config.pool, Some(engine_tls)),
             default_connector,
             registry,
             store: EndpointStore::default(),
             metrics,
-            tasks: TaskTracker::new(),
             settings: Settings::of(&config),
             config,
         }))
@@ -251,7 +311,7 @@ impl Gateway {
             roleset_pairing: self.config.kubernetes.roleset_pairing,
         };
         let snapshot = self.store.publish(pods, &inputs);
-        if let Some(cache) = &self.cache {
+        if let Some(cache) = &self.routing.cache {
             cache.retain(&snapshot);
         }
         snapshot

@@ -71,7 +71,7 @@ fn probe_target(gw: &Gateway, pod: &Pod) -> Option<ProbeTarget> {
         query_url,
         models_url,
         learn_models: unknown_models,
-        authorization: gw.engine_authorization.clone(),
+        authorization: gw.engines.engine_authorization.clone(),
     })
 }
 
@@ -87,7 +87,7 @@ async fn lookup_bootstrap(gw: &Gateway, pod: &Pod) -> Result<MooncakeBootstrap, 
     let host = pod.url_host().ok_or(LookupError::NoIp)?;
     let port = pod.mooncake_bootstrap_port();
     let get = |url: String| async move {
-        probe::get(&gw.client, &url, LOOKUP_TIMEOUT, LOOKUP_MAX_BODY).await
+        probe::get(&gw.engines.client, &url, LOOKUP_TIMEOUT, LOOKUP_MAX_BODY).await
     };
     let (status, _) = get(format!("http://{host}:{}/health", pod.http_port)).await?;
     if !status.is_success() {

@@ -71,7 +71,7 @@ struct Pending {
 
 /// A decided request, held until its response ends (dropped early: a reset).
 struct Relay {
-    ex: Exchange,
+    ex: Box<Exchange>,
     delegated: Delegated,
     // Held for the request's life, like the proxy's answer holds them (`auth::hold`).
     _slot: Slot,
@@ -124,7 +124,7 @@ impl Session {
     fn wait(&self) -> Duration {
         let s = &self.gw.settings;
         match &self.phase {
-            Phase::Headers | Phase::Body(_) => s.request_body_timeout,
+            Phase::Headers | Phase::Body(_) => self.gw.edge.request_body_timeout,
             Phase::Relay(r) if !r.head => s.decode_timeout,
             Phase::Relay(_) | Phase::Done => s.stream_idle_timeout,
         }
@@ -214,8 +214,8 @@ impl Session {
                     path: route.path().to_string(),
                 });
             }
-            let pass = self.gw.client_keys.check(&headers)?;
-            edge::check_head(&headers)?;
+            // The proxy matched the route on its exact (canonical) path: no target to check.
+            let pass = edge::check_request(&self.gw.edge.client_keys, &headers, None)?;
             if h.end_of_stream {
                 return Err(GatewayError::bad_request(
                     "the request has no body; send the request as JSON",
@@ -243,7 +243,7 @@ impl Session {
         let Phase::Body(pending) = &mut self.phase else {
             return out_of_order("a request body");
         };
-        let limit = self.gw.settings.max_body_bytes;
+        let limit = self.gw.edge.max_body_bytes;
         if pending.body.len() + b.body.len() > limit {
             let Phase::Body(p) = std::mem::replace(&mut self.phase, Phase::Done) else {
                 return Step::End;
@@ -278,7 +278,7 @@ impl Session {
         let by = self.by;
         let gw = self.gw.clone();
         let decided = async {
-            let slot = gw.admission.admit().await?;
+            let slot = gw.edge.admission.admit().await?;
             let (headers, body) = (&headers, body.freeze());
             let mut ex =
                 pd::plan(&gw, &mut record, route, headers, body, subset.as_deref()).await?;
@@ -340,9 +340,9 @@ impl Session {
             None => remove.push(rank_header.as_str().to_string()),
         }
         let engine_key = ex.decode().authorization.as_ref();
-        match engine_key.or(self.gw.engine_authorization.as_ref()) {
+        match engine_key.or(self.gw.engines.engine_authorization.as_ref()) {
             Some(key) => set.push(wire::set(header::AUTHORIZATION.as_str(), key.as_bytes())),
-            None if !self.gw.forward_client_authorization => {
+            None if !self.gw.engines.forward_client_authorization => {
                 remove.push(header::AUTHORIZATION.as_str().to_string());
             }
             None => {}

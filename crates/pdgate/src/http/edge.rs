@@ -8,8 +8,8 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
-use http::HeaderValue;
 use http::header::{self, HeaderMap};
+use http::{HeaderValue, Method, Uri, Version};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use std::sync::Arc;
 use tracing::debug;
@@ -19,16 +19,34 @@ use crate::headers;
 use crate::limits::Slot;
 use crate::metrics::RequestRecord;
 use crate::pd::Answer;
-use crate::security::auth::Pass;
+use crate::security::auth::{ClientKeys, Pass};
 use crate::security::budget::{BodyBudget, Reservation};
 use crate::security::guard;
-use crate::state::Gateway;
+use crate::state::{Edge, Gateway};
 
 /// Largest request head (names and values) answered with more than a 431.
 pub(crate) const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Most header fields in a request head. hyper is configured to parse more, so that the edge,
 /// not hyper, refuses a head with a proper answer.
 pub(crate) const MAX_HEADERS: usize = 100;
+
+/// The checks every request's head passes before anything reads it, in this order: the client
+/// key (a client without one learns nothing, not even which paths exist), the head's size
+/// ([`check_head`]), then the request target (`target`: method, URI and version; `None` where
+/// the route was already matched on an exact path, as the ext_proc server does). Used by the PD
+/// routes ([`admit`]), the passthrough paths and the ext_proc server.
+pub(crate) fn check_request(
+    keys: &ClientKeys,
+    headers: &HeaderMap,
+    target: Option<(&Method, &Uri, Version)>,
+) -> Result<Pass, GatewayError> {
+    let pass = keys.check(headers)?;
+    check_head(headers)?;
+    if let Some((method, uri, version)) = target {
+        guard::check_target(method, uri, version)?;
+    }
+    Ok(pass)
+}
 
 /// Refuses a request head larger than [`MAX_HEADER_BYTES`] or with more than [`MAX_HEADERS`]
 /// fields.
@@ -113,12 +131,12 @@ pub(crate) async fn read_body(
 /// `max_body_bytes` (413). A client that sends a head and then stalls holds nothing but its
 /// connection: the admission slot is taken only after this returns.
 pub(crate) async fn read_request_body(
-    gw: &Gateway,
+    edge: &Edge,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Bytes, GatewayError> {
-    let after = gw.settings.request_body_timeout;
-    let read = read_body(headers, body, gw.settings.max_body_bytes, &gw.body_budget);
+    let after = edge.request_body_timeout;
+    let read = read_body(headers, body, edge.max_body_bytes, &edge.body_budget);
     tokio::time::timeout(after, read)
         .await
         .unwrap_or(Err(GatewayError::BodyTimeout { after }))
@@ -132,16 +150,15 @@ pub(crate) struct Admitted {
     pub(crate) pass: Pass,
 }
 
-/// What a request on a PD route passes on its way in, in this order: the client key, the
-/// head's size, the request target, the body (within `request_body_timeout` and
+/// What a request on a PD route passes on its way in, in this order: the head's checks
+/// ([`check_request`]: the client key, the head's size, the request target), the body (within `request_body_timeout` and
 /// `max_body_bytes`), then an admission slot (taken only once the body is read).
-pub(crate) async fn admit(gw: &Gateway, request: Request) -> Result<Admitted, GatewayError> {
-    let pass = gw.client_keys.check(request.headers())?;
-    check_head(request.headers())?;
-    guard::check_target(request.method(), request.uri(), request.version())?;
+pub(crate) async fn admit(edge: &Edge, request: Request) -> Result<Admitted, GatewayError> {
+    let target = (request.method(), request.uri(), request.version());
+    let pass = check_request(&edge.client_keys, request.headers(), Some(target))?;
     let (parts, body) = request.into_parts();
-    let body = read_request_body(gw, &parts.headers, body).await?;
-    let slot = gw.admission.admit().await?;
+    let body = read_request_body(edge, &parts.headers, body).await?;
+    let slot = edge.admission.admit().await?;
     Ok(Admitted {
         headers: parts.headers,
         body,

@@ -57,7 +57,7 @@ async fn pd_route(gw: Arc<Gateway>, route: Route, request: Request) -> Answer {
             body,
             slot,
             pass,
-        } = edge::admit(&gw, request).await?;
+        } = edge::admit(&gw.edge, request).await?;
         let mut ex = pd::plan(&gw, &mut record, route, &headers, body, None).await?;
         let answer = pd::legs::serve(&mut ex).await;
         if answer.is_err() {

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::header;
 use tracing::debug;
 
-use crate::endpoints::LoadGuard;
+use crate::endpoints::{Endpoint, LoadGuard};
 use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg};
 use crate::headers::{self, DECODE_TARGET_HEADER};
@@ -19,20 +19,19 @@ use crate::http::edge;
 use crate::metrics::RequestRecord;
 use crate::pd::Answer;
 use crate::pd::relay::RelayBody;
-use crate::security::auth::{self, Pass};
-use crate::security::guard;
-use crate::state::Gateway;
+use crate::pd::select;
+use crate::security::auth;
+use crate::state::{Engines, Gateway, Settings};
 
 /// The fallback route.
 pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request) -> Answer {
-    // A client without a key learns nothing, not even which paths exist.
-    let pass = match gw.client_keys.check(request.headers()) {
+    // The head's checks come first: a client without a key learns nothing, not even which paths
+    // exist.
+    let target = (request.method(), request.uri(), request.version());
+    let pass = match edge::check_request(&gw.edge.client_keys, request.headers(), Some(target)) {
         Ok(pass) => pass,
         Err(err) => return edge::refuse(gw, request.headers(), err),
     };
-    if let Err(err) = guard::check_target(request.method(), request.uri(), request.version()) {
-        return edge::refuse(gw, request.headers(), err);
-    }
     if !gw.settings.passes(request.uri().path()) {
         let path = request.uri().path().to_string();
         return edge::refuse(gw, request.headers(), GatewayError::NotFound { path });
@@ -43,8 +42,15 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, request: Request
         request.headers(),
     ));
     let result = async {
-        edge::check_head(request.headers())?;
-        forward(&gw, &mut record, request, pass).await
+        let (parts, body) = request.into_parts();
+        let body = edge::read_request_body(&gw.edge, &parts.headers, body).await?;
+        let slot = gw.edge.admission.admit().await?;
+        let (body, model) = clean_body(body)?;
+        // The decode the PD routes would choose for a request no prefill serves: the same
+        // filter, cap and policy, and the same error when there is none.
+        let decode = select::decode_for(&gw.routing, &gw.store.load(), model.as_deref(), None)?;
+        let answer = forward(&gw.engines, &gw.settings, &decode, &mut record, parts, body).await?;
+        Ok(auth::hold(answer, slot, pass))
     }
     .await;
     edge::finish(record, result)
@@ -69,42 +75,25 @@ fn clean_body(body: Bytes) -> Result<(Bytes, Option<String>), GatewayError> {
     Ok((json.to_bytes(), model))
 }
 
-/// Relays the request to a decode; the relayed body takes `record` (left there on an error).
+/// Relays the request (`parts`, its cleaned `body`) to `decode`; the relayed body takes
+/// `record` (left there on an error).
 async fn forward(
-    gw: &Gateway,
+    engines: &Engines,
+    settings: &Settings,
+    decode: &Endpoint,
     record: &mut Option<RequestRecord>,
-    request: Request,
-    pass: Pass,
+    parts: http::request::Parts,
+    body: Bytes,
 ) -> Result<Answer, GatewayError> {
-    let (parts, body) = request.into_parts();
-    let path = parts.uri.path().to_string();
     let path_and_query = parts
         .uri
         .path_and_query()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or(path);
-    let body = edge::read_request_body(gw, &parts.headers, body).await?;
-    let slot = gw.admission.admit().await?;
-    let (body, model) = clean_body(body)?;
-    let snap = gw.store.load();
-    let decodes: Vec<_> = snap
-        .decode
-        .iter()
-        .filter(|d| d.serves(model.as_deref()))
-        .cloned()
-        .collect();
-    let Some(i) = gw.decode_policy.pick(&decodes) else {
-        return Err(GatewayError::NoEndpoint {
-            what: "decode",
-            model: model.unwrap_or_default(),
-        });
-    };
-    let decode = &decodes[i];
+        .map_or_else(|| parts.uri.path(), |p| p.as_str());
     let mut forwarded = headers::forwarded(&parts.headers);
     client::engine_credentials(
         &mut forwarded,
-        gw.forward_client_authorization,
-        gw.engine_authorization.as_ref(),
+        engines.forward_client_authorization,
+        engines.engine_authorization.as_ref(),
     );
     if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
         forwarded.insert(header::CONTENT_TYPE, ct.clone());
@@ -114,14 +103,14 @@ async fn forward(
     let leg = LegRequest {
         leg: Leg::Decode,
         endpoint: decode.target(),
-        path: &path_and_query,
+        path: path_and_query,
         method: parts.method,
         body,
         request_id,
         headers: &forwarded,
         extra: &[],
     };
-    let head = client::send_within(&gw.client, leg, gw.settings.decode_timeout).await?;
+    let head = client::send_within(&engines.client, leg, settings.decode_timeout).await?;
     let Some(record) = record.take() else {
         return Err(GatewayError::Internal("request measured twice".into()));
     };
@@ -131,7 +120,7 @@ async fn forward(
     let sse = headers::is_event_stream(&head_parts.headers);
     let relay = RelayBody::new(
         body,
-        gw.settings.stream_idle_timeout,
+        settings.stream_idle_timeout,
         sse,
         vec![load],
         record,
@@ -140,13 +129,13 @@ async fn forward(
     let mut response = Answer::new(Body::new(relay));
     *response.status_mut() = head_parts.status;
     headers::copy_end_to_end(&head_parts.headers, response.headers_mut());
-    if gw.settings.expose_target_headers
+    if settings.expose_target_headers
         && let Ok(v) = http::HeaderValue::from_str(&decode.name)
     {
         response.headers_mut().insert(DECODE_TARGET_HEADER, v);
     }
     headers::stamp_request_id(response.headers_mut(), &request_id);
-    Ok(auth::hold(response, slot, pass))
+    Ok(response)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use crate::pd::Answer;
 use crate::state::Gateway;
 
 pub(crate) async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Answer {
-    if let Err(err) = gw.client_keys.check(&headers) {
+    if let Err(err) = gw.edge.client_keys.check(&headers) {
         return crate::http::edge::refuse(gw, &headers, err);
     }
     let snap = gw.store.load();
@@ -110,7 +110,7 @@ pub(crate) async fn api_metrics(State(gw): State<Arc<Gateway>>, headers: HeaderM
         };
         return crate::http::edge::refuse(gw, &headers, err);
     }
-    if let Err(err) = gw.client_keys.check(&headers) {
+    if let Err(err) = gw.edge.client_keys.check(&headers) {
         return crate::http::edge::refuse(gw, &headers, err);
     }
     metrics(State(gw)).await
@@ -136,7 +136,7 @@ pub(crate) async fn not_found(gw: Arc<Gateway>, uri: http::Uri, headers: HeaderM
 }
 
 pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
-    if let Some(cache) = &gw.cache {
+    if let Some(cache) = &gw.routing.cache {
         cache.refresh_gauges();
     }
     let snap = gw.store.load();
@@ -145,7 +145,7 @@ pub(crate) async fn metrics(State(gw): State<Arc<Gateway>>) -> Answer {
         ("prefill", held(&snap.prefill)),
         ("decode", held(&snap.decode)),
     ]);
-    let (tokens, capacity) = gw.retry_budget.levels();
+    let (tokens, capacity) = gw.routing.retry_budget.levels();
     gw.metrics.set_retry_budget(tokens, capacity);
     let text = gw.metrics.render();
     (

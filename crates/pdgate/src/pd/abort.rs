@@ -16,7 +16,7 @@ use crate::engine::EnginePool;
 use crate::engine::client::{self, LegRequest};
 use crate::engine::guarded::OnEnd;
 use crate::error::Leg;
-use crate::state::Gateway;
+use crate::state::Engines;
 
 /// Bound on one abort call.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -42,19 +42,19 @@ async fn send(client: &EnginePool, endpoint: &Endpoint, request_id: &str, call: 
 /// Tells the decode to drop `request_id` and waits (bounded) until it answered: used before a
 /// retry reuses the request id.
 pub(crate) async fn abort_now(
-    gw: &Gateway,
+    client: &EnginePool,
     agent: &dyn KvTransferAgent,
     decode: &Endpoint,
     request_id: &str,
 ) {
     if let Some(call) = agent.engine_abort(request_id) {
-        send(&gw.client, decode, request_id, call).await;
+        send(client, decode, request_id, call).await;
     }
 }
 
 /// Tells the decode to drop `request_id` in the background (waited for at shutdown).
 pub(crate) fn abort_later(
-    gw: &Gateway,
+    engines: &Engines,
     agent: &dyn KvTransferAgent,
     decode: &Arc<Endpoint>,
     request_id: &str,
@@ -63,8 +63,8 @@ pub(crate) fn abort_later(
         return;
     };
     spawn(
-        &gw.tasks,
-        gw.client.clone(),
+        &engines.tasks,
+        engines.client.clone(),
         decode.clone(),
         request_id.to_string(),
         call,
@@ -100,18 +100,18 @@ pub(crate) struct AbortOnLeave {
 impl AbortOnLeave {
     /// A guard for `request_id` on `endpoint`, when the agent has an abort call (else `None`).
     pub(crate) fn new(
-        gw: &Gateway,
+        engines: &Engines,
         agent: &dyn KvTransferAgent,
         endpoint: Arc<Endpoint>,
         request_id: &str,
     ) -> Option<Self> {
         let call = agent.engine_abort(request_id)?;
         Some(AbortOnLeave {
-            client: gw.client.clone(),
+            client: engines.client.clone(),
             endpoint,
             request_id: request_id.to_string(),
             call: Some(call),
-            tasks: gw.tasks.clone(),
+            tasks: engines.tasks.clone(),
         })
     }
 }

@@ -62,6 +62,7 @@ impl DecisionBench {
             .map_err(|e| e.to_string())?;
         let snap = gw.publish(&pods, &BTreeSet::new());
         let cache = gw
+            .routing
             .cache
             .clone()
             .ok_or("cache_aware policies build the cache")?;
@@ -104,7 +105,8 @@ impl DecisionBench {
         let Some(view) = self.views.get(p) else {
             return false;
         };
-        select::pair(&self.gw, &self.snap, None, Some(view)).is_ok_and(|pair| pair.decode_only)
+        select::pair(&self.gw.routing, &self.snap, None, Some(view))
+            .is_ok_and(|pair| pair.decode_only)
     }
 
     /// The index's size.

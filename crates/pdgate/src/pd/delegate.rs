@@ -78,9 +78,9 @@ pub(crate) async fn delegate(ex: &mut Exchange, by: PrefillBy) -> Result<Delegat
     let leg_request_id = ex.leg_request_id().to_string();
     let decode = ex.decode();
     let decode_load = LoadGuard::computing(&decode.load, ex.decode_tokens());
-    let gw = ex.gw();
-    gw.health.begin(&decode.name);
-    let abort = AbortOnLeave::new(gw, ex.agent(), Arc::clone(decode), ex.request_id());
+    let engines = ex.engines();
+    engines.health.begin(&decode.name);
+    let abort = AbortOnLeave::new(engines, ex.agent(), Arc::clone(decode), ex.request_id());
     Ok(Delegated {
         body,
         leg_request_id,

@@ -31,7 +31,7 @@ use crate::engine::client::{self, LegRequest};
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
 use crate::route::Route;
-use crate::state::Gateway;
+use crate::state::{EncodeSettings, Engines, Routing};
 
 /// Where encoders are sent a request's items.
 const ENCODE_PATH: &str = "/v1/chat/completions";
@@ -40,6 +40,8 @@ const ENCODE_PATH: &str = "/v1/chat/completions";
 #[derive(Debug)]
 pub(crate) struct Work {
     requests: Vec<Bytes>,
+    /// The encoder legs' knobs, read when the work was planned.
+    settings: EncodeSettings,
 }
 
 /// The encoder requests of `clean` when it goes to encoders (see the module docs); `None`
@@ -48,7 +50,7 @@ pub(crate) struct Work {
 /// # Errors
 /// A 400 for a request with more multimodal items than `encode_max_items`.
 pub(crate) fn work(
-    gw: &Gateway,
+    settings: &EncodeSettings,
     snapshot: &Snapshot,
     clean: &JsonBody,
     route: Route,
@@ -65,7 +67,7 @@ pub(crate) fn work(
     if requests.is_empty() {
         return Ok(None);
     }
-    let max = gw.settings.encode_max_items;
+    let max = settings.max_items;
     if requests.len() > max {
         return Err(GatewayError::bad_request(
             format!(
@@ -75,7 +77,10 @@ pub(crate) fn work(
             Some("messages"),
         ));
     }
-    Ok(Some(Work { requests }))
+    Ok(Some(Work {
+        requests,
+        settings: *settings,
+    }))
 }
 
 /// The prefill leg with the encoders' parameters (when there are any) as its
@@ -94,145 +99,166 @@ pub(crate) fn attach(
     Ok(request)
 }
 
-/// Runs the encoder legs of `work` for one prefill leg: the `ec_transfer_params` the prefill
-/// leg carries (`None`: no encoder handed anything over, or the fallback).
+/// Runs the encoder legs of `work` for one prefill leg, on the encoders of `snap` that serve
+/// `model`: the `ec_transfer_params` the prefill leg carries (`None`: no encoder handed
+/// anything over, or the fallback). `routing` gives the per-endpoint cap and what a retry may
+/// use.
 ///
 /// # Errors
 /// An encoder's 4xx as it answered, or (`on_encode_failure = "fail"`) the failure of an item no
 /// encoder could encode.
 pub(crate) async fn for_prefill_leg(
-    gw: &Arc<Gateway>,
-    work: Option<&Work>,
+    engines: &Engines,
+    routing: &Routing,
+    snap: &Snapshot,
+    work: &Work,
     request_id: &str,
     model: Option<&str>,
     forwarded: &HeaderMap,
 ) -> Result<Option<Bytes>, GatewayError> {
-    let Some(work) = work else {
-        return Ok(None);
-    };
-    let snap = gw.store.load();
     let encoders: Vec<Arc<Endpoint>> = snap
         .encode
         .iter()
         .filter(|e| e.serves(model))
         .cloned()
         .collect();
+    let encoders = &encoders;
     let span = info_span!("encode", request_id, items = work.requests.len());
     let legs = work.requests.iter().enumerate().map(|(i, body)| {
         let id = format!("{request_id}:{i}:{:06x}", rand::random::<u32>() & 0xff_ffff);
-        item(gw, &encoders, forwarded, id, body.clone(), model)
+        let item = Item {
+            id,
+            body: body.clone(),
+            model,
+            forwarded,
+            limit: work.settings.timeout,
+        };
+        async move { item.encode(engines, routing, encoders).await }
     });
     match try_join_all(legs).instrument(span).await {
         Ok(items) => {
-            gw.metrics.count_encode("encoded");
+            engines.metrics.count_encode("encoded");
             let items: Vec<EncodedItem> = items.into_iter().flatten().collect();
             Ok(encoder::merge_ec_params(&items))
         }
         Err(err)
-            if gw.settings.on_encode_failure == PrefillFailurePolicy::Fallback
+            if work.settings.on_failure == PrefillFailurePolicy::Fallback
                 && !err.status().is_client_error() =>
         {
             warn!(id = %request_id, error = %err, "no encoder encoded an item; the prefill encodes the request's items itself");
-            gw.metrics.count_encode("fallback");
+            engines.metrics.count_encode("fallback");
             Ok(None)
         }
         Err(err) => {
-            gw.metrics.count_encode("failed");
+            engines.metrics.count_encode("failed");
             Err(err)
         }
     }
 }
 
-/// One item on the least loaded encoder, retried on another one after a retryable failure.
-async fn item(
-    gw: &Gateway,
-    encoders: &[Arc<Endpoint>],
-    forwarded: &HeaderMap,
+/// One multimodal item of a request, for an encoder.
+struct Item<'a> {
+    /// The encoder leg's request id.
     id: String,
     body: Bytes,
-    model: Option<&str>,
-) -> Result<Option<EncodedItem>, GatewayError> {
-    let cap = gw.settings.max_in_flight_per_endpoint;
-    let mut tried: Vec<String> = Vec::new();
-    loop {
-        let open: Vec<Arc<Endpoint>> = encoders
-            .iter()
-            .filter(|e| !tried.contains(&e.name))
-            .filter(|e| cap == 0 || e.load.in_flight() < cap)
-            .cloned()
-            .collect();
-        let open = gw.health.hold_back_probed(open);
-        let Some(encoder) = LeastRequest.pick(&open).and_then(|i| open.get(i)) else {
-            return Err(GatewayError::NoEndpoint {
-                what: "encode",
-                model: model.unwrap_or_default().to_string(),
-            });
-        };
-        let encoder = encoder.clone();
-        let err = match leg(gw, &encoder, forwarded, &id, body.clone()).await {
-            Ok(item) => return Ok(item),
-            Err(err) => err,
-        };
-        let again = err.retryable()
-            && tried.len() < gw.settings.max_retries
-            && encoders.len() > tried.len() + 1;
-        if !again || !gw.retry_budget.try_withdraw() {
-            return Err(err);
-        }
-        gw.metrics.count_retry(Leg::Encode);
-        warn!(id = %id, from = %encoder.name, error = %err, "encoder leg failed; retrying on another encoder");
-        tried.push(encoder.name.clone());
-    }
+    model: Option<&'a str>,
+    forwarded: &'a HeaderMap,
+    /// Bound on one encoder leg (`encode_timeout`).
+    limit: std::time::Duration,
 }
 
-/// One encoder leg: the request, its whole answer within `encode_timeout`, the answer checked.
-async fn leg(
-    gw: &Gateway,
-    encoder: &Endpoint,
-    forwarded: &HeaderMap,
-    id: &str,
-    body: Bytes,
-) -> Result<Option<EncodedItem>, GatewayError> {
-    let _load = LoadGuard::acquire(&encoder.load);
-    gw.health.begin(&encoder.name);
-    let limit = gw.settings.encode_timeout;
-    let request = LegRequest {
-        leg: Leg::Encode,
-        endpoint: encoder.target(),
-        path: ENCODE_PATH,
-        method: Method::POST,
-        body,
-        request_id: id,
-        headers: forwarded,
-        extra: &[],
-    };
-    let work = async {
-        let head = client::send(&gw.client, request).await?;
-        client::collect(Leg::Encode, encoder.target(), head).await
-    };
-    let started = tokio::time::Instant::now();
-    let result = timeout(limit, work)
-        .await
-        .unwrap_or_else(|_| Err(client::timed_out(Leg::Encode, encoder.target(), limit)));
-    let outcome = match &result {
-        Ok(c) if c.status.is_server_error() => Err(Cause::ServerError),
-        Ok(_) => Ok(()),
-        Err(e) => Err(Cause::of(e)),
-    };
-    gw.health.observe(&encoder.name, outcome);
-    if outcome.is_ok() {
-        gw.health.observe_latency(&encoder.name, started.elapsed());
+impl Item<'_> {
+    /// The item on the least loaded of `encoders`, retried on another one after a retryable
+    /// failure.
+    async fn encode(
+        &self,
+        engines: &Engines,
+        routing: &Routing,
+        encoders: &[Arc<Endpoint>],
+    ) -> Result<Option<EncodedItem>, GatewayError> {
+        let cap = routing.max_in_flight_per_endpoint;
+        let mut tried: Vec<String> = Vec::new();
+        loop {
+            let open: Vec<Arc<Endpoint>> = encoders
+                .iter()
+                .filter(|e| !tried.contains(&e.name))
+                .filter(|e| cap == 0 || e.load.in_flight() < cap)
+                .cloned()
+                .collect();
+            let open = routing.health.hold_back_probed(open);
+            let Some(encoder) = LeastRequest.pick(&open).and_then(|i| open.get(i)) else {
+                return Err(GatewayError::NoEndpoint {
+                    what: "encode",
+                    model: self.model.unwrap_or_default().to_string(),
+                });
+            };
+            let encoder = encoder.clone();
+            let err = match self.leg(engines, &encoder).await {
+                Ok(item) => return Ok(item),
+                Err(err) => err,
+            };
+            let again = err.retryable()
+                && tried.len() < routing.max_retries
+                && encoders.len() > tried.len() + 1;
+            if !again || !routing.retry_budget.try_withdraw() {
+                return Err(err);
+            }
+            routing.metrics.count_retry(Leg::Encode);
+            warn!(id = %self.id, from = %encoder.name, error = %err, "encoder leg failed; retrying on another encoder");
+            tried.push(encoder.name.clone());
+        }
     }
-    let collected = result?;
-    if !collected.status.is_success() {
-        return Err(client::status_error(Leg::Encode, collected));
+
+    /// One encoder leg: the request, its whole answer within `encode_timeout`, the answer
+    /// checked.
+    async fn leg(
+        &self,
+        engines: &Engines,
+        encoder: &Endpoint,
+    ) -> Result<Option<EncodedItem>, GatewayError> {
+        let _load = LoadGuard::acquire(&encoder.load);
+        engines.health.begin(&encoder.name);
+        let limit = self.limit;
+        let request = LegRequest {
+            leg: Leg::Encode,
+            endpoint: encoder.target(),
+            path: ENCODE_PATH,
+            method: Method::POST,
+            body: self.body.clone(),
+            request_id: &self.id,
+            headers: self.forwarded,
+            extra: &[],
+        };
+        let work = async {
+            let head = client::send(&engines.client, request).await?;
+            client::collect(Leg::Encode, encoder.target(), head).await
+        };
+        let started = tokio::time::Instant::now();
+        let result = timeout(limit, work)
+            .await
+            .unwrap_or_else(|_| Err(client::timed_out(Leg::Encode, encoder.target(), limit)));
+        let outcome = match &result {
+            Ok(c) if c.status.is_server_error() => Err(Cause::ServerError),
+            Ok(_) => Ok(()),
+            Err(e) => Err(Cause::of(e)),
+        };
+        engines.health.observe(&encoder.name, outcome);
+        if outcome.is_ok() {
+            engines
+                .health
+                .observe_latency(&encoder.name, started.elapsed());
+        }
+        let collected = result?;
+        if !collected.status.is_success() {
+            return Err(client::status_error(Leg::Encode, collected));
+        }
+        encoder::check_encoder_answer(&collected.body).map_err(|e| {
+            client::upstream(
+                Leg::Encode,
+                encoder.target(),
+                UpstreamKind::Broken,
+                format!("answered what cannot be used: {e}"),
+            )
+        })
     }
-    encoder::check_encoder_answer(&collected.body).map_err(|e| {
-        client::upstream(
-            Leg::Encode,
-            encoder.target(),
-            UpstreamKind::Broken,
-            format!("answered what cannot be used: {e}"),
-        )
-    })
 }

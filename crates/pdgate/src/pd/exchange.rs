@@ -17,7 +17,7 @@ use crate::headers::{self, Served};
 use crate::metrics::RequestRecord;
 use crate::pd::view::RequestView;
 use crate::pd::{Route, encode, select, usage};
-use crate::state::{Gateway, Settings};
+use crate::state::{Engines, Gateway, Settings};
 
 /// One PD request on its way through the gateway: the shared state it reads, its id and metrics
 /// record, the pair serving it and everything a leg is built from, and what its second chances
@@ -66,7 +66,9 @@ pub(crate) struct Exchange {
 /// proxy's processor): parse the body, strip client transfer fields, read the request, choose
 /// the pair (the decode among `decodes` when given: a proxy's subset hint), check the request
 /// against the connector, and name the request in its record. The exchange takes the record
-/// from `record`; an error leaves it there.
+/// from `record`; an error leaves it there. The exchange is boxed: it is large, and the
+/// caller's future holds it while the legs run, so it is built once where it stays and only
+/// its pointer moves.
 pub(crate) async fn plan(
     gw: &Arc<Gateway>,
     record: &mut Option<RequestRecord>,
@@ -74,7 +76,7 @@ pub(crate) async fn plan(
     headers: &HeaderMap,
     body: Bytes,
     decodes: Option<&[String]>,
-) -> Result<Exchange, GatewayError> {
+) -> Result<Box<Exchange>, GatewayError> {
     let id = record.as_ref().map_or("", |r| r.request_id());
     let mut clean = kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH)
         .map_err(GatewayError::refused_body)?;
@@ -84,7 +86,8 @@ pub(crate) async fn plan(
     }
     let view = RequestView::read(&clean, route)?;
     debug!(id, model = ?view.model, stream = view.stream, "request read");
-    gw.retry_budget.deposit();
+    let routing = &gw.routing;
+    routing.retry_budget.deposit();
     let snapshot = match decodes {
         None => gw.store.load(),
         Some(names) => Arc::new(select::within(
@@ -93,12 +96,12 @@ pub(crate) async fn plan(
             view.model.as_deref(),
         )?),
     };
-    let prefix = match gw.cache.as_ref() {
+    let prefix = match routing.cache.as_ref() {
         None => None,
         Some(c) => Some(
             crate::cache::view_of(
                 c,
-                &gw.client,
+                &gw.engines.client,
                 &gw.health,
                 &snapshot,
                 &clean,
@@ -115,7 +118,7 @@ pub(crate) async fn plan(
         predicted_cached,
         prefill_tokens,
         decode_tokens,
-    } = select::pair(gw, &snapshot, view.model.as_deref(), prefix.as_ref())?;
+    } = select::pair(routing, &snapshot, view.model.as_deref(), prefix.as_ref())?;
     if let Some(cached) = predicted_cached {
         debug!(id, cached, decode_only, "cache-aware decision");
     }
@@ -156,7 +159,7 @@ pub(crate) async fn plan(
         None
     } else {
         encode::work(
-            gw,
+            &gw.settings.encode,
             &snapshot,
             &clean,
             route,
@@ -178,8 +181,8 @@ pub(crate) async fn plan(
         model: view.model.as_deref(),
         prefill: &prefill.name,
         decode: &decode.name,
-        prefill_policy: gw.prefill_policy.name(),
-        decode_policy: gw.decode_policy.name(),
+        prefill_policy: routing.prefill_policy.name(),
+        decode_policy: routing.decode_policy.name(),
         decode_only,
         predicted_cached,
     });
@@ -199,8 +202,8 @@ pub(crate) async fn plan(
     let mut forwarded = headers::forwarded(headers);
     crate::engine::client::engine_credentials(
         &mut forwarded,
-        gw.forward_client_authorization,
-        gw.engine_authorization.as_ref(),
+        gw.engines.forward_client_authorization,
+        gw.engines.engine_authorization.as_ref(),
     );
     let prefill_base = if decode_only {
         None
@@ -210,7 +213,7 @@ pub(crate) async fn plan(
     let request_id = record.request_id().to_owned();
     record.touched(if decode_only { "" } else { &prefill.name }, &decode.name);
     let ctx = context(&request_id, clean.clone(), &prefill);
-    Ok(Exchange {
+    Ok(Box::new(Exchange {
         gw: gw.clone(),
         request_id,
         record: Some(record),
@@ -232,11 +235,12 @@ pub(crate) async fn plan(
         tried_decodes: Vec::new(),
         moved: false,
         requeried: false,
-    })
+    }))
 }
 
 impl Exchange {
-    /// The shared state.
+    /// The shared state, for a task that outlives the borrow of the exchange (and hands out the
+    /// handles below).
     pub(crate) fn gw(&self) -> &Arc<Gateway> {
         &self.gw
     }
@@ -244,6 +248,11 @@ impl Exchange {
     /// What the request path reads of the configuration.
     pub(crate) fn settings(&self) -> &Settings {
         &self.gw.settings
+    }
+
+    /// What the legs are sent with.
+    pub(crate) fn engines(&self) -> &Engines {
+        &self.gw.engines
     }
 
     /// The client's request id (the answer's `x-request-id`).
@@ -380,7 +389,11 @@ impl Exchange {
             None => None,
             Some(work) => {
                 let (id, model) = (&self.request_id, self.model.as_deref());
-                encode::for_prefill_leg(&self.gw, Some(work), id, model, &self.forwarded).await?
+                let gw = &self.gw;
+                let snap = gw.store.load();
+                let (engines, routing) = (&gw.engines, &gw.routing);
+                encode::for_prefill_leg(engines, routing, &snap, work, id, model, &self.forwarded)
+                    .await?
             }
         };
         self.agent.bind_decode(&mut self.ctx, &self.decode.pod)?;
@@ -409,7 +422,9 @@ impl Exchange {
                 prefill = %self.prefill.name,
                 "prefill answered without KV-transfer parameters; the decode recomputes the prompt"
             );
-            self.gw.metrics.count_recompute(self.served.connector);
+            self.engines()
+                .metrics
+                .count_recompute(self.served.connector);
             // The decode computes the prompt itself: its own usage is the right one.
             self.prefill_cached = None;
         }
@@ -469,7 +484,7 @@ impl Exchange {
     /// The decode serves the client's request alone after a failed prefill: marked as a
     /// fallback, counted, and with no transfer state (an id naming the failed prefill) left.
     pub(crate) fn fall_back(&mut self) {
-        self.gw.metrics.count_fallback(self.served.connector);
+        self.engines().metrics.count_fallback(self.served.connector);
         self.served.fallback = true;
         self.prefill_cached = None;
         self.restart();
@@ -486,14 +501,15 @@ impl Exchange {
         };
         let model = self.model.as_deref();
         let (prefill, decode) = (&self.prefill, &self.decode);
+        let (routing, snap) = (&self.gw.routing, self.gw.store.load());
         if moving {
             let tried = std::slice::from_ref(&decode.name);
-            return select::retry_target(&self.gw, leg, model, prefill, decode, tried);
+            return select::retry_target(routing, &snap, leg, model, prefill, decode, tried);
         }
         if tried.is_empty() {
             tried.push(current.name.clone());
         }
-        let next = select::retry_target(&self.gw, leg, model, prefill, decode, tried)?;
+        let next = select::retry_target(routing, &snap, leg, model, prefill, decode, tried)?;
         tried.push(next.name.clone());
         Some(next)
     }
@@ -543,4 +559,19 @@ fn context(request_id: &str, clean: JsonBody, prefill: &Endpoint) -> RoutingCont
     ctx.transfer_key = uuid::Uuid::new_v4().simple().to_string();
     ctx.transfer.dp_rank = prefill.rank;
     ctx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `plan` hands back, and what the request's future holds while the legs run, is a
+    /// pointer: moving the exchange itself would copy all of it at every step.
+    #[test]
+    fn a_planned_exchange_moves_as_a_pointer() {
+        use std::mem::size_of;
+        let handed_back = size_of::<Result<Box<Exchange>, GatewayError>>();
+        assert!(handed_back < size_of::<Exchange>());
+        assert!(size_of::<Result<Box<Exchange>, GatewayError>>() <= size_of::<GatewayError>() + 8);
+    }
 }

@@ -27,7 +27,7 @@ use crate::pd::handover::{FirstByte, first_byte, next_frame};
 use crate::pd::relay::{self, PartnerResult};
 use crate::pd::retry::{self, Failure, Next};
 use crate::pd::{Answer, Exchange, usage};
-use crate::state::Gateway;
+use crate::state::Engines;
 
 /// The prefill leg, owned, so it can run on its own task beside the decode leg.
 struct PrefillJob {
@@ -69,11 +69,11 @@ fn prefill_span(request_id: &str, endpoint: &str) -> tracing::Span {
 /// at once if the endpoint is ejected meanwhile (`reliability.retry_on_ejection`: the caller
 /// retries elsewhere). The outcome feeds passive health (a 4xx is the client's fault, not the
 /// engine's).
-async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, GatewayError> {
+async fn prefill_leg(engines: &Engines, job: PrefillJob) -> Result<Collected, GatewayError> {
     // The prompt tokens it computes count as work queued there (cache-aware choices) until
     // it answers.
     let _load = LoadGuard::computing(&job.endpoint.load, job.tokens);
-    gw.health.begin(&job.endpoint.name);
+    engines.health.begin(&job.endpoint.name);
     let leg = LegRequest {
         leg: Leg::Prefill,
         endpoint: job.endpoint.target(),
@@ -85,12 +85,12 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
         extra: &job.extra,
     };
     let work = async {
-        let head = client::send(&gw.client, leg).await?;
+        let head = client::send(&engines.client, leg).await?;
         client::collect(Leg::Prefill, job.endpoint.target(), head).await
     };
     let limit = job.limit;
     let started = tokio::time::Instant::now();
-    let went_down = went_down(gw, &job.endpoint.name);
+    let went_down = went_down(engines, &job.endpoint.name);
     // Biased: the leg's own outcome first (and no random draw per poll).
     let result = tokio::select! {
         biased;
@@ -113,11 +113,12 @@ async fn prefill_leg(gw: &Gateway, job: PrefillJob) -> Result<Collected, Gateway
         Err(e) => Err(Cause::of(e)),
     };
     if let Ok(c) = &result {
-        gw.health.model_refused(c.status);
+        engines.health.model_refused(c.status);
     }
-    gw.health.observe(&job.endpoint.name, outcome);
+    engines.health.observe(&job.endpoint.name, outcome);
     if outcome.is_ok() {
-        gw.health
+        engines
+            .health
             .observe_latency(&job.endpoint.name, started.elapsed());
     }
     result
@@ -161,14 +162,15 @@ pub(crate) async fn sequential(ex: &mut Exchange) -> Result<Answer, GatewayError
 /// The prefill leg (retried on other prefills) and the merge of its answer: the decode leg's
 /// body, or `None` when the decode serves the client's request alone after the prefill failed.
 pub(crate) async fn prefill_and_merge(ex: &mut Exchange) -> Result<Option<Bytes>, GatewayError> {
-    let gw = ex.gw().clone();
     loop {
         let request = ex.prefill_request().await?;
-        let job = PrefillJob::new(ex, request, gw.settings.prefill_timeout);
+        let job = PrefillJob::new(ex, request, ex.settings().prefill_timeout);
         let span = prefill_span(ex.request_id(), &ex.prefill().name);
         // Boxed, like the decode leg: this flow's own future then stays small, and the flows'
         // box (`serve`) copies no more than the request's state.
-        let collected = Box::pin(prefill_leg(&gw, job)).instrument(span).await;
+        let collected = Box::pin(prefill_leg(ex.engines(), job))
+            .instrument(span)
+            .await;
         let err = match collected {
             Ok(c) if c.status.is_success() => match ex.merge_prefill(&c.body) {
                 Ok(body) => return Ok(Some(body)),
@@ -239,12 +241,13 @@ pub(crate) fn start_prefill(
     request: kvtransfer::PrefillRequest,
 ) -> Result<AbortOnDropHandle<PartnerResult>, GatewayError> {
     ex.merge_before_prefill()?;
+    // The task owns the gateway (and so the handle it runs the leg with).
     let gw = ex.gw().clone();
     let job = PrefillJob::new(ex, request, limit);
     let span = prefill_span(ex.request_id(), &ex.prefill().name);
     Ok(AbortOnDropHandle::new(tokio::spawn(
         async move {
-            let c = prefill_leg(&gw, job).await?;
+            let c = prefill_leg(&gw.engines, job).await?;
             if c.status.is_success() {
                 Ok(usage::reported(&c.body))
             } else {
@@ -314,12 +317,12 @@ async fn attempt(ex: &mut Exchange) -> Result<Ready, Next> {
             return Err(ex.next(Failure::Prefill(err)).await);
         }
         if ex.first_requery()
-            && let Some(fresh) = retry::fresh_prefill(ex.gw(), ex.prefill()).await
+            && let Some(fresh) = ex.fresh_prefill().await
         {
             drop((partner.take(), head, decode_load));
             return Err(ex.next(Failure::StaleFacts(fresh)).await);
         }
-        ex.gw()
+        ex.engines()
             .health
             .observe(&ex.decode().name, Err(Cause::ServerError));
     }
@@ -364,7 +367,7 @@ async fn attempt(ex: &mut Exchange) -> Result<Ready, Next> {
             .is_some_and(|d| relay::is_error_event(d));
         if refused
             && ex.first_requery()
-            && let Some(fresh) = retry::fresh_prefill(ex.gw(), ex.prefill()).await
+            && let Some(fresh) = ex.fresh_prefill().await
         {
             drop((partner.take(), body, decode_load));
             return Err(ex.next(Failure::StaleFacts(fresh)).await);
@@ -427,9 +430,9 @@ pub(crate) async fn send(
 
 /// Resolves once `endpoint` is taken out of rotation, when legs waiting on it are to be given up
 /// then (`reliability.retry_on_ejection`); pending otherwise. Both legs select on it.
-pub(crate) async fn went_down(gw: &Gateway, endpoint: &str) {
-    if gw.settings.retry_on_ejection {
-        gw.health.went_down(endpoint).await;
+pub(crate) async fn went_down(engines: &Engines, endpoint: &str) {
+    if engines.retry_on_ejection {
+        engines.health.went_down(endpoint).await;
     } else {
         std::future::pending::<()>().await;
     }
@@ -440,10 +443,10 @@ pub(crate) async fn went_down(gw: &Gateway, endpoint: &str) {
 /// ends the wait at once (`reliability.retry_on_ejection`). A 5xx head is the caller's to blame
 /// (the decode's own failure, or for a concurrent connector possibly the prefill's).
 async fn decode_head(ex: &Exchange, body: Bytes) -> Result<(DecodeHead, Duration), GatewayError> {
-    let gw = ex.gw();
+    let engines = ex.engines();
     let endpoint = ex.decode();
     let load = LoadGuard::computing(&endpoint.load, ex.decode_tokens());
-    gw.health.begin(&endpoint.name);
+    engines.health.begin(&endpoint.name);
     let leg = LegRequest {
         leg: Leg::Decode,
         endpoint: endpoint.target(),
@@ -456,16 +459,16 @@ async fn decode_head(ex: &Exchange, body: Bytes) -> Result<(DecodeHead, Duration
     };
     let sent = tokio::time::Instant::now();
     let head = tokio::select! {
-        head = client::send_within(&gw.client, leg, gw.settings.decode_timeout) => head,
+        head = client::send_within(&engines.client, leg, ex.settings().decode_timeout) => head,
         // Already counted (that is why it is down): not observed again.
-        () = went_down(gw, &endpoint.name) => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Released, "was taken out of rotation while the request waited for its answer".into())),
+        () = went_down(engines, &endpoint.name) => return Err(client::upstream(Leg::Decode, endpoint.target(), UpstreamKind::Released, "was taken out of rotation while the request waited for its answer".into())),
     };
     match head {
         // A decode's success is counted when its body ends cleanly (the relay), not at the
         // head: a decode that breaks its streams after a 200 must not look healthy.
         Ok(head) => Ok(((head, load), sent.elapsed())),
         Err(err) => {
-            gw.health.observe(&endpoint.name, Err(Cause::of(&err)));
+            engines.health.observe(&endpoint.name, Err(Cause::of(&err)));
             Err(err)
         }
     }
@@ -498,7 +501,7 @@ pub(crate) async fn decode_last(
 /// Relays the decode's response (no prefill leg left running).
 pub(crate) fn relay_head(ex: &mut Exchange, head: DecodeHead) -> Result<Answer, GatewayError> {
     let (head, decode_load) = head;
-    let health = &ex.gw().health;
+    let health = &ex.engines().health;
     if head.status().is_server_error() {
         health.observe(&ex.decode().name, Err(Cause::ServerError));
     }

@@ -402,10 +402,10 @@ pub(crate) fn respond(
     let record = ex.answer_record(parts.status.as_u16())?;
     let (served, cached) = (ex.served(), ex.prefill_cached());
     let sse = headers::is_event_stream(&parts.headers);
-    let gw = ex.gw();
+    let engines = ex.engines();
     let relay = RelayBody::new(
         body,
-        gw.settings.stream_idle_timeout,
+        ex.settings().stream_idle_timeout,
         sse,
         vec![decode_load],
         record,
@@ -418,11 +418,13 @@ pub(crate) fn respond(
     let relay = if parts.status.is_server_error() {
         relay
     } else {
-        relay.with_health(gw.health.clone())
+        relay.with_health(engines.health.clone())
     };
     let mut body = axum::body::Body::new(relay);
     // vLLM aborts when its connection closes; an agent with an abort call also wants to be told.
-    if let Some(guard) = AbortOnLeave::new(gw, ex.agent(), ex.decode().clone(), ex.request_id()) {
+    if let Some(guard) =
+        AbortOnLeave::new(engines, ex.agent(), ex.decode().clone(), ex.request_id())
+    {
         body = GuardedBody::wrap(body, guard);
     }
     let mut response = http::Response::new(body);

@@ -11,11 +11,12 @@ use tracing::warn;
 
 use crate::config::PrefillFailurePolicy;
 use crate::endpoints::Endpoint;
+use crate::endpoints::EndpointStore;
+use crate::endpoints::bootstrap::Requery;
 use crate::engine::client;
 use crate::error::{GatewayError, Leg, UpstreamKind};
 use crate::metrics::Cause;
 use crate::pd::{Exchange, abort};
-use crate::state::Gateway;
 
 /// Longest a request waits for the reconciler to look a prefill's bootstrap facts up again.
 pub(crate) const REQUERY_WAIT: Duration = Duration::from_secs(2);
@@ -79,13 +80,13 @@ impl Exchange {
             Failure::Prefill(err) => self.after_prefill(err).await,
             Failure::Decode(err) => self.after_decode(err).await,
             Failure::StaleFacts(fresh) => {
-                let gw = self.gw().clone();
                 warn!(id = %self.request_id(), prefill = %self.prefill().name, decode = %self.decode().name, "decode failed on the prefill's stale bootstrap facts (its engine id changed); retrying once on fresh ones");
-                abort::abort_now(&gw, self.agent(), self.decode(), self.request_id()).await;
+                let client = &self.engines().client;
+                abort::abort_now(client, self.agent(), self.decode(), self.request_id()).await;
                 if let Err(err) = self.switch_prefill(fresh) {
                     return Next::Fail(err);
                 }
-                gw.metrics.count_retry(Leg::Prefill);
+                self.engines().metrics.count_retry(Leg::Prefill);
                 self.retried();
                 Next::RetryBoth
             }
@@ -93,7 +94,6 @@ impl Exchange {
     }
 
     async fn after_prefill(&mut self, err: GatewayError) -> Next {
-        let gw = self.gw().clone();
         let concurrent = self.concurrent_pair();
         let next = if err.retryable() {
             self.retry_target(Leg::Prefill, false)
@@ -105,7 +105,8 @@ impl Exchange {
             if concurrent {
                 warn!(id = %self.request_id(), from = %self.prefill().name, to = %next.name, error = %err, "{why} before the first decode byte; retrying both legs");
                 // The decode must drop the request before the retry reuses its id.
-                abort::abort_now(&gw, self.agent(), self.decode(), self.request_id()).await;
+                let client = &self.engines().client;
+                abort::abort_now(client, self.agent(), self.decode(), self.request_id()).await;
             } else {
                 warn!(id = %self.request_id(), from = %self.prefill().name, to = %next.name, "{why}; retrying on another prefill");
             }
@@ -116,19 +117,25 @@ impl Exchange {
                 Err(err) => Next::Fail(err),
             };
         }
-        let fallback = gw.settings.on_prefill_failure == PrefillFailurePolicy::Fallback
+        let fallback = self.settings().on_prefill_failure == PrefillFailurePolicy::Fallback
             && self.agent().allows_decode_only()
             && !err.status().is_client_error();
         if !fallback {
             // The decode must drop the bootstrapped request before its id is given up.
             if concurrent {
-                abort::abort_later(&gw, self.agent(), self.decode(), self.request_id());
+                abort::abort_later(
+                    self.engines(),
+                    self.agent(),
+                    self.decode(),
+                    self.request_id(),
+                );
             }
             return Next::Fail(err);
         }
         if concurrent {
             // ... and before its id is reused.
-            abort::abort_now(&gw, self.agent(), self.decode(), self.request_id()).await;
+            let client = &self.engines().client;
+            abort::abort_now(client, self.agent(), self.decode(), self.request_id()).await;
         }
         warn!(id = %self.request_id(), prefill = %self.prefill().name, error = %err, "{why}; decode serves the request alone");
         self.fall_back();
@@ -136,7 +143,6 @@ impl Exchange {
     }
 
     async fn after_decode(&mut self, err: GatewayError) -> Next {
-        let gw = self.gw().clone();
         let decode = self.decode().clone();
         if err.is_connect_failure()
             && let Some(next) = self.retry_target(Leg::Decode, false)
@@ -151,7 +157,7 @@ impl Exchange {
         {
             warn!(id = %self.request_id(), from = %decode.name, to = %next.name, "decode taken out of rotation before its answer; moving the request to another decode");
             self.retried();
-            abort::abort_later(&gw, self.agent(), &decode, self.request_id());
+            abort::abort_later(self.engines(), self.agent(), &decode, self.request_id());
             self.restart();
             self.switch_decode(next);
             return if self.alone() {
@@ -161,9 +167,17 @@ impl Exchange {
             };
         }
         if self.concurrent_pair() {
-            abort::abort_later(&gw, self.agent(), &decode, self.request_id());
+            abort::abort_later(self.engines(), self.agent(), &decode, self.request_id());
         }
         Next::Fail(err)
+    }
+}
+
+impl Exchange {
+    /// [`fresh_prefill`] for the exchange's prefill.
+    pub(crate) async fn fresh_prefill(&self) -> Option<Arc<Endpoint>> {
+        let gw = self.gw();
+        fresh_prefill(&gw.requery, &gw.store, self.prefill()).await
     }
 }
 
@@ -172,12 +186,16 @@ impl Exchange {
 /// When they changed (the prefill restarted with a new engine id, the decode refused the old
 /// one), gives the prefill's endpoint with the fresh facts: the failure was nobody's, and the
 /// request can run again on it. `None`: the facts still hold (the failure stands).
-pub(crate) async fn fresh_prefill(gw: &Gateway, prefill: &Endpoint) -> Option<Arc<Endpoint>> {
-    let ticket = gw.requery.ask(&prefill.name);
-    if !gw.requery.wait(ticket, REQUERY_WAIT).await {
+pub(crate) async fn fresh_prefill(
+    requery: &Requery,
+    store: &EndpointStore,
+    prefill: &Endpoint,
+) -> Option<Arc<Endpoint>> {
+    let ticket = requery.ask(&prefill.name);
+    if !requery.wait(ticket, REQUERY_WAIT).await {
         return None;
     }
-    let snapshot = gw.store.load();
+    let snapshot = store.load();
     let now = snapshot.prefill.iter().find(|p| p.name == prefill.name)?;
     (now.pod.mooncake_bootstrap.is_some()
         && now.pod.mooncake_bootstrap != prefill.pod.mooncake_bootstrap)
@@ -188,7 +206,7 @@ pub(crate) async fn fresh_prefill(gw: &Gateway, prefill: &Endpoint) -> Option<Ar
 /// prefill had not answered: logged, counted against the prefill, and returned as the prefill's
 /// (retryable) failure.
 pub(crate) fn kv_wait_failure(ex: &Exchange, waited: Duration) -> GatewayError {
-    let gw = ex.gw();
+    let (engines, requery) = (ex.engines(), &ex.gw().requery);
     let prefill = ex.prefill();
     warn!(
         id = %ex.request_id(),
@@ -197,9 +215,9 @@ pub(crate) fn kv_wait_failure(ex: &Exchange, waited: Duration) -> GatewayError {
         ?waited,
         "decode gave up waiting for KV while the prefill had not answered; blaming the prefill"
     );
-    gw.health.observe(&prefill.name, Err(Cause::KvWait));
+    engines.health.observe(&prefill.name, Err(Cause::KvWait));
     if ex.agent().needs_bootstrap_lookup() {
-        gw.requery.ask(&prefill.name);
+        requery.ask(&prefill.name);
     }
     client::upstream(
         Leg::Prefill,

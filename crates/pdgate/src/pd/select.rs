@@ -1,11 +1,12 @@
 //! Which endpoints serve a request: the pair for a new request, another endpoint for a failed
-//! leg. Reads the snapshot, the policies, the per-endpoint cap and the retry budget; sends
-//! nothing.
+//! leg. Reads the snapshot and the [`Routing`] handle (the policies, the cache index, health,
+//! the per-endpoint cap and the retry budget); sends nothing.
 //!
 //! [`pair`] sees the request's model, its prefix view and the whole snapshot, and returns both
 //! endpoints; with a `cache_aware` policy, [`cache_aware`] weighs cached prefixes and may choose
 //! the decode first and serve the request there alone ([`Pair::decode_only`]). Both choose the
-//! decode for a chosen prefill with the one filter [`decode_for`].
+//! decode for a chosen prefill with the one filter [`decode_for`], which also chooses the decode
+//! of a request no prefill serves (the passthrough paths).
 
 mod cache_aware;
 
@@ -17,7 +18,7 @@ use crate::cache::PrefixView;
 use crate::endpoints::{Endpoint, Snapshot};
 use crate::error::{GatewayError, Leg};
 use crate::limits::under_cap;
-use crate::state::Gateway;
+use crate::state::Routing;
 
 /// The endpoints chosen for a request.
 #[derive(Debug)]
@@ -101,13 +102,13 @@ pub(crate) fn within(
 /// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector. With
 /// a `cache_aware` policy and the request's prefix view, [`cache_aware::pair`] decides instead.
 pub(crate) fn pair(
-    gw: &Gateway,
+    routing: &Routing,
     snap: &Snapshot,
     model: Option<&str>,
     prefix: Option<&PrefixView>,
 ) -> Result<Pair, GatewayError> {
-    if let (Some(cache), Some(view)) = (&gw.cache, prefix) {
-        return cache_aware::pair(gw, cache, snap, model, view);
+    if let (Some(cache), Some(view)) = (&routing.cache, prefix) {
+        return cache_aware::pair(routing, cache, snap, model, view);
     }
     let compatible = |p: &Endpoint, d: &Endpoint| d.serves(model) && snap.pairs(p, d);
     let prefills: Vec<Arc<Endpoint>> = snap
@@ -117,15 +118,15 @@ pub(crate) fn pair(
         .cloned()
         .collect();
     let prefills = under_cap(
-        gw.settings.max_in_flight_per_endpoint,
-        &gw.metrics,
-        gw.health.hold_back_probed(prefills),
+        routing.max_in_flight_per_endpoint,
+        &routing.metrics,
+        routing.health.hold_back_probed(prefills),
     )?;
-    let Some(i) = gw.prefill_policy.pick(&prefills) else {
+    let Some(i) = routing.prefill_policy.pick(&prefills) else {
         return Err(no_pair(snap, model));
     };
     let prefill = prefills[i].clone();
-    let decode = decode_for(gw, snap, model, &prefill)?;
+    let decode = decode_for(routing, snap, model, Some(&prefill))?;
     Ok(Pair {
         prefill,
         decode,
@@ -136,26 +137,27 @@ pub(crate) fn pair(
     })
 }
 
-/// The decode for a chosen `prefill`: one that serves `model` and pairs with it, under the
-/// per-endpoint cap, by the decode policy. The one decode filter of both pairings.
-fn decode_for(
-    gw: &Gateway,
+/// The decode for a chosen `prefill` (`None`: a request no prefill serves, a passthrough path):
+/// one that serves `model` and pairs with the prefill, under the per-endpoint cap, by the
+/// decode policy. The one decode filter of both pairings and of the passthrough paths.
+pub(crate) fn decode_for(
+    routing: &Routing,
     snap: &Snapshot,
     model: Option<&str>,
-    prefill: &Endpoint,
+    prefill: Option<&Endpoint>,
 ) -> Result<Arc<Endpoint>, GatewayError> {
     let decodes: Vec<Arc<Endpoint>> = snap
         .decode
         .iter()
-        .filter(|d| d.serves(model) && snap.pairs(prefill, d))
+        .filter(|d| d.serves(model) && prefill.is_none_or(|p| snap.pairs(p, d)))
         .cloned()
         .collect();
     let decodes = under_cap(
-        gw.settings.max_in_flight_per_endpoint,
-        &gw.metrics,
-        gw.health.hold_back_probed(decodes),
+        routing.max_in_flight_per_endpoint,
+        &routing.metrics,
+        routing.health.hold_back_probed(decodes),
     )?;
-    let j = gw
+    let j = routing
         .decode_policy
         .pick(&decodes)
         .ok_or_else(|| GatewayError::NoEndpoint {
@@ -167,20 +169,21 @@ fn decode_for(
 
 /// Another endpoint for a failed `leg`, if `max_retries`, candidates and the retry budget
 /// allow one. `tried` holds the endpoints already used for this leg. A prefill keeps the
-/// connector (the decode was chosen for it); a decode must accept it.
+/// connector (the decode was chosen for it); a decode must accept it. `snap` is the current
+/// snapshot.
 pub(crate) fn retry_target(
-    gw: &Gateway,
+    routing: &Routing,
+    snap: &Snapshot,
     leg: Leg,
     model: Option<&str>,
     prefill: &Endpoint,
     decode: &Endpoint,
     tried: &[String],
 ) -> Option<Arc<Endpoint>> {
-    if tried.len() > gw.settings.max_retries {
+    if tried.len() > routing.max_retries {
         return None;
     }
-    let snap = gw.store.load();
-    let cap = gw.settings.max_in_flight_per_endpoint;
+    let cap = routing.max_in_flight_per_endpoint;
     let connector = prefill.connector.as_deref().unwrap_or_default();
     let open = |e: &Arc<Endpoint>| {
         !tried.iter().any(|t| t == &e.name)
@@ -198,7 +201,7 @@ pub(crate) fn retry_target(
                 })
                 .cloned()
                 .collect(),
-            &gw.prefill_policy,
+            &routing.prefill_policy,
         ),
         Leg::Decode => (
             snap.decode
@@ -206,24 +209,24 @@ pub(crate) fn retry_target(
                 .filter(|d| open(d) && snap.pairs(prefill, d))
                 .cloned()
                 .collect(),
-            &gw.decode_policy,
+            &routing.decode_policy,
         ),
         // Encoder legs choose their own retries (`pd::encode`).
         Leg::Encode => return None,
     };
-    let candidates = gw.health.hold_back_probed(candidates);
+    let candidates = routing.health.hold_back_probed(candidates);
     // A lone candidate needs no policy (and takes no round-robin turn from new requests).
     let i = match candidates.len() {
         0 => return None,
         1 => 0,
         _ => policy.pick(&candidates)?,
     };
-    if !gw.retry_budget.try_withdraw() {
+    if !routing.retry_budget.try_withdraw() {
         warn!(leg = %leg, "retry budget exhausted; not retrying");
-        gw.metrics.count_retry_refused(leg);
+        routing.metrics.count_retry_refused(leg);
         return None;
     }
-    gw.metrics.count_retry(leg);
+    routing.metrics.count_retry(leg);
     Some(candidates[i].clone())
 }
 

@@ -11,8 +11,9 @@ use crate::endpoints::policy::Policy;
 use crate::endpoints::{Endpoint, Role, Snapshot};
 use crate::error::GatewayError;
 use crate::limits::under_cap;
+use crate::metrics::Metrics;
 use crate::pd::select::{Pair, decode_for, no_pair};
-use crate::state::Gateway;
+use crate::state::Routing;
 
 /// One role's candidates for a decision.
 enum Candidates<'a> {
@@ -28,7 +29,7 @@ impl<'a> Candidates<'a> {
     /// `all` if `whole`, else those of `all` that `keep` allows, under the per-endpoint cap and
     /// without a half-open endpoint being probed.
     fn of(
-        gw: &Gateway,
+        routing: &Routing,
         whole: bool,
         all: &'a [Arc<Endpoint>],
         keep: impl FnMut(&&'a Arc<Endpoint>) -> bool,
@@ -39,9 +40,9 @@ impl<'a> Candidates<'a> {
         let mut chosen = Vec::with_capacity(all.len());
         chosen.extend(all.iter().filter(keep));
         let chosen = under_cap(
-            gw.settings.max_in_flight_per_endpoint,
-            &gw.metrics,
-            gw.health.hold_back_probed(chosen),
+            routing.max_in_flight_per_endpoint,
+            &routing.metrics,
+            routing.health.hold_back_probed(chosen),
         )?;
         Ok(Candidates::Chosen(chosen))
     }
@@ -98,7 +99,7 @@ fn note(cache: &Cache, role: Role, choice: Option<Choice>, view: &PrefixView) {
 /// request alone. Otherwise the prefill is chosen among those that pair with it. With only the
 /// prefill policy cache-aware, the prefill is chosen first, as without a cache.
 pub(super) fn pair(
-    gw: &Gateway,
+    routing: &Routing,
     cache: &Cache,
     snap: &Snapshot,
     model: Option<&str>,
@@ -110,13 +111,13 @@ pub(super) fn pair(
     // Candidates are borrowed from the snapshot (a decision over a large fleet would otherwise
     // spend more on reference counts than on scoring), or are its whole lists when every
     // endpoint qualifies: no cap, no probe held back, and all serve the model and pair.
-    let whole = gw.settings.max_in_flight_per_endpoint == 0
+    let whole = routing.max_in_flight_per_endpoint == 0
         && snap.all_serve(model)
-        && gw.health.holds_back_none();
+        && routing.health.holds_back_none();
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
     let pick_prefill = |prefills: Candidates<'_>, scorer: &Scorer<'_>| {
         let (prefill, choice) = pick_by(
-            gw.prefill_policy.as_ref(),
+            routing.prefill_policy.as_ref(),
             scorer,
             &cache.config,
             &prefills,
@@ -127,12 +128,12 @@ pub(super) fn pair(
         Ok::<_, GatewayError>((prefill, choice))
     };
     // The prefill's prediction (cached, uncached), or the decode's when it serves alone.
-    let (prefill, decode, decode_only, predicted) = if gw.decode_policy.cache_aware() {
-        let decodes = Candidates::of(gw, whole, &snap.decode, |d| {
+    let (prefill, decode, decode_only, predicted) = if routing.decode_policy.cache_aware() {
+        let decodes = Candidates::of(routing, whole, &snap.decode, |d| {
             d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
         })?;
         let pick_decode = |cfg: &CacheConfig| {
-            pick_by(gw.decode_policy.as_ref(), &scorer, cfg, &decodes, view)
+            pick_by(routing.decode_policy.as_ref(), &scorer, cfg, &decodes, view)
                 .ok_or_else(|| no_pair(snap, model))
         };
         let pairing = |p: &Endpoint, decode: &Endpoint| p.serves(model) && snap.pairs(p, decode);
@@ -160,12 +161,12 @@ pub(super) fn pair(
             // hot family does not pile onto the decode that holds its prefix.
             let (decode, choice) = pick_decode(&cache.decode_config)?;
             note(cache, Role::Decode, choice, view);
-            let prefills = Candidates::of(gw, whole, &snap.prefill, |p| pairing(p, &decode))?;
+            let prefills = Candidates::of(routing, whole, &snap.prefill, |p| pairing(p, &decode))?;
             let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
             (prefill, decode, false, p_choice)
         }
     } else {
-        let prefills = Candidates::of(gw, whole, &snap.prefill, |p| {
+        let prefills = Candidates::of(routing, whole, &snap.prefill, |p| {
             p.serves(model)
                 && snap
                     .decode
@@ -173,11 +174,11 @@ pub(super) fn pair(
                     .any(|d| d.serves(model) && snap.pairs(p, d))
         })?;
         let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
-        let decode = decode_for(gw, snap, model, &prefill)?;
+        let decode = decode_for(routing, snap, model, Some(&prefill))?;
         (prefill, decode, false, p_choice)
     };
     if !decode_only && predicted.is_some() {
-        admit(gw, &cache.config, &prefill)?;
+        admit(&routing.metrics, &cache.config, &prefill)?;
     }
     // Both engines will hold the prompt's blocks: the prefill computed them, the decode
     // received (or computed) them and caches them too. One walk of the keys writes both.
@@ -208,7 +209,7 @@ pub(super) fn pair(
 /// at least as far behind: shed it. An idle prefill takes any prompt, however long. Where the
 /// engines' load is scraped (`engine_load_interval`), the estimate for others' requests counts
 /// too, as it does in the cost.
-fn admit(gw: &Gateway, cfg: &CacheConfig, prefill: &Endpoint) -> Result<(), GatewayError> {
+fn admit(metrics: &Metrics, cfg: &CacheConfig, prefill: &Endpoint) -> Result<(), GatewayError> {
     let bound = cfg.max_queued_prefill_tokens as usize;
     if bound == 0 {
         return Ok(());
@@ -221,7 +222,7 @@ fn admit(gw: &Gateway, cfg: &CacheConfig, prefill: &Endpoint) -> Result<(), Gate
     if queued as usize <= bound {
         return Ok(());
     }
-    gw.metrics.count_rejected("queued_prefill_tokens");
+    metrics.count_rejected("queued_prefill_tokens");
     Err(GatewayError::Overloaded {
         retry_after_secs: crate::limits::RETRY_AFTER_SECS,
     })
@@ -247,6 +248,7 @@ mod tests {
     use crate::cache::score::DecisionKind;
     use crate::cache::view::KeyKind;
     use crate::pd::select::pair;
+    use crate::state::Gateway;
 
     /// A gateway with `cache_aware` on both roles over `toml`'s endpoints (and `cache`'s lines
     /// in its `[cache]`), its snapshot, and the view of a 4-block token prompt.
@@ -259,7 +261,7 @@ mod tests {
         let pods = config.pods().expect("pods");
         let gw = Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("gateway");
         let snap = gw.publish(&pods, &std::collections::BTreeSet::new());
-        let cache = gw.cache.clone().expect("a cache");
+        let cache = gw.routing.cache.clone().expect("a cache");
         let tokens: Vec<u32> = (0..64).collect();
         let view = cache.model(Some("b"), &snap).token_view(&tokens);
         (gw, snap, view)
@@ -267,7 +269,7 @@ mod tests {
 
     /// Records that the decode named `name` and the first prefill hold `view` (model "b").
     fn seed(gw: &Gateway, snap: &Snapshot, name: &str, view: &PrefixView) {
-        let cache = gw.cache.as_ref().expect("a cache");
+        let cache = gw.routing.cache.as_ref().expect("a cache");
         let d = snap
             .decode
             .iter()
@@ -303,7 +305,7 @@ mod tests {
             // The holder already holds the KV of a 10-token prompt: 11 against the other's 0,
             // and with its cache weighed 16 (its uncached block) + 11 against 64.
             let held = crate::endpoints::LoadGuard::computing(&holder.load, 10);
-            let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+            let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
             let expected = if holder_wins { holder } else { other };
             assert_eq!(chosen.decode.name, expected.name, "{cache}");
             // The decode leg counts the whole prompt's KV in its load.
@@ -315,7 +317,7 @@ mod tests {
         let mut legs = Vec::new();
         let mut chosen = Vec::new();
         for _ in 0..4 {
-            let p = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+            let p = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
             legs.push(crate::endpoints::LoadGuard::computing(
                 &p.decode.load,
                 p.decode_tokens,
@@ -337,7 +339,7 @@ mod tests {
             let (gw, snap, view) = cache_fleet(fleet, &cache);
             // Another replica's requests: 2, with 500 prompt tokens to compute between them.
             snap.prefill[0].load.set_others(2, 500);
-            let result = pair(&gw, &snap, Some("b"), Some(&view));
+            let result = pair(&gw.routing, &snap, Some("b"), Some(&view));
             assert_eq!(
                 matches!(result, Err(GatewayError::Overloaded { .. })),
                 shed,
@@ -363,7 +365,7 @@ mod tests {
         assert!(snap.all_serve(Some("b")));
         let holder = snap.decode[1].name.clone();
         seed(&gw, &snap, &holder, &view);
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(chosen.decode.name, holder);
         assert_eq!(chosen.predicted_cached, Some(48));
         // A decode that serves another model only is no candidate, though it holds the prompt.
@@ -378,7 +380,7 @@ mod tests {
         let only_a = snap.decode[0].name.clone();
         seed(&gw, &snap, &only_a, &view);
         for _ in 0..20 {
-            let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+            let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
             assert_eq!(chosen.decode.name, snap.decode[1].name);
         }
         // At the per-endpoint cap the holder is left out; all at the cap is an overload.
@@ -387,11 +389,11 @@ mod tests {
         let holder = snap.decode[1].name.clone();
         seed(&gw, &snap, &holder, &view);
         let busy = crate::endpoints::LoadGuard::acquire(&snap.decode[1].load);
-        let pair1 = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        let pair1 = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(pair1.decode.name, snap.decode[0].name);
         let also = crate::endpoints::LoadGuard::acquire(&snap.decode[0].load);
         assert!(matches!(
-            pair(&gw, &snap, Some("b"), Some(&view)),
+            pair(&gw.routing, &snap, Some("b"), Some(&view)),
             Err(GatewayError::Overloaded { .. })
         ));
         drop((busy, also));
@@ -407,7 +409,7 @@ mod tests {
         );
         let (holder, other) = (&snap.prefill[0], &snap.prefill[1]);
         seed(&gw, &snap, &snap.decode[0].name, &view);
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(chosen.prefill.name, holder.name);
         // 48 of the 64 tokens cached there: it computes the last block.
         assert_eq!(
@@ -419,7 +421,7 @@ mod tests {
         let short = crate::endpoints::LoadGuard::acquire(&other.load);
         assert_eq!(holder.load.held(), (1, 1000));
         assert_eq!(other.load.held(), (1, 0));
-        let chosen = pair(&gw, &snap, Some("b"), Some(&view)).expect("a pair");
+        let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
         assert_eq!(chosen.prefill.name, other.name);
         assert_eq!(
             (chosen.predicted_cached, chosen.prefill_tokens),
