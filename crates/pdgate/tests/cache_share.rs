@@ -108,12 +108,12 @@ fn engine(role: Role, blocks: usize, arm: Arm, tok: Option<&WordTokenizer>) -> S
 
 /// One arm: a fresh fleet (cold caches of `blocks` blocks per engine), the whole trace.
 async fn run(kind: WorkloadKind, arm: Arm, blocks: usize) -> Report {
-    run_spread(kind, arm, blocks).await.0
+    run_spread(spec(kind), arm, blocks).await.0
 }
 
 /// [`run`], also returning how many requests each prefill served.
-async fn run_spread(kind: WorkloadKind, arm: Arm, blocks: usize) -> (Report, Vec<u64>) {
-    let spec = spec(kind);
+async fn run_spread(spec: TraceSpec, arm: Arm, blocks: usize) -> (Report, Vec<u64>) {
+    let kind = spec.kind;
     let tok = arm
         .precise()
         .then(|| WordTokenizer::new(words_of(&spec).iter().map(String::as_str)));
@@ -308,8 +308,8 @@ async fn multi_turn_cache_aware_reaches_the_oracle_where_round_robin_does_not() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_prompts_lose_nothing_against_least_request() {
     // The control: nothing to reuse. cache_aware must spread the misses like least_request.
-    let (lr, lr_spread) = run_spread(WorkloadKind::Random, Arm::LeastRequest, 144).await;
-    let (ca, ca_spread) = run_spread(WorkloadKind::Random, Arm::Approximate, 144).await;
+    let (lr, lr_spread) = run_spread(spec(WorkloadKind::Random), Arm::LeastRequest, 144).await;
+    let (ca, ca_spread) = run_spread(spec(WorkloadKind::Random), Arm::Approximate, 144).await;
     assert_eq!(ca.ok, lr.ok);
     assert!(
         ca.cached_share.unwrap_or(0.0) >= lr.cached_share.unwrap_or(0.0),
@@ -330,5 +330,45 @@ async fn random_prompts_lose_nothing_against_least_request() {
             spread.iter().all(|&n| n * 4 >= total),
             "{name} piled the misses up: {spread:?}"
         );
+    }
+}
+
+/// The small-cache workload: 7 families of 14 shared blocks (224 tokens) and 2 of their own per
+/// prompt, on prefills of 64 blocks each: 4 families fit in an engine, not 7. (An odd count:
+/// with an even one, round robin over two prefills sends each family to one of them.)
+fn small_cache_spec() -> TraceSpec {
+    let mut t = TraceSpec::new(WorkloadKind::SharedPrefix);
+    t.groups = 7;
+    t.prompts_per_group = 6;
+    t.system_len = 224;
+    t.question_len = 32;
+    t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_caches_hold_more_families_when_routing_partitions_them() {
+    let blocks = 64;
+    let share = |r: &Report| r.cached_share.expect("cached share");
+    let rr = run_spread(small_cache_spec(), Arm::RoundRobin, blocks)
+        .await
+        .0;
+    let mut rows = vec![("round robin", share(&rr))];
+    for (name, arm) in [
+        ("approximate", Arm::Approximate),
+        ("precise", Arm::Precise),
+        ("precise, no gateway tokenizer", Arm::PreciseEngineTokens),
+    ] {
+        let (r, spread) = run_spread(small_cache_spec(), arm, blocks).await;
+        // Partitioned: one prefill holds 4 families, the other 3 (24 and 18 prompts).
+        let mut spread = spread;
+        spread.sort_unstable();
+        assert_eq!(spread, [18, 24], "{name}: families split across prefills");
+        rows.push((name, share(&r)));
+    }
+    eprintln!("| small caches, 2 prefills x {blocks} blocks, hit share | {rows:?} |");
+    // Round robin alternates each family between the prefills: both would need all 7.
+    assert!(share(&rr) < 0.2, "{rows:?}");
+    for (name, s) in &rows[1..] {
+        assert!(*s >= 0.7, "{name}: {rows:?}");
     }
 }

@@ -110,6 +110,8 @@ impl AccessLog {
                     () = stopped.cancelled() => break,
                     _ = clock.tick() => {
                         // `try_recv` never registers the task's waker, so senders wake nothing.
+                        // The drain's lines leave in one write.
+                        let _batch = crate::telemetry::Batch::open();
                         loop {
                             match rx.try_recv() {
                                 Ok(line) => line.write(),
@@ -122,6 +124,7 @@ impl AccessLog {
             }
             // Graceful stop: what is queued is written, nothing more is taken.
             rx.close();
+            let _batch = crate::telemetry::Batch::open();
             while let Ok(line) = rx.try_recv() {
                 line.write();
             }

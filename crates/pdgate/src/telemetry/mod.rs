@@ -14,6 +14,7 @@
 //! client's headers are forwarded unchanged (`headers::forwarded`).
 
 mod export;
+mod out;
 mod trace;
 
 use std::sync::LazyLock;
@@ -34,6 +35,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
+
+pub(crate) use out::Batch;
 
 pub(crate) use trace::{RequestTrace, Routed};
 
@@ -213,7 +216,9 @@ pub fn init(format: LogFormat, config: &TelemetryConfig) -> Result<Telemetry, Te
         .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
     let with_spans = spans_in_logs(directives.as_deref(), &filter);
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let fmt = tracing_subscriber::fmt::layer().with_ansi(ansi);
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_ansi(ansi)
+        .with_writer(out::LogOut);
     let fmt = match format {
         LogFormat::Json => fmt.json().boxed(),
         LogFormat::Text => fmt.boxed(),
