@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 
@@ -16,7 +17,21 @@ def free_port() -> int:
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    """Starts `cmd` in its own process group, its output in a temporary file (`proc.log`): a
+    pipe nobody reads fills after 64 KiB of logs and then stalls the process's writes."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def output(proc: subprocess.Popen) -> str:
+    """What a process started by `start` has written so far (another: what its pipe holds)."""
+    log = getattr(proc, "log", None)
+    if log is None:
+        return proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+    log.seek(0)
+    return log.read().decode(errors="replace")
 
 
 def wait_http(proc: subprocess.Popen, url: str, limit: float = 30, context=None) -> None:
@@ -24,7 +39,7 @@ def wait_http(proc: subprocess.Popen, url: str, limit: float = 30, context=None)
     deadline = time.monotonic() + limit
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited: {proc.stdout.read().decode()}")
+            raise RuntimeError(f"{proc.args[0]} exited: {output(proc)}")
         try:
             with urllib.request.urlopen(url, timeout=2, context=context) as r:
                 if r.status == 200:

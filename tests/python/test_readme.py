@@ -95,4 +95,7 @@ def test_the_pdbench_line(demo):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["model"] == "demo", "pdbench asked the gateway which model it serves"
-    assert (report["requests"], report["ok"], report["errors"]) == (200, 200, 0), report
+    assert (report["requests"], report["ok"], report["errors"]) == (200, 200, 0), (
+        report["errors_by_class"],
+        report["sample_error"],
+    )

@@ -114,7 +114,7 @@ fn latency_histogram() -> Histogram {
 pub struct Metrics {
     /// Whether each finished request writes an access-log line (`access_log`).
     pub access_log: AtomicBool,
-    /// The access log's queue to its writer task.
+    /// The access log's queue to its writer thread.
     pub(crate) access: access::AccessLog,
     registry: Registry,
     requests: Family<RequestLabels, Counter>,

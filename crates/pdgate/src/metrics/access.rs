@@ -1,5 +1,5 @@
 //! The access log, off the request path: a finished request hands its [`AccessLine`] to a
-//! bounded queue ([`AccessLog::send`], never waits) and the writer task ([`AccessWriter`])
+//! bounded queue ([`AccessLog::send`], never waits) and the writer thread ([`AccessWriter`])
 //! formats and writes it (target `pdgate::access`). When the writer falls behind, lines are
 //! dropped and counted in `pdgate_access_log_dropped_total`; nothing a request does waits on it.
 //!
@@ -8,12 +8,11 @@
 //! one line, was most of what the log cost per request; see docs/benchmarks.md).
 
 use std::sync::Mutex;
+use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use tokio::sync::{mpsc, oneshot};
 
 /// Lines waiting for the writer; more are dropped (and counted).
 pub(crate) const ACCESS_LOG_QUEUE: usize = 8192;
@@ -95,68 +94,71 @@ impl AccessLog {
         }
     }
 
-    /// Starts the writer task (once: `None` when it was started before). Call within the tokio
-    /// runtime.
+    /// Starts the writer (once: `None` when it was started before, or when its thread cannot
+    /// be started; lines are then dropped and counted). It runs on its own thread, not on the
+    /// runtime: a stalled standard output (a full pipe, a slow log collector) blocks the writer
+    /// only, never a runtime worker and the requests queued on it.
     pub(crate) fn start_writer(&self) -> Option<AccessWriter> {
-        let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner()).take()?;
-        let stop = CancellationToken::new();
-        let stopped = stop.clone();
-        let task = tokio::spawn(async move {
-            let mut clock = tokio::time::interval(DRAIN_EVERY);
-            clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    biased;
-                    () = stopped.cancelled() => break,
-                    _ = clock.tick() => {
-                        // `try_recv` never registers the task's waker, so senders wake nothing.
-                        // The drain's lines leave in one write.
-                        let _batch = crate::telemetry::Batch::open();
-                        loop {
-                            match rx.try_recv() {
-                                Ok(line) => line.write(),
-                                Err(mpsc::error::TryRecvError::Empty) => break,
-                                Err(mpsc::error::TryRecvError::Disconnected) => return,
-                            }
-                        }
-                    }
-                }
+        let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        let (stop, stopped) = std_mpsc::channel::<()>();
+        let (done_tx, done) = oneshot::channel();
+        let spawned = std::thread::Builder::new()
+            .name("pdgate-access-log".into())
+            .spawn(move || {
+                write_until_stopped(rx, &stopped);
+                let _ = done_tx.send(());
+            });
+        match spawned {
+            Ok(_) => Some(AccessWriter {
+                stop: Some(stop),
+                done: Some(done),
+            }),
+            Err(e) => {
+                tracing::warn!("access log: no writer thread ({e}); lines are dropped");
+                None
             }
-            // Graceful stop: what is queued is written, nothing more is taken.
-            rx.close();
-            let _batch = crate::telemetry::Batch::open();
-            while let Ok(line) = rx.try_recv() {
-                line.write();
-            }
-        });
-        Some(AccessWriter { stop, task })
-    }
-}
-
-/// The running writer task, owned by the running gateway: [`AccessWriter::finish`] writes what
-/// is queued and ends it; dropping it ends it at once.
-#[derive(Debug)]
-pub(crate) struct AccessWriter {
-    stop: CancellationToken,
-    task: JoinHandle<()>,
-}
-
-impl AccessWriter {
-    /// Writes the queued lines (within `deadline`) and ends the task.
-    pub(crate) async fn finish(mut self, deadline: Duration) {
-        self.stop.cancel();
-        if tokio::time::timeout(deadline, &mut self.task)
-            .await
-            .is_err()
-        {
-            tracing::warn!("access log: queued lines not written within the shutdown deadline");
         }
     }
 }
 
-impl Drop for AccessWriter {
-    fn drop(&mut self) {
-        self.task.abort();
+/// The writer thread's loop: every [`DRAIN_EVERY`], the queued lines, in one write; on a stop
+/// (or its owner gone), what is queued and nothing more.
+fn write_until_stopped(mut rx: mpsc::Receiver<AccessLine>, stopped: &std_mpsc::Receiver<()>) {
+    while let Err(std_mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(DRAIN_EVERY) {
+        // `try_recv` never registers a waker, so senders wake nothing.
+        let _batch = crate::telemetry::Batch::open();
+        loop {
+            match rx.try_recv() {
+                Ok(line) => line.write(),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => return,
+            }
+        }
+    }
+    rx.close();
+    let _batch = crate::telemetry::Batch::open();
+    while let Ok(line) = rx.try_recv() {
+        line.write();
+    }
+}
+
+/// The running writer, owned by the running gateway: [`AccessWriter::finish`] writes what is
+/// queued and ends it; dropping it stops it after what is queued (its thread is not waited
+/// for).
+#[derive(Debug)]
+pub(crate) struct AccessWriter {
+    stop: Option<std_mpsc::Sender<()>>,
+    done: Option<oneshot::Receiver<()>>,
+}
+
+impl AccessWriter {
+    /// Writes the queued lines (within `deadline`) and ends the writer.
+    pub(crate) async fn finish(mut self, deadline: Duration) {
+        drop(self.stop.take());
+        let Some(done) = self.done.take() else { return };
+        if tokio::time::timeout(deadline, done).await.is_err() {
+            tracing::warn!("access log: queued lines not written within the shutdown deadline");
+        }
     }
 }
 
