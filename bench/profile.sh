@@ -24,7 +24,8 @@
 #
 # Environment: CARGO_TARGET_DIR, PDGATE_BIN (profile another pdgate binary), PROFILE_TARGET
 # (`pdgate`; `floor` for the reference relay, pdbench's example `stream_floor`; `floor-drive`
-# for the same with its decode connection driven by the relaying task),
+# for the same with its decode connection driven by the relaying task; `minproxy` for the naive
+# two-hop proxy, MINPROXY_BIN or built as bench/compare.sh builds it),
 # PROFILE_CONCURRENCY (clients, default 4), PROFILE_OUT (output directory, default
 # bench/out/profile-<utc time>), PDGATE_EXTRA_ARGS (more pdgate flags, split on spaces, e.g.
 # "--prefill-policy cache_aware --decode-policy cache_aware"), PROFILE_RUST_LOG (pdgate's
@@ -125,12 +126,23 @@ case "$TARGET" in
     [ "$TARGET" = floor-drive ] && gateway+=(drive)
     READY=/health
     ;;
+  minproxy)
+    # The naive two-hop proxy (bench/compare.sh's `minproxy`): no /health, ready once its
+    # port accepts.
+    gateway=("${MINPROXY_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/minproxy/release/minproxy}" "$G_PORT"
+      "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT")
+    READY=
+    ;;
   *)
-    echo "profile.sh: PROFILE_TARGET is pdgate, floor or floor-drive" >&2
+    echo "profile.sh: PROFILE_TARGET is pdgate, floor, floor-drive or minproxy" >&2
     exit 2
     ;;
 esac
 URL="http://127.0.0.1:$G_PORT"
+# wait_ready SECONDS: until the gateway answers its readiness path (or, with none, accepts).
+wait_ready() {
+  if [ -n "$READY" ]; then wait_http "$URL$READY" "$1"; else wait_tcp 127.0.0.1 "$G_PORT" "$1"; fi
+}
 load=(--url "$URL" --model m --concurrency "$CLIENTS" --timeout 60)
 if [ "$MODE" != callgrind ]; then
   load+=(--stream --prompt-len 128 --output-len "$STREAM_TOKENS")
@@ -141,7 +153,7 @@ if [ "$MODE" = callgrind ] || [ "$MODE" = stream ]; then
     --callgrind-out-file="$OUT/callgrind.out" "${gateway[@]}" >"$OUT/gateway.log" 2>&1 &
   GW=$!
   PIDS+=("$GW")
-  wait_http "$URL$READY" 120
+  wait_ready 120
   warm=200
   [ "$MODE" = stream ] && warm=40
   "$BIN/pdbench" "${load[@]}" --requests "$warm" >/dev/null
@@ -163,7 +175,7 @@ elif [ "$MODE" = syscalls ]; then
   RUST_LOG=warn "${gateway[@]}" >"$OUT/gateway.log" 2>&1 &
   GW=$!
   PIDS+=("$GW")
-  wait_http "$URL$READY" 60
+  wait_ready 60
   "$BIN/pdbench" "${load[@]}" --requests 200 >/dev/null
   # observed TOOL...: COUNT streams with TOOL watching the gateway from the background, then
   # stopped with SIGINT (strace and perf stat print their summaries then).
@@ -198,7 +210,7 @@ else
     "${gateway[@]}" >"$OUT/gateway.log" 2>&1 &
   GW=$!
   PIDS+=("$GW")
-  wait_http "$URL$READY" 120
+  wait_ready 120
   "$BIN/pdbench" --url "$URL" --model m --concurrency "$COUNT" --duration 20 --warmup 0 \
     --timeout 60 --ramp 5 --stream --prompt-len 128 --output-len 16 | grep -E '^result' >&2
   kill "$GW"
