@@ -358,9 +358,8 @@ async fn small_caches_hold_more_families_when_routing_partitions_them() {
         ("precise", Arm::Precise),
         ("precise, no gateway tokenizer", Arm::PreciseEngineTokens),
     ] {
-        let (r, spread) = run_spread(small_cache_spec(), arm, blocks).await;
+        let (r, mut spread) = run_spread(small_cache_spec(), arm, blocks).await;
         // Partitioned: one prefill holds 4 families, the other 3 (24 and 18 prompts).
-        let mut spread = spread;
         spread.sort_unstable();
         assert_eq!(spread, [18, 24], "{name}: families split across prefills");
         rows.push((name, share(&r)));

@@ -121,24 +121,28 @@ impl AccessLog {
     }
 }
 
-/// The writer thread's loop: every [`DRAIN_EVERY`], the queued lines, in one write; on a stop
-/// (or its owner gone), what is queued and nothing more.
+/// The writer thread's loop: every [`DRAIN_EVERY`], the queued lines; on a stop (or its owner
+/// gone), what is queued and nothing more.
 fn write_until_stopped(mut rx: mpsc::Receiver<AccessLine>, stopped: &std_mpsc::Receiver<()>) {
     while let Err(std_mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(DRAIN_EVERY) {
-        // `try_recv` never registers a waker, so senders wake nothing.
-        let _batch = crate::telemetry::Batch::open();
-        loop {
-            match rx.try_recv() {
-                Ok(line) => line.write(),
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => return,
-            }
+        if !drain(&mut rx) {
+            return;
         }
     }
     rx.close();
+    drain(&mut rx);
+}
+
+/// Writes the queued lines, in one write; `false` once every sender is gone. `try_recv` never
+/// registers a waker, so senders wake nothing.
+fn drain(rx: &mut mpsc::Receiver<AccessLine>) -> bool {
     let _batch = crate::telemetry::Batch::open();
-    while let Ok(line) = rx.try_recv() {
-        line.write();
+    loop {
+        match rx.try_recv() {
+            Ok(line) => line.write(),
+            Err(mpsc::error::TryRecvError::Empty) => return true,
+            Err(mpsc::error::TryRecvError::Disconnected) => return false,
+        }
     }
 }
 

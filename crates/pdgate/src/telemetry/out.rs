@@ -18,13 +18,16 @@ thread_local! {
 
 /// Collects the log lines this thread writes while it lives; writes them in one go when
 /// dropped. Not held across an `.await` (the lines of another task on this thread would join
-/// it, and the batch would end on whichever thread the task resumed on).
+/// it, and the batch would end on whichever thread the task resumed on). Opened inside another,
+/// it joins it (its drop writes what both collected so far).
 #[derive(Debug)]
 pub(crate) struct Batch(());
 
 impl Batch {
     pub(crate) fn open() -> Self {
-        BATCH.with(|b| *b.borrow_mut() = Some(Vec::new()));
+        BATCH.with(|b| {
+            b.borrow_mut().get_or_insert_with(Vec::new);
+        });
         Batch(())
     }
 }
