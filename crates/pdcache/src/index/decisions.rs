@@ -184,7 +184,11 @@ impl CacheIndex {
             }
         }
         let skip_all = skip[..group.len()].iter().copied().min().unwrap_or(0);
-        for (at, k) in keys.iter().enumerate().skip(skip_all) {
+        // Last key first, so the prompt's leading blocks end up the most recently used: an
+        // engine frees a finished request's blocks tail first (vLLM frees them in reverse), so
+        // at capacity it evicts a prompt's own tail before the prefix others share, and the
+        // index's LRU order models that.
+        for (at, k) in keys.iter().enumerate().skip(skip_all).rev() {
             let mut found = [NIL; GROUP];
             let mut link = Link::New;
             if let Some(p) = self.posting(k.0) {

@@ -229,6 +229,9 @@ struct Endpoint {
     /// Entries removed so far (wrapping): a decision's memo of what it wrote holds while this
     /// is unchanged.
     removals: u32,
+    /// Its cache is full: the engine evicted a block (`BlockRemoved`) or its entries reached
+    /// `capacity_per_endpoint`, since it was added or last cleared.
+    full: bool,
 }
 
 /// Where a key's endpoints are.
@@ -371,6 +374,7 @@ impl CacheIndex {
             live: true,
             lists: [EMPTY_LIST; 3],
             removals: 0,
+            full: false,
         };
         if let Some(id) = self.free_endpoints.pop() {
             self.endpoints[usize::from(id)] = fresh;
@@ -409,6 +413,17 @@ impl CacheIndex {
                 self.remove_entry(i);
             }
         }
+        self.endpoints[usize::from(ep.0)].full = false;
+    }
+
+    /// Whether an endpoint's cache is full, so that storing new blocks there evicts cached
+    /// ones: its engine reported an eviction (`BlockRemoved`), or its entries reached
+    /// `capacity_per_endpoint` (approximate mode models an engine's capacity so), since it
+    /// was added or last cleared.
+    pub fn is_full(&self, ep: EndpointId) -> bool {
+        self.endpoints
+            .get(usize::from(ep.0))
+            .is_some_and(|e| e.live && e.full)
     }
 
     /// Entries of one endpoint.
@@ -579,6 +594,7 @@ impl CacheIndex {
                     // The chain's head may be what goes.
                     next = Link::Lookup;
                     self.remove_entry(v);
+                    self.endpoints[usize::from(ep)].full = true;
                 }
                 None => break,
             }
@@ -670,6 +686,8 @@ impl CacheIndex {
                     stats.ignored += 1;
                     return stats;
                 }
+                // An engine evicts a cached block only when it has no free one left.
+                self.endpoints[usize::from(ep.0)].full = true;
                 for h in &e.block_hashes {
                     if let Some(i) = self.engine_find(h.as_u64(), ep.0) {
                         self.remove_entry(i);

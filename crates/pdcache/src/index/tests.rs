@@ -89,16 +89,18 @@ fn keys_on_many_endpoints_switch_to_bitmaps_and_back() {
 fn lru_evicts_the_least_recently_used_and_guesses_before_facts() {
     let (mut idx, t0) = index(4);
     let a = ep(&mut idx);
+    // A prompt's keys are used tail first, as an engine frees them: 4, 3, 2, 1.
     idx.insert_approximate(a, &keys(&[1, 2, 3, 4]), t0);
-    idx.insert_approximate(a, &keys(&[1]), t0); // 1 is now the most recent
+    idx.insert_approximate(a, &keys(&[4]), t0); // 4 is now the most recent
     idx.insert_approximate(a, &keys(&[5]), t0);
     assert_eq!(idx.endpoint_len(a), 4);
     assert_eq!(
-        matches(&idx, &keys(&[2])),
+        matches(&idx, &keys(&[3])),
         [],
-        "2 was the least recently used"
+        "3 was the least recently used"
     );
-    assert_eq!(matches(&idx, &keys(&[1])), [(a.0, 1)]);
+    assert_eq!(matches(&idx, &keys(&[4])), [(a.0, 1)]);
+    assert_eq!(matches(&idx, &keys(&[1, 2])), [(a.0, 2)]);
     // Precise entries outlive guesses under pressure.
     let (mut idx, t0) = index(2);
     let b = ep(&mut idx);
@@ -337,7 +339,8 @@ fn one_walk_writes_every_target_of_a_decision() {
     let mut one_by_one = Vec::new();
     idx.match_prefix(&keys(&[1, 2]), &mut one_by_one);
     assert_eq!(one_by_one.len(), 10);
-    // Capacity still holds per endpoint (6), evicting the oldest.
+    // Capacity still holds per endpoint (6), evicting the oldest: the prompt's tail, as an
+    // engine would.
     let long: Vec<BlockKey> = (100..110).map(BlockKey).collect();
     idx.insert_decisions(
         &[
@@ -349,8 +352,9 @@ fn one_walk_writes_every_target_of_a_decision() {
     );
     assert_eq!(idx.endpoint_len(eps[2]), 6);
     assert_eq!(idx.endpoint_len(eps[3]), 6);
-    idx.match_blocks(&long[4..], &mut blocks);
+    idx.match_blocks(&long, &mut blocks);
     assert_eq!(blocks[usize::from(eps[2].0)], 6);
+    assert_eq!(blocks[usize::from(eps[3].0)], 6);
 }
 
 #[test]
@@ -426,13 +430,13 @@ fn near_capacity_every_refresh_moves_the_entry() {
     let (mut idx, t0) = index(6);
     let a = ep(&mut idx);
     idx.insert_approximate(a, &keys(&[1, 2, 3, 4]), t0);
-    idx.insert_approximate(a, &keys(&[1]), t0 + Duration::from_millis(10));
+    idx.insert_approximate(a, &keys(&[4]), t0 + Duration::from_millis(10));
     idx.insert_approximate(a, &keys(&[5, 6, 7]), t0 + Duration::from_millis(20));
-    assert_eq!(matches(&idx, &keys(&[1])), [(a.0, 1)]);
+    assert_eq!(matches(&idx, &keys(&[4])), [(a.0, 1)]);
     assert_eq!(
-        matches(&idx, &keys(&[2])),
+        matches(&idx, &keys(&[3])),
         [],
-        "2 was the least recently used"
+        "3 was the least recently used"
     );
 }
 
@@ -535,4 +539,32 @@ fn adapter_events_land_in_the_adapter_space_only() {
     ]))]);
     idx.apply_event(a, &KvEvent::BlockStored(salted), t0);
     assert_eq!(matches(&idx, &other), []);
+}
+
+#[test]
+fn an_endpoint_is_full_once_it_evicts_until_its_cache_is_cleared() {
+    // Approximate mode: full once its entries reach the capacity and one is evicted.
+    let (mut idx, t0) = index(4);
+    let (a, b) = (ep(&mut idx), ep(&mut idx));
+    idx.insert_approximate(a, &keys(&[1, 2, 3, 4]), t0);
+    assert!(!idx.is_full(a), "at capacity, nothing evicted yet");
+    idx.insert_approximate(a, &keys(&[5]), t0);
+    assert!(idx.is_full(a));
+    assert!(!idx.is_full(b));
+    idx.clear_endpoint(a);
+    assert!(!idx.is_full(a));
+    // Precise mode: the engine's eviction says so, whatever the index holds.
+    let stored = BlockStored::new(vec![BlockHash::Uint(9)], None, vec![7, 7], 2);
+    idx.apply_event(b, &KvEvent::BlockStored(stored), t0);
+    let removed = BlockRemoved::new(vec![9.into()]);
+    idx.apply_event(b, &KvEvent::BlockRemoved(removed), t0);
+    assert!(idx.is_full(b));
+    idx.apply_event(b, &KvEvent::AllBlocksCleared, t0);
+    assert!(!idx.is_full(b));
+    // An id reused after its endpoint left starts empty.
+    idx.insert_approximate(a, &keys(&[1, 2, 3, 4, 5]), t0);
+    idx.remove_endpoint(a);
+    let c = ep(&mut idx);
+    assert_eq!(c, a);
+    assert!(!idx.is_full(c));
 }

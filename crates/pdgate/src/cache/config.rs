@@ -31,12 +31,31 @@ pub struct CacheConfig {
     pub models: BTreeMap<String, ModelCacheConfig>,
     /// Cost of one uncached prompt token (the prefill work a miss costs).
     pub cache_weight: f64,
+    /// Where an endpoint's cache is full (its engine evicts: a `BlockRemoved` event, or in
+    /// approximate mode its index entries reached `capacity_per_endpoint`), each uncached
+    /// prompt token costs this many times `cache_weight` more: storing it there evicts a cached
+    /// token that a later request may want. So where caches are full, a prefix family stays on
+    /// the engine holding it until that engine's queue costs more than recomputing the prefix
+    /// twice over, and a new prefix goes to an engine with room, partitioning the families so
+    /// the fleet's caches hold more of them. Where caches have room it changes nothing; 0
+    /// ignores capacity.
+    pub eviction_weight: f64,
     /// Cost of one prompt token an endpoint is still computing for the requests it holds (the
     /// uncached tokens pdgate predicted for the prefill legs it sent there and that have not
     /// answered yet): the work queued ahead of a new request. 0 ignores it.
     pub queued_weight: f64,
-    /// Cost of one in-flight request on an endpoint, in uncached-token units.
+    /// Cost of one in-flight request on a decode (and on a decode that may serve a request
+    /// alone), in uncached-token units: a decode holds a request for its whole generation, and
+    /// each one it runs lengthens its steps.
     pub load_weight: f64,
+    /// Cost of one in-flight request on a prefill, in uncached-token units. A prefill's
+    /// requests already cost what it still computes for them (`queued_weight` x their
+    /// predicted uncached tokens), so by default (0) a prefill is chosen by predicted time
+    /// alone, its queued tokens plus the request's uncached ones, and the in-flight count only
+    /// breaks ties. A per-request term on top counts the queue twice and, with short prompts,
+    /// outweighs a hit: a prefix family then spills to a second prefill, and where caches are
+    /// small both thrash.
+    pub prefill_load_weight: f64,
     /// Cost of one prompt token the decode of a disaggregated request does not hold, in place
     /// of `cache_weight` when the decode is chosen. That decode computes none of the prompt (it
     /// receives the KV cache), so by default (0) it is chosen by its load alone: the KV it
@@ -108,7 +127,9 @@ impl Default for CacheConfig {
             models: BTreeMap::new(),
             cache_weight: 1.0,
             queued_weight: 1.0,
+            eviction_weight: 1.0,
             load_weight: 256.0,
+            prefill_load_weight: 0.0,
             decode_cache_weight: 0.0,
             balance_abs: 32,
             balance_rel: 1.5,
@@ -163,7 +184,9 @@ impl CacheConfig {
         let finite = [
             ("cache_weight", self.cache_weight),
             ("queued_weight", self.queued_weight),
+            ("eviction_weight", self.eviction_weight),
             ("load_weight", self.load_weight),
+            ("prefill_load_weight", self.prefill_load_weight),
             ("decode_cache_weight", self.decode_cache_weight),
         ];
         for (name, v) in finite {

@@ -185,6 +185,9 @@ impl ModelCache {
 #[derive(Debug)]
 pub(crate) struct Cache {
     pub(crate) config: CacheConfig,
+    /// `config` as a prefill is weighed: its in-flight requests at `prefill_load_weight`
+    /// (their queued tokens already count).
+    pub(crate) prefill_config: CacheConfig,
     /// `config` as the decode of a disaggregated request is weighed: its uncached tokens at
     /// `decode_cache_weight` (it receives the prompt's KV and computes none of it).
     pub(crate) decode_config: CacheConfig,
@@ -297,6 +300,10 @@ impl Cache {
         ));
         Ok(Cache {
             config: config.clone(),
+            prefill_config: CacheConfig {
+                load_weight: config.prefill_load_weight,
+                ..config.clone()
+            },
             decode_config: CacheConfig {
                 cache_weight: config.decode_cache_weight,
                 ..config.clone()

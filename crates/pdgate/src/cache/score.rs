@@ -1,14 +1,17 @@
 //! Choosing one endpoint by cache and load: pure, so every rule has a unit test.
 //!
-//! cost = `cache_weight` x uncached prompt tokens + `queued_weight` x prompt tokens the endpoint
-//! is still computing for earlier requests + `load_weight` x in-flight requests; the cheapest
-//! wins, ties go to the least loaded, then to the one caching least (then at random).
+//! cost = `cache_weight` x uncached prompt tokens (x (1 + `eviction_weight`) where its cache is
+//! full), plus `queued_weight` x prompt tokens the endpoint is still computing for earlier
+//! requests, plus `load_weight` x in-flight requests (for a prefill, `prefill_load_weight`:
+//! see `Cache::prefill_config`); the cheapest wins, ties go to the least loaded, then to the one
+//! caching least (then at random).
 //! The imbalance guard: when the busiest candidate is more than `balance_abs` requests *and*
 //! `balance_rel` times above the idlest, the cache is ignored and the least loaded wins, so one
 //! hot prefix cannot pile all traffic onto one endpoint.
 
 use pdcache::index::predicted_cached_tokens;
-use rand::Rng;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 
 use super::config::CacheConfig;
 use super::view::PrefixView;
@@ -47,6 +50,8 @@ pub(crate) struct Facts {
     /// known (see `Load::held`), plus the estimate for others' requests
     /// (`endpoints::engine_load`).
     pub(crate) computing: u32,
+    /// Its cache is full: what it stores evicts (`CacheIndex::is_full`).
+    pub(crate) full: bool,
 }
 
 /// The choice among candidates.
@@ -92,11 +97,11 @@ fn fewest_entries(
 /// Chooses among `facts` (one per candidate; none: `None`) for `view`; `entries(i)` is how
 /// many entries the index holds for candidate `i`, asked only to break a tie.
 ///
-/// One pass over the candidates finds the load spread for the imbalance guard, the cheapest
-/// (cost, then load) and how many tie with it: a candidate costs a few arithmetic operations,
-/// with everything per view (the cap on predicted hits) computed once. `facts` is walked
-/// again only where the guard overrides or several tie (then their entry counts are read and
-/// one of the cheapest is taken at random). (Writing the facts out and then making a pass for
+/// One pass over the candidates finds the load spread for the imbalance guard and the cheapest
+/// (cost, then load, then entries, then at random): a candidate costs a few arithmetic
+/// operations, with everything per view (the cap on predicted hits) computed once, and entry
+/// counts are read only for candidates that tie. `facts` is walked again only where the guard
+/// overrides. (Writing the facts out and then making a pass for
 /// the spread and one for the cheapest cost more than twice as much: docs/benchmarks.md.)
 pub(crate) fn choose<F>(
     facts: F,
@@ -114,9 +119,10 @@ where
     let (block_size, cap64) = (u64::from(view.block_size), u64::from(cap));
     // The product fits in 64 bits, and the minimum in 32.
     let cached = move |f: &Facts| (u64::from(f.blocks) * block_size).min(cap64) as u32;
-    let (prompt, cache_weight, queued_weight, load_weight) = (
+    let (prompt, cache_weight, full_weight, queued_weight, load_weight) = (
         f64::from(view.prompt_tokens),
         cfg.cache_weight,
+        cfg.cache_weight * (1.0 + cfg.eviction_weight),
         cfg.queued_weight,
         cfg.load_weight,
     );
@@ -125,14 +131,16 @@ where
     // below wherever that sum is exact (below 2^53, far above any real fleet's costs), and
     // cheaper than converting the terms to floats.
     let whole = |w: f64| (w.fract() == 0.0 && (0.0..=1_048_576.0).contains(&w)).then_some(w as u64);
-    if let (Some(cache_weight), Some(queued_weight), Some(load_weight)) = (
+    if let (Some(cache_weight), Some(full_weight), Some(queued_weight), Some(load_weight)) = (
         whole(cache_weight),
+        whole(full_weight),
         whole(queued_weight),
         whole(load_weight),
     ) {
         let prompt = view.prompt_tokens;
         let cost = move |f: &Facts| {
-            cache_weight * u64::from(prompt - cached(f))
+            let miss = if f.full { full_weight } else { cache_weight };
+            miss * u64::from(prompt - cached(f))
                 + queued_weight * u64::from(f.computing)
                 + load_weight * u64::from(f.in_flight)
         };
@@ -142,7 +150,8 @@ where
     // candidate never caches more than the prompt), and such floats order as their bits do.
     // (Cheaper than comparing them as floats.)
     let cost = move |f: &Facts| {
-        let c = cache_weight * (prompt - f64::from(cached(f)))
+        let miss = if f.full { full_weight } else { cache_weight };
+        let c = miss * (prompt - f64::from(cached(f)))
             + queued_weight * f64::from(f.computing)
             + load_weight * f64::from(f.in_flight);
         c.to_bits()
@@ -177,10 +186,19 @@ where
             uncached_tokens: view.prompt_tokens - cached_tokens,
         }
     };
+    let mut entries = entries;
     let mut rest = facts.clone().enumerate();
     let (_, head) = rest.next()?;
     let (mut lo, mut hi) = (head.in_flight, head.in_flight);
-    let (mut best, mut best_cost, mut first, mut ties) = (head, cost(&head), 0, 1usize);
+    let (mut best, mut best_cost, mut first) = (head, cost(&head), 0);
+    // Ties on cost and load are broken in the same pass: by the entries of the best so far
+    // (read once a tie needs them), then at random, each of the `equal` candidates tied on
+    // entries too kept with probability 1 / `equal` (a reservoir). (Counting the ties, then
+    // walking the candidates again for their entries and once more for the random one, cost
+    // three walks of the fleet where idle decodes all tie.)
+    let (mut best_entries, mut equal) = (None, 1u32);
+    let by_entries = cfg.cache_weight > 0.0;
+    let mut rng = None;
     for (i, f) in rest {
         lo = lo.min(f.in_flight);
         hi = hi.max(f.in_flight);
@@ -188,9 +206,29 @@ where
         // Usually dearer: one compare.
         if c <= best_cost {
             if c < best_cost || f.in_flight < best.in_flight {
-                (best, best_cost, first, ties) = (f, c, i, 1);
+                (best, best_cost, first, best_entries, equal) = (f, c, i, None, 1);
             } else if f.in_flight == best.in_flight {
-                ties += 1;
+                // Where the cache weighs nothing (a decode chosen by its load) neither does
+                // how much it caches: the tie goes at random.
+                let (least, n) = if by_entries {
+                    (
+                        *best_entries.get_or_insert_with(|| entries(first)),
+                        entries(i),
+                    )
+                } else {
+                    (0, 0)
+                };
+                if n < least {
+                    (best, first, best_entries, equal) = (f, i, Some(n), 1);
+                } else if n == least {
+                    equal += 1;
+                    // Seeded once per decision from the thread's generator: a draw from that
+                    // one per tie cost more than the rest of the tie's handling.
+                    let rng = rng.get_or_insert_with(|| SmallRng::from_rng(&mut rand::rng()));
+                    if rng.random_range(0..equal) == 0 {
+                        (best, first) = (f, i);
+                    }
+                }
             }
         }
     }
@@ -210,17 +248,6 @@ where
             DecisionKind::Miss
         };
         return Some(choice(&f, i, kind));
-    }
-    if ties > 1 {
-        let tied = facts
-            .clone()
-            .enumerate()
-            .skip(first)
-            .filter(|(_, f)| f.in_flight == best.in_flight && cost(f) == best_cost)
-            .map(|(i, _)| i);
-        let i = fewest_entries(tied, entries);
-        let f = facts.clone().nth(i).unwrap_or(best);
-        return Some(choice(&f, i, DecisionKind::Miss));
     }
     Some(choice(&best, first, DecisionKind::Miss))
 }
@@ -244,6 +271,7 @@ mod tests {
             blocks,
             in_flight,
             computing: 0,
+            full: false,
         }
     }
 
@@ -320,6 +348,40 @@ mod tests {
     }
 
     #[test]
+    fn a_full_cache_pays_for_what_storing_the_prompt_evicts() {
+        let cfg = CacheConfig {
+            load_weight: 0.0,
+            ..CacheConfig::default()
+        };
+        let full = |f: Facts| Facts { full: true, ..f };
+        let v = view(1100);
+        // The holder (1024 cached) computes 1,500 tokens for earlier requests: 76 + 1500
+        // against 1100 where the other has room, against 2 x 1100 where it is full too.
+        let queued = busy(64, 1, 1500);
+        assert_eq!(pick(&[queued, f(0, 0)], &v, &cfg).unwrap().index, 1);
+        let both_full = [full(queued), full(f(0, 0))];
+        assert_eq!(pick(&both_full, &v, &cfg).unwrap().index, 0);
+        // A prefix nobody holds goes where it evicts nothing, even behind a short queue.
+        let fresh = [f(0, 0), busy(0, 1, 500)];
+        assert_eq!(
+            pick(&[full(fresh[0]), fresh[1]], &v, &cfg).unwrap().index,
+            1
+        );
+        // `eviction_weight = 0` ignores capacity; a fractional one takes the float path.
+        let blind = CacheConfig {
+            eviction_weight: 0.0,
+            ..cfg.clone()
+        };
+        assert_eq!(pick(&both_full, &v, &blind).unwrap().index, 1);
+        let half = CacheConfig {
+            eviction_weight: 0.5,
+            ..cfg
+        };
+        // 1.5 x 76 + 1500 against 1.5 x 1100.
+        assert_eq!(pick(&both_full, &v, &half).unwrap().index, 0);
+    }
+
+    #[test]
     fn predicted_hits_are_capped_below_the_whole_prompt() {
         let cfg = CacheConfig::default();
         let c = pick(&[f(4, 0)], &view(64), &cfg).unwrap();
@@ -340,6 +402,15 @@ mod tests {
             .map(|_| pick(&[f(0, 0), f(0, 0)], &view(100), &cfg).unwrap().index)
             .collect();
         assert_eq!(picks.len(), 2);
+        // Evenly: each of three tied candidates about a third of the time.
+        let mut counts = [0u32; 3];
+        for _ in 0..3000 {
+            counts[pick(&[f(0, 0); 3], &view(100), &cfg).unwrap().index] += 1;
+        }
+        assert!(
+            counts.iter().all(|&n| (800..1200).contains(&n)),
+            "{counts:?}"
+        );
         // Then the one caching less; entries are read for the tied candidates only.
         let entries = [10, 0, 0];
         let mut asked = Vec::new();

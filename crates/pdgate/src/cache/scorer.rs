@@ -136,11 +136,12 @@ impl Scorer<'_> {
     /// (under the slot of its `Load`): by its name if it was registered, else none (the index
     /// holds nothing for it).
     #[cold]
-    fn blocks_by_id(&self, ep: &Endpoint) -> u32 {
+    fn blocks_by_id(&self, ep: &Endpoint) -> (u32, bool) {
         let st = &*self.state;
-        st.registered_id(ep)
-            .and_then(|id| st.blocks.get(usize::from(id.0)).copied())
-            .unwrap_or(0)
+        st.registered_id(ep).map_or((0, false), |id| {
+            let blocks = st.blocks.get(usize::from(id.0)).copied().unwrap_or(0);
+            (blocks, self.index.is_full(id))
+        })
     }
 
     /// Leading blocks of the prepared view that `ep` holds, and the entries the index holds for
@@ -165,15 +166,17 @@ impl Scorer<'_> {
         // candidate's id is found by the slot of its `Load` and one pointer compare. (A table of
         // blocks by slot, built per decision from these two, cost more to build than it saved.)
         let (by_slot, blocks): (&[_], &[u32]) = (&self.state.by_slot, &self.state.blocks);
+        let index = &*self.index;
         // Others' load is read only where it is scraped: off, a candidate costs one load as
         // before (the branch is the same for every candidate).
         let others = !cfg.engine_load_interval.is_zero();
         let facts = candidates.iter().map(|e| {
             let e = e.as_ref();
-            let blocks = match by_slot.get(e.load.slot()) {
-                Some(Some((load, id))) if Arc::ptr_eq(load, &e.load) => {
-                    blocks.get(usize::from(id.0)).copied().unwrap_or(0)
-                }
+            let (blocks, full) = match by_slot.get(e.load.slot()) {
+                Some(Some((load, id))) if Arc::ptr_eq(load, &e.load) => (
+                    blocks.get(usize::from(id.0)).copied().unwrap_or(0),
+                    index.is_full(*id),
+                ),
                 _ => self.blocks_by_id(e),
             };
             // Its whole load: this gateway's, and what its metrics say others sent it
@@ -187,9 +190,10 @@ impl Scorer<'_> {
                 blocks,
                 in_flight,
                 computing,
+                full,
             }
         });
-        let (state, index) = (&*self.state, &*self.index);
+        let state = &*self.state;
         score::choose(facts, view, cfg, |i| {
             state
                 .registered_id(candidates[i].as_ref())

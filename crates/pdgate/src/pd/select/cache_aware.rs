@@ -119,7 +119,7 @@ pub(super) fn pair(
         let (prefill, choice) = pick_by(
             routing.prefill_policy.as_ref(),
             scorer,
-            &cache.config,
+            &cache.prefill_config,
             &prefills,
             view,
         )
@@ -181,13 +181,23 @@ pub(super) fn pair(
         admit(&routing.metrics, &cache.config, &prefill)?;
     }
     // Both engines will hold the prompt's blocks: the prefill computed them, the decode
-    // received (or computed) them and caches them too. One walk of the keys writes both.
+    // received (or computed) them and caches them too. One walk of the keys writes both (where
+    // the decode's are read).
     let now = std::time::Instant::now();
     if decode_only {
         cache.metrics.decode_only();
     }
+    // What a decode caches is read only where its cache may decide (a cache-aware decode
+    // policy with decode-only serving or a decode cache weight): elsewhere its entries would
+    // be written on every decision and never read.
+    let decode_read = routing.decode_policy.cache_aware()
+        && (cache.config.decode_only_below_tokens > 0 || cache.config.decode_cache_weight > 0.0);
     let both: [&Endpoint; 2] = [&decode, &prefill];
-    let chosen = if decode_only { &both[..1] } else { &both[..] };
+    let chosen = match (decode_only, decode_read) {
+        (true, _) => &both[..1],
+        (false, true) => &both[..],
+        (false, false) => &both[1..],
+    };
     scorer.record(chosen, view, now, |ep| {
         cache.metrics.events_stopped(ep.role.as_str());
     });
@@ -432,6 +442,38 @@ mod tests {
             (holder.load.in_flight(), holder.load.computing_tokens()),
             (0, 0)
         );
+    }
+
+    #[test]
+    fn a_prefill_is_weighed_by_the_time_its_queue_takes_not_its_request_count() {
+        let fleet = "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
+                     [[prefill]]\nurl = \"http://10.0.0.2:8000\"\n\
+                     [[decode]]\nurl = \"http://10.0.0.3:8000\"\n";
+        // The holder has two requests in flight with 20 tokens left to compute; the other is
+        // idle. Predicted time: 16 (its tail) + 20 queued against 64. Counting each request
+        // at `load_weight` (256) as well sends the prompt away from its prefix.
+        for (cache, holder_wins) in [("", true), ("prefill_load_weight = 256.0\n", false)] {
+            let (gw, snap, view) = cache_fleet(fleet, cache);
+            let (holder, other) = (&snap.prefill[0], &snap.prefill[1]);
+            seed(&gw, &snap, &snap.decode[0].name, &view);
+            let queued = [
+                crate::endpoints::LoadGuard::computing(&holder.load, 10),
+                crate::endpoints::LoadGuard::computing(&holder.load, 10),
+            ];
+            let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
+            let expected = if holder_wins { holder } else { other };
+            assert_eq!(chosen.prefill.name, expected.name, "{cache:?}");
+            drop(queued);
+        }
+        // The in-flight count still breaks a tie of predicted time: neither holds the prompt,
+        // both have 30 tokens queued, the first in one request, the second in three.
+        let (gw, snap, view) = cache_fleet(fleet, "");
+        let (one, three) = (&snap.prefill[0], &snap.prefill[1]);
+        let mut held = vec![crate::endpoints::LoadGuard::computing(&one.load, 30)];
+        held.extend((0..3).map(|_| crate::endpoints::LoadGuard::computing(&three.load, 10)));
+        let chosen = pair(&gw.routing, &snap, Some("b"), Some(&view)).expect("a pair");
+        assert_eq!(chosen.prefill.name, one.name);
+        drop(held);
     }
 
     #[test]
