@@ -94,8 +94,9 @@ fn fewest_entries(
         .unwrap_or(first)
 }
 
-/// Chooses among `facts` (one per candidate; none: `None`) for `view`; `entries(i)` is how
-/// many entries the index holds for candidate `i`, asked only to break a tie.
+/// Chooses among `facts` (one per candidate; none: `None`) for `view`; `entries(i)` breaks a
+/// tie on cost and load, the fewest winning (asked only then): how many entries the index holds
+/// for candidate `i`, or what its caller counts instead (see `Scorer::choose`).
 ///
 /// One pass over the candidates finds the load spread for the imbalance guard and the cheapest
 /// (cost, then load, then entries, then at random): a candidate costs a few arithmetic
@@ -191,13 +192,12 @@ where
     let (_, head) = rest.next()?;
     let (mut lo, mut hi) = (head.in_flight, head.in_flight);
     let (mut best, mut best_cost, mut first) = (head, cost(&head), 0);
-    // Ties on cost and load are broken in the same pass: by the entries of the best so far
-    // (read once a tie needs them), then at random, each of the `equal` candidates tied on
+    // Ties on cost and load are broken in the same pass: by `entries` (the best so far's read
+    // once a tie needs it), then at random, each of the `equal` candidates tied on
     // entries too kept with probability 1 / `equal` (a reservoir). (Counting the ties, then
     // walking the candidates again for their entries and once more for the random one, cost
     // three walks of the fleet where idle decodes all tie.)
     let (mut best_entries, mut equal) = (None, 1u32);
-    let by_entries = cfg.cache_weight > 0.0;
     let mut rng = None;
     for (i, f) in rest {
         lo = lo.min(f.in_flight);
@@ -208,16 +208,8 @@ where
             if c < best_cost || f.in_flight < best.in_flight {
                 (best, best_cost, first, best_entries, equal) = (f, c, i, None, 1);
             } else if f.in_flight == best.in_flight {
-                // Where the cache weighs nothing (a decode chosen by its load) neither does
-                // how much it caches: the tie goes at random.
-                let (least, n) = if by_entries {
-                    (
-                        *best_entries.get_or_insert_with(|| entries(first)),
-                        entries(i),
-                    )
-                } else {
-                    (0, 0)
-                };
+                let least = *best_entries.get_or_insert_with(|| entries(first));
+                let n = entries(i);
                 if n < least {
                     (best, first, best_entries, equal) = (f, i, Some(n), 1);
                 } else if n == least {

@@ -194,9 +194,17 @@ impl Scorer<'_> {
             }
         });
         let state = &*self.state;
+        // A tie goes to the candidate caching least, so distinct prefixes spread over the
+        // fleet; where the cache weighs nothing (a decode chosen by its load), to the one sent
+        // the fewest requests so far, so idle engines take turns.
+        let caches = cfg.cache_weight > 0.0;
         score::choose(facts, view, cfg, |i| {
+            let e = candidates[i].as_ref();
+            if !caches {
+                return e.load.total() as usize;
+            }
             state
-                .registered_id(candidates[i].as_ref())
+                .registered_id(e)
                 .map_or(0, |id| index.endpoint_len(id))
         })
     }
