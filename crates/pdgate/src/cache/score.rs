@@ -65,33 +65,67 @@ pub(crate) struct Choice {
     pub(crate) uncached_tokens: u32,
 }
 
-/// Among the `tied` candidates (equal on everything before), the one whose index holds the
-/// fewest entries (`entries(i)`: a tie-break, so the endpoint caching less takes a new prefix
-/// and distinct prefixes spread over the fleet instead of piling up), then one at random.
-fn fewest_entries(
-    tied: impl Iterator<Item = usize> + Clone,
-    mut entries: impl FnMut(usize) -> usize,
-) -> usize {
-    let mut best = usize::MAX;
-    let mut first = 0;
-    let mut ties = 0usize;
-    for i in tied.clone() {
-        let n = entries(i);
-        if n < best {
-            (best, first, ties) = (n, i, 1);
-        } else if n == best {
-            ties += 1;
+/// Breaks a tie among candidates equal on everything before: the fewest entries win (see
+/// [`choose`]'s `entries`), then one at random, each of the `equal` candidates tied on entries
+/// too kept with probability 1 / `equal` (a reservoir), so one pass over them decides.
+struct Tie {
+    /// The entries of the candidate held so far, once a tie needed them.
+    least: Option<usize>,
+    equal: u32,
+    /// Seeded once per decision from the thread's generator: a draw from that one per tie cost
+    /// more than the rest of the tie's handling.
+    rng: Option<SmallRng>,
+}
+
+impl Tie {
+    fn new() -> Self {
+        Tie {
+            least: None,
+            equal: 1,
+            rng: None,
         }
     }
-    if ties <= 1 {
-        return first;
+
+    /// A new candidate is held, unrivalled so far.
+    fn restart(&mut self) {
+        (self.least, self.equal) = (None, 1);
     }
-    let nth = rand::rng().random_range(0..ties);
-    // From the first of them on: the entry counts before it are not read again.
-    tied.skip_while(|&i| i != first)
-        .filter(|&i| entries(i) == best)
-        .nth(nth)
-        .unwrap_or(first)
+
+    /// Whether candidate `i` takes the place of the held candidate `held`, by their `entries`
+    /// (the held one's read once while it is held, before `i`'s).
+    fn takes(&mut self, entries: &mut impl FnMut(usize) -> usize, held: usize, i: usize) -> bool {
+        let least = *self.least.get_or_insert_with(|| entries(held));
+        let n = entries(i);
+        if n < least {
+            (self.least, self.equal) = (Some(n), 1);
+            return true;
+        }
+        if n > least {
+            return false;
+        }
+        self.equal += 1;
+        let rng = self
+            .rng
+            .get_or_insert_with(|| SmallRng::from_rng(&mut rand::rng()));
+        rng.random_range(0..self.equal) == 0
+    }
+}
+
+/// Among the `tied` candidates (equal on everything before), the one [`Tie`] keeps.
+fn fewest_entries(
+    mut tied: impl Iterator<Item = usize>,
+    mut entries: impl FnMut(usize) -> usize,
+) -> usize {
+    let Some(mut held) = tied.next() else {
+        return 0;
+    };
+    let mut tie = Tie::new();
+    for i in tied {
+        if tie.takes(&mut entries, held, i) {
+            held = i;
+        }
+    }
+    held
 }
 
 /// Chooses among `facts` (one per candidate; none: `None`) for `view`; `entries(i)` breaks a
@@ -166,7 +200,7 @@ fn choose_by<F>(
     facts: F,
     view: &PrefixView,
     cfg: &CacheConfig,
-    entries: impl FnMut(usize) -> usize,
+    mut entries: impl FnMut(usize) -> usize,
     cached: impl Fn(&Facts) -> u32,
     cost: impl Fn(&Facts) -> u64,
 ) -> Option<Choice>
@@ -187,18 +221,14 @@ where
             uncached_tokens: view.prompt_tokens - cached_tokens,
         }
     };
-    let mut entries = entries;
     let mut rest = facts.clone().enumerate();
     let (_, head) = rest.next()?;
     let (mut lo, mut hi) = (head.in_flight, head.in_flight);
     let (mut best, mut best_cost, mut first) = (head, cost(&head), 0);
-    // Ties on cost and load are broken in the same pass: by `entries` (the best so far's read
-    // once a tie needs it), then at random, each of the `equal` candidates tied on
-    // entries too kept with probability 1 / `equal` (a reservoir). (Counting the ties, then
-    // walking the candidates again for their entries and once more for the random one, cost
-    // three walks of the fleet where idle decodes all tie.)
-    let (mut best_entries, mut equal) = (None, 1u32);
-    let mut rng = None;
+    // Ties on cost and load are broken in the same pass (counting the ties, then walking the
+    // candidates again for their entries and once more for the random one, cost three walks of
+    // the fleet where idle decodes all tie).
+    let mut tie = Tie::new();
     for (i, f) in rest {
         lo = lo.min(f.in_flight);
         hi = hi.max(f.in_flight);
@@ -206,21 +236,10 @@ where
         // Usually dearer: one compare.
         if c <= best_cost {
             if c < best_cost || f.in_flight < best.in_flight {
-                (best, best_cost, first, best_entries, equal) = (f, c, i, None, 1);
-            } else if f.in_flight == best.in_flight {
-                let least = *best_entries.get_or_insert_with(|| entries(first));
-                let n = entries(i);
-                if n < least {
-                    (best, first, best_entries, equal) = (f, i, Some(n), 1);
-                } else if n == least {
-                    equal += 1;
-                    // Seeded once per decision from the thread's generator: a draw from that
-                    // one per tie cost more than the rest of the tie's handling.
-                    let rng = rng.get_or_insert_with(|| SmallRng::from_rng(&mut rand::rng()));
-                    if rng.random_range(0..equal) == 0 {
-                        (best, first) = (f, i);
-                    }
-                }
+                (best, best_cost, first) = (f, c, i);
+                tie.restart();
+            } else if f.in_flight == best.in_flight && tie.takes(&mut entries, first, i) {
+                (best, first) = (f, i);
             }
         }
     }
