@@ -10,8 +10,6 @@
 //! hot prefix cannot pile all traffic onto one endpoint.
 
 use pdcache::index::predicted_cached_tokens;
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 
 use super::config::CacheConfig;
 use super::view::PrefixView;
@@ -65,49 +63,72 @@ pub(crate) struct Choice {
     pub(crate) uncached_tokens: u32,
 }
 
+impl Choice {
+    /// The same choice, its endpoint holding `blocks` leading blocks of `view` (for a choice
+    /// made without reading what candidates hold: the cache weighed nothing).
+    pub(crate) fn holding(self, blocks: u32, view: &PrefixView) -> Choice {
+        let cached_tokens = predicted_cached_tokens(blocks, view.block_size, view.prompt_tokens);
+        let kind = match self.kind {
+            DecisionKind::Imbalance => DecisionKind::Imbalance,
+            _ if cached_tokens > 0 => DecisionKind::Hit,
+            _ => DecisionKind::Miss,
+        };
+        Choice {
+            kind,
+            cached_tokens,
+            uncached_tokens: view.prompt_tokens - cached_tokens,
+            ..self
+        }
+    }
+}
+
 /// Breaks a tie among candidates equal on everything before: the fewest entries win (see
-/// [`choose`]'s `entries`), then one at random, each of the `equal` candidates tied on entries
-/// too kept with probability 1 / `equal` (a reservoir), so one pass over them decides.
+/// [`choose`]'s `entries`), then the one whose index scrambles lowest under a seed drawn once per
+/// decision: a uniform draw among the tied (a random ranking), decided in one pass over them.
 struct Tie {
-    /// The entries of the candidate held so far, once a tie needed them.
-    least: Option<usize>,
-    equal: u32,
-    /// Seeded once per decision from the thread's generator: a draw from that one per tie cost
-    /// more than the rest of the tie's handling.
-    rng: Option<SmallRng>,
+    /// The held candidate's entries and rank, once a tie needed them.
+    held: Option<(usize, u64)>,
+    /// (A reservoir, one draw from a generator per tied candidate, cost more than the rest of
+    /// a tie's handling: docs/benchmarks.md.)
+    seed: u64,
 }
 
 impl Tie {
     fn new() -> Self {
         Tie {
-            least: None,
-            equal: 1,
-            rng: None,
+            held: None,
+            seed: rand::random(),
         }
     }
 
     /// A new candidate is held, unrivalled so far.
     fn restart(&mut self) {
-        (self.least, self.equal) = (None, 1);
+        self.held = None;
     }
 
-    /// Whether candidate `i` takes the place of the held candidate `held`, by their `entries`
-    /// (the held one's read once while it is held, before `i`'s).
+    /// Candidate `i`'s rank under the seed: SplitMix64's finaliser, so that every ordering of
+    /// the tied candidates is about equally likely whatever their indices.
+    #[inline]
+    fn rank(&self, i: usize) -> u64 {
+        let mut z = self.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Whether candidate `i` takes the place of the held candidate `held`: fewer `entries`, or
+    /// as many and a lower rank (the held one's read once while it is held).
+    #[inline(always)]
     fn takes(&mut self, entries: &mut impl FnMut(usize) -> usize, held: usize, i: usize) -> bool {
-        let least = *self.least.get_or_insert_with(|| entries(held));
-        let n = entries(i);
-        if n < least {
-            (self.least, self.equal) = (Some(n), 1);
-            return true;
+        let least = match self.held {
+            Some(key) => key,
+            None => *self.held.insert((entries(held), self.rank(held))),
+        };
+        let key = (entries(i), self.rank(i));
+        if key < least {
+            self.held = Some(key);
         }
-        if n > least {
-            return false;
-        }
-        self.equal += 1;
-        let rng = self
-            .rng
-            .get_or_insert_with(|| SmallRng::from_rng(&mut rand::rng()));
-        rng.random_range(0..self.equal) == 0
+        key < least
     }
 }
 

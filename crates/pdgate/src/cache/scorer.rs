@@ -170,15 +170,19 @@ impl Scorer<'_> {
         // Others' load is read only where it is scraped: off, a candidate costs one load as
         // before (the branch is the same for every candidate).
         let others = !cfg.engine_load_interval.is_zero();
+        // Where the cache weighs nothing (a decode chosen by its load), what a candidate holds
+        // changes no cost: it is read for the chosen one only, below.
+        let caches = cfg.cache_weight > 0.0;
+        let held_by = move |e: &Endpoint| match by_slot.get(e.load.slot()) {
+            Some(Some((load, id))) if Arc::ptr_eq(load, &e.load) => (
+                blocks.get(usize::from(id.0)).copied().unwrap_or(0),
+                index.is_full(*id),
+            ),
+            _ => self.blocks_by_id(e),
+        };
         let facts = candidates.iter().map(|e| {
             let e = e.as_ref();
-            let (blocks, full) = match by_slot.get(e.load.slot()) {
-                Some(Some((load, id))) if Arc::ptr_eq(load, &e.load) => (
-                    blocks.get(usize::from(id.0)).copied().unwrap_or(0),
-                    index.is_full(*id),
-                ),
-                _ => self.blocks_by_id(e),
-            };
+            let (blocks, full) = if caches { held_by(e) } else { (0, false) };
             // Its whole load: this gateway's, and what its metrics say others sent it
             // (`cache.engine_load_interval`), so replicas do not all pick the same idle one.
             let (in_flight, computing) = if others {
@@ -195,10 +199,9 @@ impl Scorer<'_> {
         });
         let state = &*self.state;
         // A tie goes to the candidate caching least, so distinct prefixes spread over the
-        // fleet; where the cache weighs nothing (a decode chosen by its load), to the one sent
-        // the fewest requests so far, so idle engines take turns.
-        let caches = cfg.cache_weight > 0.0;
-        score::choose(facts, view, cfg, |i| {
+        // fleet; where the cache weighs nothing, to the one sent the fewest requests so far, so
+        // idle engines take turns.
+        let choice = score::choose(facts, view, cfg, |i| {
             let e = candidates[i].as_ref();
             if !caches {
                 return e.load.total() as usize;
@@ -206,7 +209,12 @@ impl Scorer<'_> {
             state
                 .registered_id(e)
                 .map_or(0, |id| index.endpoint_len(id))
-        })
+        })?;
+        if caches {
+            return Some(choice);
+        }
+        let (blocks, _) = held_by(candidates[choice.index].as_ref());
+        Some(choice.holding(blocks, view))
     }
 
     /// Records that `view` was sent to each of `eps`: its blocks will be in their caches, all

@@ -6,13 +6,25 @@
 //! The writer drains the queue on a clock ([`DRAIN_EVERY`]), not when a line arrives: a request
 //! that queues its line wakes nothing (a wake-up per line, a worker thread unparked to write
 //! one line, was most of what the log cost per request; see docs/benchmarks.md).
+//!
+//! Under pdgate's own logger (`telemetry::init`) the writer renders each line itself, byte for
+//! byte as that logger's text or JSON format would ([`AccessLine::render`]; a test holds the two
+//! equal): through `tracing`'s formatter a line cost several times the instructions of the rest
+//! of its request's relaying (docs/benchmarks.md). Under any other subscriber (a library user's,
+//! a test's) lines go through `tracing` as events.
 
+use std::io::Write as _;
 use std::sync::Mutex;
 use std::sync::mpsc as std_mpsc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::{mpsc, oneshot};
+
+use crate::telemetry::LogFormat;
+
+/// The access log's target: `RUST_LOG` filters it by this name.
+const TARGET: &str = "pdgate::access";
 
 /// Lines waiting for the writer; more are dropped (and counted).
 pub(crate) const ACCESS_LOG_QUEUE: usize = 8192;
@@ -43,9 +55,14 @@ pub(crate) struct AccessLine {
     pub(crate) ttft: Option<f64>,
 }
 
+/// Seconds to milliseconds, to the microsecond.
+fn ms(seconds: f64) -> f64 {
+    (seconds * 1e6).round() / 1e3
+}
+
 impl AccessLine {
+    /// The line as a `tracing` event (what [`AccessLine::render`] writes without one).
     fn write(&self) {
-        let ms = |s: f64| (s * 1e6).round() / 1e3;
         tracing::info!(
             target: "pdgate::access",
             request_id = %self.request_id,
@@ -63,6 +80,80 @@ impl AccessLine {
             ttft_ms = self.ttft.map(ms),
             "request"
         );
+    }
+
+    /// Appends the line to `out` as pdgate's logger writes the event [`AccessLine::write`] sends
+    /// at time `at`, in `format` (text: values that are `str`s quoted as `Debug` quotes them,
+    /// the `%` ones as they are; JSON: one object, fields in the order sent).
+    fn render(&self, format: LogFormat, at: SystemTime, out: &mut Vec<u8>) {
+        let at = humantime::format_rfc3339_micros(at);
+        // Writes into a `Vec` cannot fail.
+        match format {
+            LogFormat::Text => {
+                // Strings pushed as they are (each through `write!` cost more than the rest of
+                // the line: docs/benchmarks.md).
+                let field = |out: &mut Vec<u8>, key: &str, value: &str| {
+                    out.push(b' ');
+                    out.extend_from_slice(key.as_bytes());
+                    out.push(b'=');
+                    out.extend_from_slice(value.as_bytes());
+                };
+                let flag = |b: bool| if b { "true" } else { "false" };
+                let _ = write!(out, "{at}  INFO {TARGET}: request");
+                field(out, "request_id", &self.request_id);
+                let _ = write!(out, " route={:?} status={}", self.route, self.status);
+                let _ = write!(out, " outcome={:?}", self.outcome);
+                field(out, "model", &self.model);
+                field(out, "connector", self.connector);
+                field(out, "prefill", &self.prefill);
+                field(out, "decode", &self.decode);
+                field(out, "fallback", flag(self.fallback));
+                field(out, "decode_only", flag(self.decode_only));
+                if let Some(n) = self.predicted_cached {
+                    let _ = write!(out, " predicted_cached_tokens={n}");
+                }
+                let _ = write!(out, " total_ms={:?}", ms(self.total));
+                if let Some(t) = self.ttft {
+                    let _ = write!(out, " ttft_ms={:?}", ms(t));
+                }
+            }
+            LogFormat::Json => {
+                let text = |out: &mut Vec<u8>, key: &str, value: &str| {
+                    out.extend_from_slice(b",\"");
+                    out.extend_from_slice(key.as_bytes());
+                    out.extend_from_slice(b"\":");
+                    let _ = serde_json::to_writer(&mut *out, value);
+                };
+                let _ = write!(
+                    out,
+                    "{{\"timestamp\":\"{at}\",\"level\":\"INFO\",\"fields\":{{\"message\":\"request\""
+                );
+                text(out, "request_id", &self.request_id);
+                text(out, "route", self.route);
+                let _ = write!(out, ",\"status\":{}", self.status);
+                text(out, "outcome", self.outcome);
+                text(out, "model", &self.model);
+                text(out, "connector", self.connector);
+                text(out, "prefill", &self.prefill);
+                text(out, "decode", &self.decode);
+                let _ = write!(
+                    out,
+                    ",\"fallback\":{},\"decode_only\":{}",
+                    self.fallback, self.decode_only
+                );
+                if let Some(n) = self.predicted_cached {
+                    let _ = write!(out, ",\"predicted_cached_tokens\":{n}");
+                }
+                let _ = out.write_all(b",\"total_ms\":");
+                let _ = serde_json::to_writer(&mut *out, &ms(self.total));
+                if let Some(t) = self.ttft {
+                    let _ = out.write_all(b",\"ttft_ms\":");
+                    let _ = serde_json::to_writer(&mut *out, &ms(t));
+                }
+                let _ = write!(out, "}},\"target\":\"{TARGET}\"}}");
+            }
+        }
+        out.push(b'\n');
     }
 }
 
@@ -137,9 +228,22 @@ fn write_until_stopped(mut rx: mpsc::Receiver<AccessLine>, stopped: &std_mpsc::R
 /// registers a waker, so senders wake nothing.
 fn drain(rx: &mut mpsc::Receiver<AccessLine>) -> bool {
     let _batch = crate::telemetry::Batch::open();
+    // Under pdgate's own logger, rendered here where its filter lets the target through; under
+    // any other subscriber, sent to it as events.
+    let own = crate::telemetry::own_log_format();
+    let wanted = own.is_none() || tracing::event_enabled!(target: TARGET, tracing::Level::INFO);
+    let mut out = Vec::new();
     loop {
         match rx.try_recv() {
-            Ok(line) => line.write(),
+            Ok(line) => match own {
+                Some(format) if wanted => {
+                    out.clear();
+                    line.render(format, SystemTime::now(), &mut out);
+                    crate::telemetry::write_log(&out);
+                }
+                Some(_) => {}
+                None => line.write(),
+            },
             Err(mpsc::error::TryRecvError::Empty) => return true,
             Err(mpsc::error::TryRecvError::Disconnected) => return false,
         }
@@ -169,6 +273,85 @@ impl AccessWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    /// What pdgate's logger (`telemetry::init`'s format layer) writes for `line`'s event.
+    fn through_tracing(line: &AccessLine, format: LogFormat) -> String {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = buf.clone();
+        let writer = move || {
+            struct W(Arc<Mutex<Vec<u8>>>);
+            impl std::io::Write for W {
+                fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                    self.0.lock().expect("buffer").extend_from_slice(b);
+                    Ok(b.len())
+                }
+                fn flush(&mut self) -> std::io::Result<()> {
+                    Ok(())
+                }
+            }
+            W(sink.clone())
+        };
+        let builder = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(writer);
+        match format {
+            LogFormat::Text => {
+                tracing::subscriber::with_default(builder.finish(), || line.write());
+            }
+            LogFormat::Json => {
+                tracing::subscriber::with_default(builder.json().finish(), || line.write());
+            }
+        }
+        let bytes = buf.lock().expect("buffer").clone();
+        String::from_utf8(bytes).expect("utf-8")
+    }
+
+    #[test]
+    fn rendered_lines_are_what_the_logger_writes() {
+        let full = AccessLine {
+            request_id: "req-1".into(),
+            route: "chat_completions",
+            status: 200,
+            outcome: "success",
+            model: "m \"quoted\" \\ ü".into(),
+            connector: "nixl",
+            prefill: "10.0.0.1:8000".into(),
+            decode: "10.0.0.2:8000".into(),
+            fallback: true,
+            decode_only: false,
+            predicted_cached: Some(48),
+            total: 0.107_823_9,
+            ttft: Some(0.1),
+        };
+        let bare = AccessLine {
+            route: "completions",
+            status: 502,
+            outcome: "prefill_error",
+            total: 2.0,
+            ..AccessLine::default()
+        };
+        let at = SystemTime::now();
+        let stamp = humantime::format_rfc3339_micros(at).to_string();
+        for line in [&full, &bare] {
+            for format in [LogFormat::Text, LogFormat::Json] {
+                let logged = through_tracing(line, format);
+                let mut out = Vec::new();
+                line.render(format, at, &mut out);
+                let rendered = String::from_utf8(out).expect("utf-8");
+                // The logger's own clock: its stamp in place of ours.
+                let theirs = match format {
+                    LogFormat::Text => logged.split(' ').next().expect("a stamp").to_string(),
+                    LogFormat::Json => {
+                        let v: serde_json::Value = serde_json::from_str(&logged).expect("json");
+                        v["timestamp"].as_str().expect("a stamp").to_string()
+                    }
+                };
+                assert_eq!(theirs.len(), stamp.len(), "{logged}");
+                assert_eq!(rendered.replacen(&stamp, &theirs, 1), logged);
+            }
+        }
+    }
 
     #[tokio::test]
     async fn a_full_queue_drops_and_counts_without_waiting() {

@@ -17,8 +17,8 @@ mod export;
 mod out;
 mod trace;
 
-use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{LazyLock, OnceLock};
 use std::time::Duration;
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
@@ -36,7 +36,7 @@ use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
-pub(crate) use out::Batch;
+pub(crate) use out::{Batch, write_log};
 
 pub(crate) use trace::{RequestTrace, Routed};
 
@@ -133,6 +133,15 @@ impl TelemetryConfig {
 /// Set once, when the OpenTelemetry layer is installed: spans are exported and trace context
 /// is continued and injected.
 static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+/// Set once, when [`init`] installs pdgate's own logger: its format. The access log then renders
+/// its lines itself (`metrics::access`).
+static OWN_LOG: OnceLock<LogFormat> = OnceLock::new();
+
+/// The format of pdgate's own logger, if it is the process's subscriber.
+pub(crate) fn own_log_format() -> Option<LogFormat> {
+    OWN_LOG.get().copied()
+}
 
 /// Whether spans are exported (one relaxed load: the request path's only cost with export off).
 pub(crate) fn exporting() -> bool {
@@ -246,6 +255,7 @@ pub fn init(format: LogFormat, config: &TelemetryConfig) -> Result<Telemetry, Te
     };
     installed.map_err(|e| TelemetryError::Subscriber(e.to_string()))?;
     EXPORTING.store(exporting, Ordering::Relaxed);
+    let _ = OWN_LOG.set(format);
     Ok(telemetry)
 }
 

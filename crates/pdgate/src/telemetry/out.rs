@@ -48,6 +48,12 @@ fn write_out(buf: &[u8]) {
     }
 }
 
+/// Writes a rendered log line (or lines) as the logs' writer does: into this thread's open
+/// [`Batch`], else to standard output.
+pub(crate) fn write_log(line: &[u8]) {
+    let _ = LogOut.write_all(line);
+}
+
 /// The logs' writer (`MakeWriter`): standard output, through the thread's open [`Batch`].
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct LogOut;

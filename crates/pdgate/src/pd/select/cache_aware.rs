@@ -477,6 +477,38 @@ mod tests {
     }
 
     #[test]
+    fn a_decode_chosen_by_its_load_is_reported_with_the_prefix_it_holds() {
+        let fleet = "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
+                     [[decode]]\nurl = \"http://10.0.0.2:8000\"\n\
+                     [[decode]]\nurl = \"http://10.0.0.3:8000\"\n";
+        let (gw, snap, view) = cache_fleet(fleet, "");
+        let cache = gw.routing.cache.as_ref().expect("a cache");
+        assert_eq!(cache.decode_config.cache_weight, 0.0);
+        let holder = snap.decode[1].name.clone();
+        seed(&gw, &snap, &holder, &view);
+        let mc = cache.model(Some("b"), &snap);
+        let mut scorer = mc.lock();
+        scorer.prepare(&view);
+        // What a candidate holds weighs nothing, so both are chosen (taking turns); the chosen
+        // one's prediction is still what it holds.
+        let mut seen = std::collections::BTreeMap::new();
+        for _ in 0..64 {
+            let c = scorer
+                .choose(&snap.decode, &view, &cache.decode_config)
+                .expect("a choice");
+            let name = snap.decode[c.index].name.clone();
+            let expected = if name == holder {
+                (DecisionKind::Hit, 48, 16)
+            } else {
+                (DecisionKind::Miss, 0, 64)
+            };
+            assert_eq!((c.kind, c.cached_tokens, c.uncached_tokens), expected);
+            *seen.entry(name).or_insert(0) += 1;
+        }
+        assert_eq!(seen.len(), 2, "{seen:?}");
+    }
+
+    #[test]
     fn decode_only_needs_both_thresholds() {
         let view = PrefixView {
             keys: Vec::new(),
