@@ -170,9 +170,6 @@ impl Scorer<'_> {
         // Others' load is read only where it is scraped: off, a candidate costs one load as
         // before (the branch is the same for every candidate).
         let others = !cfg.engine_load_interval.is_zero();
-        // Where the cache weighs nothing (a decode chosen by its load), what a candidate holds
-        // changes no cost: it is read for the chosen one only, below.
-        let caches = cfg.cache_weight > 0.0;
         let held_by = move |e: &Endpoint| match by_slot.get(e.load.slot()) {
             Some(Some((load, id))) if Arc::ptr_eq(load, &e.load) => (
                 blocks.get(usize::from(id.0)).copied().unwrap_or(0),
@@ -180,39 +177,33 @@ impl Scorer<'_> {
             ),
             _ => self.blocks_by_id(e),
         };
-        let facts = candidates.iter().map(|e| {
-            let e = e.as_ref();
-            let (blocks, full) = if caches { held_by(e) } else { (0, false) };
-            // Its whole load: this gateway's, and what its metrics say others sent it
-            // (`cache.engine_load_interval`), so replicas do not all pick the same idle one.
-            let (in_flight, computing) = if others {
-                e.load.with_others()
-            } else {
-                e.load.held()
-            };
-            score::Facts {
-                blocks,
-                in_flight,
-                computing,
-                full,
-            }
-        });
         let state = &*self.state;
         // A tie goes to the candidate caching least, so distinct prefixes spread over the
         // fleet; where the cache weighs nothing, to the one sent the fewest requests so far, so
         // idle engines take turns.
-        let choice = score::choose(facts, view, cfg, |i| {
-            let e = candidates[i].as_ref();
-            if !caches {
-                return e.load.total() as usize;
-            }
-            state
-                .registered_id(e)
-                .map_or(0, |id| index.endpoint_len(id))
-        })?;
-        if caches {
-            return Some(choice);
+        if cfg.cache_weight > 0.0 {
+            let entries = |i: usize| {
+                state
+                    .registered_id(candidates[i].as_ref())
+                    .map_or(0, |id| index.endpoint_len(id))
+            };
+            return score::choose(
+                facts::<true, _>(candidates, held_by, others),
+                view,
+                cfg,
+                entries,
+            );
         }
+        // Where the cache weighs nothing (a decode chosen by its load), what a candidate holds
+        // changes no cost: it is read for the chosen one only, afterwards. (A scoring pass of its
+        // own, where the compiler drops what the cache would have added.)
+        let entries = |i: usize| candidates[i].as_ref().load.total() as usize;
+        let choice = score::choose(
+            facts::<false, _>(candidates, held_by, others),
+            view,
+            cfg,
+            entries,
+        )?;
         let (blocks, _) = held_by(candidates[choice.index].as_ref());
         Some(choice.holding(blocks, view))
     }
@@ -269,4 +260,31 @@ impl Scorer<'_> {
             }
         }
     }
+}
+
+/// `candidates`' facts for a decision: what each holds (`held_by`, read only where `CACHES`: the
+/// cache weighs something) and its whole load (this gateway's, and what its metrics say others
+/// sent it where `others`: `cache.engine_load_interval`, so replicas do not all pick the same
+/// idle one).
+#[inline(always)]
+fn facts<'c, const CACHES: bool, E: AsRef<Endpoint>>(
+    candidates: &'c [E],
+    held_by: impl Fn(&Endpoint) -> (u32, bool) + Clone + 'c,
+    others: bool,
+) -> impl Iterator<Item = score::Facts> + Clone + 'c {
+    candidates.iter().map(move |e| {
+        let e = e.as_ref();
+        let (blocks, full) = if CACHES { held_by(e) } else { (0, false) };
+        let (in_flight, computing) = if others {
+            e.load.with_others()
+        } else {
+            e.load.held()
+        };
+        score::Facts {
+            blocks,
+            in_flight,
+            computing,
+            full,
+        }
+    })
 }
