@@ -64,21 +64,27 @@ pub(crate) struct Choice {
 }
 
 impl Choice {
-    /// The same choice, its endpoint holding `blocks` leading blocks of `view` (for a choice
-    /// made without reading what candidates hold: the cache weighed nothing).
-    pub(crate) fn holding(self, blocks: u32, view: &PrefixView) -> Choice {
-        let cached_tokens = predicted_cached_tokens(blocks, view.block_size, view.prompt_tokens);
-        let kind = match self.kind {
-            DecisionKind::Imbalance => DecisionKind::Imbalance,
+    /// Candidate `index`, predicted to find `cached_tokens` of `view` cached: a hit or a miss by
+    /// that, unless the imbalance guard chose it (`kind`).
+    fn of(index: usize, kind: DecisionKind, cached_tokens: u32, view: &PrefixView) -> Choice {
+        let kind = match kind {
+            DecisionKind::Imbalance => kind,
             _ if cached_tokens > 0 => DecisionKind::Hit,
             _ => DecisionKind::Miss,
         };
         Choice {
+            index,
             kind,
             cached_tokens,
             uncached_tokens: view.prompt_tokens - cached_tokens,
-            ..self
         }
+    }
+
+    /// The same choice, its endpoint holding `blocks` leading blocks of `view` (for a choice
+    /// made without reading what candidates hold: the cache weighed nothing).
+    pub(crate) fn holding(self, blocks: u32, view: &PrefixView) -> Choice {
+        let cached_tokens = predicted_cached_tokens(blocks, view.block_size, view.prompt_tokens);
+        Choice::of(self.index, self.kind, cached_tokens, view)
     }
 }
 
@@ -88,8 +94,9 @@ impl Choice {
 struct Tie {
     /// The held candidate's entries and rank, once a tie needed them.
     held: Option<(usize, u64)>,
-    /// (A reservoir, one draw from a generator per tied candidate, cost more than the rest of
-    /// a tie's handling: docs/benchmarks.md.)
+    /// Drawn once per decision: it ranks the tied candidates. (A reservoir, one draw from a
+    /// generator per tied candidate, cost more than the rest of a tie's handling:
+    /// docs/benchmarks.md.)
     seed: u64,
 }
 
@@ -228,20 +235,8 @@ fn choose_by<F>(
 where
     F: Iterator<Item = Facts> + Clone,
 {
-    let choice = |f: &Facts, index: usize, kind: DecisionKind| {
-        let cached_tokens = cached(f);
-        let kind = match kind {
-            DecisionKind::Imbalance => kind,
-            _ if cached_tokens > 0 => DecisionKind::Hit,
-            _ => DecisionKind::Miss,
-        };
-        Choice {
-            index,
-            kind,
-            cached_tokens,
-            uncached_tokens: view.prompt_tokens - cached_tokens,
-        }
-    };
+    let choice =
+        |f: &Facts, index: usize, kind: DecisionKind| Choice::of(index, kind, cached(f), view);
     let mut rest = facts.clone().enumerate();
     let (_, head) = rest.next()?;
     let (mut lo, mut hi) = (head.in_flight, head.in_flight);

@@ -64,7 +64,7 @@ impl AccessLine {
     /// The line as a `tracing` event (what [`AccessLine::render`] writes without one).
     fn write(&self) {
         tracing::info!(
-            target: "pdgate::access",
+            target: TARGET,
             request_id = %self.request_id,
             route = self.route,
             status = self.status,
