@@ -24,7 +24,10 @@
 #   least_request       --prefill-policy least_request --decode-policy least_request
 #   ca_approx           cache_aware on both roles, approximate keys (fleet without KV events)
 #   ca_precise          cache_aware on both roles, the fleet publishes KV events (`--kv-events`;
-#                       the gateway config it writes subscribes to them)
+#                       the gateway config it writes subscribes to them); like every pdgate arm
+#                       it scrapes the engines' /metrics at the default cache.engine_load_interval
+#   ca_precise_own      ca_precise without that scrape (cache.engine_load_interval = 0s: the
+#                       gateway sees only the load it sent)
 #   ca_precise_affine   ca_precise with the decode of a disaggregated request weighed by the
 #                       prefix it holds, as a prefill is (cache.decode_cache_weight = 1; the
 #                       default 0 chooses it by its load and the KV it holds)
@@ -35,7 +38,7 @@
 #                       each replica scrapes the engines' /metrics every
 #                       BENCH_ENGINE_LOAD_INTERVAL (cache.engine_load_interval) to count the
 #                       other's load (0s: each sees only its own in-flight load)
-#   ca_precise_scrape   ca_precise on one replica with that same scrape (what it costs alone)
+#   ca_precise_scrape   ca_precise on one replica with that same interval
 #   ca_shed             ca_precise_do, and admission sheds (429) a request whose prefill already
 #                       has more than BENCH_SHED_TOKENS predicted tokens queued ahead of it
 #                       (cache.max_queued_prefill_tokens; off by default in pdgate)
@@ -247,6 +250,10 @@ run_arm() {
     round_robin | least_request) policy=$arm ;;
     ca_approx) policy=cache_aware ;;
     ca_precise) policy=cache_aware events=1 flags+=("${PRECISE_KEYS[@]}") ;;
+    ca_precise_own)
+      policy=cache_aware events=1
+      flags+=("${PRECISE_KEYS[@]}" --set cache.engine_load_interval=0s)
+      ;;
     ca_precise_affine)
       policy=cache_aware events=1
       flags+=("${PRECISE_KEYS[@]}" --set cache.decode_cache_weight=1)

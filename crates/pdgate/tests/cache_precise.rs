@@ -250,8 +250,14 @@ async fn a_cleared_engine_cache_is_forgotten() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_reading_the_same_events_agree() {
     // Decodes weigh the blocks they hold (by default a decode receiving the KV is chosen by its
-    // load, which each gateway sees only for itself).
-    let fleet = start(|c| c.cache.decode_cache_weight = 1.0).await;
+    // load, which each gateway sees only for itself). What is compared is the index: the
+    // engines' scraped load (which one gateway may read while the other's request is in
+    // flight) is off.
+    let fleet = start(|c| {
+        c.cache.decode_cache_weight = 1.0;
+        c.cache.engine_load_interval = Duration::ZERO;
+    })
+    .await;
     let config = fleet.gateway.gateway().config.clone();
     let gw = pdgate::Gateway::new(config, kvtransfer::Registry::with_builtins()).expect("config");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

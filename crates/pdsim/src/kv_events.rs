@@ -84,6 +84,25 @@ impl EventSink {
     }
 }
 
+/// The file of an `ipc://` endpoint this engine bound, removed when the socket's task ends (the
+/// socket library leaves it behind: a test suite that starts hundreds of engines would fill
+/// the temp dir with dead sockets).
+struct IpcFile(Option<std::path::PathBuf>);
+
+impl IpcFile {
+    fn of(bound: &str) -> Self {
+        IpcFile(bound.strip_prefix("ipc://").map(std::path::PathBuf::from))
+    }
+}
+
+impl Drop for IpcFile {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 fn socket_err(what: &'static str, endpoint: &str, e: impl std::fmt::Display) -> EventsError {
     EventsError::Socket {
         what,
@@ -135,10 +154,12 @@ pub(crate) async fn start(
             .await
             .map_err(|e| socket_err("replay_endpoint", ep, e))?;
         replay_bound = Some(b.to_string());
+        let file = IpcFile::of(&b.to_string());
         let ring = ring.clone();
         let topic = Bytes::from(cfg.topic.clone());
         let stop = shutdown.clone();
         tasks.spawn(async move {
+            let _file = file;
             tokio::select! {
                 () = serve_replay(router, ring, topic) => {}
                 () = stop.cancelled() => {}
@@ -160,7 +181,9 @@ pub(crate) async fn start(
         clock,
         rank,
     };
+    let file = bound.as_deref().map(IpcFile::of);
     tasks.spawn(async move {
+        let _file = file;
         tokio::select! {
             () = publisher.run() => {}
             () = shutdown.cancelled() => {}

@@ -223,5 +223,9 @@ async fn adapter_events_carry_the_name_and_vllms_salted_hashes() {
     assert_eq!((s.lora_name, s.lora_id), (None, None));
     let hashes: Vec<u64> = s.block_hashes.iter().map(|b| b.as_u64()).collect();
     assert_eq!(hashes, expect(&ids, &[]));
+    let file = endpoint.strip_prefix("ipc://").unwrap().to_owned();
+    assert!(std::path::Path::new(&file).exists(), "{file} while bound");
     h.shutdown().await;
+    // The engine removes the socket file it bound.
+    assert!(!std::path::Path::new(&file).exists(), "{file} left behind");
 }

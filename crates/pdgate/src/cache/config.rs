@@ -113,8 +113,10 @@ pub struct CacheConfig {
     pub engine_tokenize_cache: usize,
     /// Scrape every prefill and decode engine's `/metrics` this often for the requests it
     /// runs and queues (`vllm:num_requests_running` + `vllm:num_requests_waiting`), and count
-    /// those this gateway did not send (other replicas', other clients') in its cost; 0 (the
-    /// default) never scrapes, and each gateway sees only its own load.
+    /// those this gateway did not send (other replicas', other clients') in its cost; 0 never
+    /// scrapes, and each gateway then sees only its own load. On by default (500 ms):
+    /// production runs several replicas, and each one blind to the others' load picks the
+    /// engines they just filled (docs/benchmarks.md, "Fleet scale").
     #[serde(deserialize_with = "crate::durations::de_duration")]
     pub engine_load_interval: Duration,
 }
@@ -145,7 +147,7 @@ impl Default for CacheConfig {
             engine_tokenize: None,
             engine_tokenize_timeout: Duration::from_millis(50),
             engine_tokenize_cache: 10_000,
-            engine_load_interval: Duration::ZERO,
+            engine_load_interval: Duration::from_millis(500),
         }
     }
 }

@@ -3,6 +3,7 @@
 //! scores and records through.
 
 use std::collections::HashMap;
+use std::ops::Deref;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -144,6 +145,16 @@ impl Scorer<'_> {
         })
     }
 
+    /// Leading blocks of the prepared view that `ep`, chosen without reading what it holds,
+    /// holds, registering it on first sight: a decode that is never recorded (its cache is not
+    /// read) is then found by its slot in later decisions, not by hashing its name each time.
+    fn chosen_blocks(&mut self, ep: &Endpoint) -> u32 {
+        let st = &mut *self.state;
+        st.id_of(&mut self.index, ep)
+            .and_then(|id| st.blocks.get(usize::from(id.0)).copied())
+            .unwrap_or(0)
+    }
+
     /// Leading blocks of the prepared view that `ep` holds, and the entries the index holds for
     /// it (registering `ep` on first sight).
     #[cfg(test)]
@@ -155,29 +166,34 @@ impl Scorer<'_> {
         })
     }
 
-    /// Chooses among `candidates` (non-empty) by cache and load for the prepared `view`.
-    pub(crate) fn choose<E: AsRef<Endpoint>>(
-        &self,
+    /// Chooses among `candidates` (non-empty) by cache and load for the prepared `view`;
+    /// `loads[i]` is `candidates[i]`'s load (read for every candidate, the endpoint itself only
+    /// where the chosen one or a tie needs it: see `Snapshot::loads_of`).
+    pub(crate) fn choose<E: AsRef<Endpoint>, L: Deref<Target = Load>>(
+        &mut self,
         candidates: &[E],
+        loads: &[L],
         view: &PrefixView,
         cfg: &CacheConfig,
     ) -> Option<score::Choice> {
+        debug_assert_eq!(candidates.len(), loads.len());
         // The tables by value: read through the guard, they were read again per candidate. A
         // candidate's id is found by the slot of its `Load` and one pointer compare. (A table of
         // blocks by slot, built per decision from these two, cost more to build than it saved.)
-        let (by_slot, blocks): (&[_], &[u32]) = (&self.state.by_slot, &self.state.blocks);
-        let index = &*self.index;
+        let this = &*self;
+        let (by_slot, blocks): (&[_], &[u32]) = (&this.state.by_slot, &this.state.blocks);
+        let index = &*this.index;
         // Others' load is read only where it is scraped: off, a candidate costs one load as
         // before (the branch is the same for every candidate).
         let others = !cfg.engine_load_interval.is_zero();
-        let held_by = move |e: &Endpoint| match by_slot.get(e.load.slot()) {
-            Some(Some((load, id))) if Arc::ptr_eq(load, &e.load) => (
+        let held_by = move |i: usize, load: &Load| match by_slot.get(load.slot()) {
+            Some(Some((known, id))) if std::ptr::eq(&**known, load) => (
                 blocks.get(usize::from(id.0)).copied().unwrap_or(0),
                 index.is_full(*id),
             ),
-            _ => self.blocks_by_id(e),
+            _ => this.blocks_by_id(candidates[i].as_ref()),
         };
-        let state = &*self.state;
+        let state = &*this.state;
         // A tie goes to the candidate caching least, so distinct prefixes spread over the
         // fleet; where the cache weighs nothing, to the one sent the fewest requests so far, so
         // idle engines take turns.
@@ -187,24 +203,19 @@ impl Scorer<'_> {
                     .registered_id(candidates[i].as_ref())
                     .map_or(0, |id| index.endpoint_len(id))
             };
-            return score::choose(
-                facts::<true, _>(candidates, held_by, others),
-                view,
-                cfg,
-                entries,
-            );
+            return score::choose(facts::<true, _>(loads, held_by, others), view, cfg, entries);
         }
         // Where the cache weighs nothing (a decode chosen by its load), what a candidate holds
         // changes no cost: it is read for the chosen one only, afterwards. (A scoring pass of its
         // own, where the compiler drops what the cache would have added.)
-        let entries = |i: usize| candidates[i].as_ref().load.total() as usize;
+        let entries = |i: usize| loads[i].total() as usize;
         let choice = score::choose(
-            facts::<false, _>(candidates, held_by, others),
+            facts::<false, _>(loads, held_by, others),
             view,
             cfg,
             entries,
         )?;
-        let (blocks, _) = held_by(candidates[choice.index].as_ref());
+        let blocks = self.chosen_blocks(candidates[choice.index].as_ref());
         Some(choice.holding(blocks, view))
     }
 
@@ -262,23 +273,23 @@ impl Scorer<'_> {
     }
 }
 
-/// `candidates`' facts for a decision: what each holds (`held_by`, read only where `CACHES`: the
-/// cache weighs something) and its whole load (this gateway's, and what its metrics say others
-/// sent it where `others`: `cache.engine_load_interval`, so replicas do not all pick the same
-/// idle one).
+/// The facts of the candidates whose loads are `loads`, for a decision: what each holds
+/// (`held_by(i, load)`, read only where `CACHES`: the cache weighs something) and its whole
+/// load (this gateway's, and what its metrics say others sent it where `others`:
+/// `cache.engine_load_interval`, so replicas do not all pick the same idle one).
 #[inline(always)]
-fn facts<'c, const CACHES: bool, E: AsRef<Endpoint>>(
-    candidates: &'c [E],
-    held_by: impl Fn(&Endpoint) -> (u32, bool) + Clone + 'c,
+fn facts<'c, const CACHES: bool, L: Deref<Target = Load>>(
+    loads: &'c [L],
+    held_by: impl Fn(usize, &Load) -> (u32, bool) + Clone + 'c,
     others: bool,
 ) -> impl Iterator<Item = score::Facts> + Clone + 'c {
-    candidates.iter().map(move |e| {
-        let e = e.as_ref();
-        let (blocks, full) = if CACHES { held_by(e) } else { (0, false) };
+    loads.iter().enumerate().map(move |(i, load)| {
+        let load = &**load;
+        let (blocks, full) = if CACHES { held_by(i, load) } else { (0, false) };
         let (in_flight, computing) = if others {
-            e.load.with_others()
+            load.with_others()
         } else {
-            e.load.held()
+            load.held()
         };
         score::Facts {
             blocks,

@@ -126,7 +126,9 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
     // Both hold `view`; only `b` holds `other`.
     s.prepare(&other);
     for order in [[&a, &b, &fresh], [&fresh, &a, &b], [&b, &fresh, &a]] {
-        let choice = s.choose(&order, &other, &cfg).expect("a choice");
+        let choice = s
+            .choose(&order, &loads_of(&order), &other, &cfg)
+            .expect("a choice");
         assert!(Arc::ptr_eq(order[choice.index], &b), "{order:?}");
         assert_eq!(choice.cached_tokens, 144);
     }
@@ -136,7 +138,9 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
     s.prepare(&third);
     for _ in 0..20 {
         for order in [[&a, &fresh], [&fresh, &a]] {
-            let choice = s.choose(&order, &third, &cfg).expect("a choice");
+            let choice = s
+                .choose(&order, &loads_of(&order), &third, &cfg)
+                .expect("a choice");
             assert!(Arc::ptr_eq(order[choice.index], &fresh), "{order:?}");
         }
     }
@@ -145,7 +149,9 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
     let b_again = ep("b:1");
     s.prepare(&other);
     for order in [[&a, &b_again], [&b_again, &a]] {
-        let choice = s.choose(&order, &other, &cfg).expect("a choice");
+        let choice = s
+            .choose(&order, &loads_of(&order), &other, &cfg)
+            .expect("a choice");
         assert!(Arc::ptr_eq(order[choice.index], &b_again));
     }
 }
@@ -183,4 +189,9 @@ fn an_adapter_shares_its_base_index_in_a_key_space_of_its_own() {
         in_adapter_space(plain.clone(), &snap, None).keys,
         plain.keys
     );
+}
+
+/// The loads of `eps`, in their order (what a decision reads per candidate).
+fn loads_of<'a>(eps: &[&'a Arc<Endpoint>]) -> Vec<&'a crate::endpoints::Load> {
+    eps.iter().map(|e| &*e.load).collect()
 }

@@ -311,6 +311,9 @@ pub struct Snapshot {
     /// Every endpoint of both roles declares the same models (or none), set by
     /// [`build_snapshot`]: whether one serves a model says whether all do.
     pub(crate) same_models: bool,
+    /// The loads of [`Snapshot::prefill`] and [`Snapshot::decode`], in their order
+    /// ([`Snapshot::index_loads`]): see [`Snapshot::loads_of`].
+    pub(crate) loads: [Vec<Arc<Load>>; 2],
 }
 
 impl Snapshot {
@@ -347,6 +350,31 @@ impl Snapshot {
             && self.same_models
             && !self.decode.is_empty()
             && self.prefill.first().is_some_and(|p| p.serves(model))
+    }
+
+    /// Records the loads of the prefill and decode lists as they are now (for
+    /// [`Snapshot::loads_of`]); called whenever those lists are set.
+    pub(crate) fn index_loads(&mut self) {
+        let loads = |list: &[Arc<Endpoint>]| list.iter().map(|e| e.load.clone()).collect();
+        self.loads = [loads(&self.prefill), loads(&self.decode)];
+    }
+
+    /// The loads of `list`, in its order, if `list` is this snapshot's prefill or decode list
+    /// and [`Snapshot::index_loads`] recorded it. A large fleet's decision reads every
+    /// candidate's load: from this list, one read into a contiguous array and one into the load,
+    /// where through the endpoint a second dependent read (each a cache miss once the index
+    /// walk has evicted the endpoints) came before it.
+    #[inline]
+    pub(crate) fn loads_of(&self, list: &[Arc<Endpoint>]) -> Option<&[Arc<Load>]> {
+        [&self.prefill, &self.decode]
+            .into_iter()
+            .zip(&self.loads)
+            .find(|(own, loads)| {
+                std::ptr::eq(own.as_ptr(), list.as_ptr())
+                    && own.len() == list.len()
+                    && loads.len() == list.len()
+            })
+            .map(|(_, loads)| loads.as_slice())
     }
 
     /// Whether all prefills share one connector that every decode accepts, without roleset
@@ -604,6 +632,7 @@ pub fn build_snapshot(pods: &[Pod], inputs: &SnapshotInputs<'_>, loads: &LoadTab
     loads.retain(&names);
     snap.models = models.into_iter().collect();
 
+    snap.index_loads();
     snap.every_pair = snap.every_prefill_pairs_with_every_decode();
     snap.same_models = {
         let mut all = snap.prefill.iter().chain(&snap.decode);

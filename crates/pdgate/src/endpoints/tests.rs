@@ -342,3 +342,29 @@ fn adapters_route_only_to_their_holders() {
     assert!(!snap.same_models, "endpoints differ in adapters");
     assert!(!snap.all_serve(Some("chat")));
 }
+
+#[test]
+fn a_snapshots_own_lists_have_their_loads_in_order() {
+    let loads = LoadTable::default();
+    let pods = [
+        pod("p1", "prefill"),
+        pod("d1", "decode"),
+        pod("p2", "prefill"),
+        pod("d2", "decode"),
+    ];
+    let snap = build(&pods, &loads);
+    for list in [&snap.prefill, &snap.decode] {
+        let own = snap.loads_of(list).expect("the snapshot's own list");
+        assert_eq!(own.len(), list.len());
+        assert!(own.iter().zip(list).all(|(l, e)| Arc::ptr_eq(l, &e.load)));
+    }
+    // Any other list (a copy, a part, another snapshot's) has none: its order is not known.
+    let copy = snap.decode.clone();
+    assert!(snap.loads_of(&copy).is_none());
+    assert!(snap.loads_of(&snap.decode[..1]).is_none());
+    let unindexed = Snapshot {
+        decode: snap.decode.clone(),
+        ..Snapshot::default()
+    };
+    assert!(unindexed.loads_of(&unindexed.decode).is_none());
+}

@@ -86,7 +86,7 @@ pub(crate) fn within(
             model: model.unwrap_or_default().to_string(),
         });
     }
-    Ok(Snapshot {
+    let mut within = Snapshot {
         encode: snap.encode.clone(),
         prefill: snap.prefill.clone(),
         decode,
@@ -96,7 +96,10 @@ pub(crate) fn within(
         roleset_pairing: snap.roleset_pairing,
         every_pair: snap.every_pair,
         same_models: snap.same_models,
-    })
+        ..Snapshot::default()
+    };
+    within.index_loads();
+    Ok(within)
 }
 
 /// Chooses a prefill and a decode endpoint that serve `model` and agree on the connector. With

@@ -8,49 +8,55 @@ use crate::cache::config::CacheConfig;
 use crate::cache::score::Choice;
 use crate::cache::{Cache, PrefixView, Scorer};
 use crate::endpoints::policy::Policy;
-use crate::endpoints::{Endpoint, Role, Snapshot};
+use crate::endpoints::{Endpoint, Load, Role, Snapshot};
 use crate::error::GatewayError;
 use crate::limits::under_cap;
 use crate::metrics::Metrics;
 use crate::pd::select::{Pair, decode_for, no_pair};
 use crate::state::Routing;
 
-/// One role's candidates for a decision.
+/// One role's candidates for a decision, with their loads in the same order.
 enum Candidates<'a> {
     /// The snapshot's whole list: every endpoint in it qualifies (the usual fleet, see
     /// [`Snapshot::all_serve`]). Copying the references out of a large list cost as much as
     /// scoring it.
-    Whole(&'a [Arc<Endpoint>]),
+    Whole(&'a [Arc<Endpoint>], &'a [Arc<Load>]),
     /// The endpoints that qualify.
-    Chosen(Vec<&'a Arc<Endpoint>>),
+    Chosen(Vec<&'a Arc<Endpoint>>, Vec<&'a Load>),
 }
 
 impl<'a> Candidates<'a> {
-    /// `all` if `whole`, else those of `all` that `keep` allows, under the per-endpoint cap and
-    /// without a half-open endpoint being probed.
+    /// `all` (one of `snap`'s lists) if `whole`, else those of `all` that `keep` allows, under
+    /// the per-endpoint cap and without a half-open endpoint being probed.
     fn of(
         routing: &Routing,
+        snap: &'a Snapshot,
         whole: bool,
         all: &'a [Arc<Endpoint>],
         keep: impl FnMut(&&'a Arc<Endpoint>) -> bool,
     ) -> Result<Self, GatewayError> {
-        if whole {
-            return Ok(Candidates::Whole(all));
+        if whole && let Some(loads) = snap.loads_of(all) {
+            return Ok(Candidates::Whole(all, loads));
         }
-        let mut chosen = Vec::with_capacity(all.len());
-        chosen.extend(all.iter().filter(keep));
-        let chosen = under_cap(
-            routing.max_in_flight_per_endpoint,
-            &routing.metrics,
-            routing.health.hold_back_probed(chosen),
-        )?;
-        Ok(Candidates::Chosen(chosen))
+        let chosen: Vec<&'a Arc<Endpoint>> = if whole {
+            all.iter().collect()
+        } else {
+            let mut chosen = Vec::with_capacity(all.len());
+            chosen.extend(all.iter().filter(keep));
+            under_cap(
+                routing.max_in_flight_per_endpoint,
+                &routing.metrics,
+                routing.health.hold_back_probed(chosen),
+            )?
+        };
+        let loads = chosen.iter().map(|e| &*e.load).collect();
+        Ok(Candidates::Chosen(chosen, loads))
     }
 
     fn get(&self, i: usize) -> &'a Arc<Endpoint> {
         match self {
-            Candidates::Whole(all) => &all[i],
-            Candidates::Chosen(chosen) => chosen[i],
+            Candidates::Whole(all, _) => &all[i],
+            Candidates::Chosen(chosen, _) => chosen[i],
         }
     }
 }
@@ -59,15 +65,15 @@ impl<'a> Candidates<'a> {
 /// else by the policy; the prediction is `None` then.
 fn pick_by(
     policy: &dyn Policy,
-    scorer: &Scorer<'_>,
+    scorer: &mut Scorer<'_>,
     cfg: &CacheConfig,
     candidates: &Candidates<'_>,
     view: &PrefixView,
 ) -> Option<(Arc<Endpoint>, Option<Choice>)> {
     if !policy.cache_aware() {
         let i = match candidates {
-            Candidates::Whole(all) => policy.pick(all)?,
-            Candidates::Chosen(chosen) => {
+            Candidates::Whole(all, _) => policy.pick(all)?,
+            Candidates::Chosen(chosen, _) => {
                 let owned: Vec<Arc<Endpoint>> = chosen.iter().map(|&e| e.clone()).collect();
                 policy.pick(&owned)?
             }
@@ -75,8 +81,8 @@ fn pick_by(
         return Some((Arc::clone(candidates.get(i)), None));
     }
     let choice = match candidates {
-        Candidates::Whole(all) => scorer.choose(all, view, cfg),
-        Candidates::Chosen(chosen) => scorer.choose(chosen, view, cfg),
+        Candidates::Whole(all, loads) => scorer.choose(all, loads, view, cfg),
+        Candidates::Chosen(chosen, loads) => scorer.choose(chosen, loads, view, cfg),
     }?;
     Some((Arc::clone(candidates.get(choice.index)), Some(choice)))
 }
@@ -115,7 +121,7 @@ pub(super) fn pair(
         && snap.all_serve(model)
         && routing.health.holds_back_none();
     let serving_prefills = || snap.prefill.iter().filter(|p| p.serves(model));
-    let pick_prefill = |prefills: Candidates<'_>, scorer: &Scorer<'_>| {
+    let pick_prefill = |prefills: Candidates<'_>, scorer: &mut Scorer<'_>| {
         let (prefill, choice) = pick_by(
             routing.prefill_policy.as_ref(),
             scorer,
@@ -129,17 +135,17 @@ pub(super) fn pair(
     };
     // The prefill's prediction (cached, uncached), or the decode's when it serves alone.
     let (prefill, decode, decode_only, predicted) = if routing.decode_policy.cache_aware() {
-        let decodes = Candidates::of(routing, whole, &snap.decode, |d| {
+        let decodes = Candidates::of(routing, snap, whole, &snap.decode, |d| {
             d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
         })?;
-        let pick_decode = |cfg: &CacheConfig| {
-            pick_by(routing.decode_policy.as_ref(), &scorer, cfg, &decodes, view)
+        let pick_decode = |scorer: &mut Scorer<'_>, cfg: &CacheConfig| {
+            pick_by(routing.decode_policy.as_ref(), scorer, cfg, &decodes, view)
                 .ok_or_else(|| no_pair(snap, model))
         };
         let pairing = |p: &Endpoint, decode: &Endpoint| p.serves(model) && snap.pairs(p, decode);
         // A decode that may serve alone is weighed as a prefill is, by what it would compute.
         let alone = if cache.config.decode_only_below_tokens > 0 {
-            let (decode, choice) = pick_decode(&cache.config)?;
+            let (decode, choice) = pick_decode(&mut scorer, &cache.config)?;
             let fits = choice.is_some_and(|c| decode_only_fits(&cache.config, c, view));
             let mut pairing_prefills = snap.prefill.iter().filter(|p| pairing(p, &decode));
             let first = pairing_prefills.clone().next().cloned();
@@ -159,21 +165,22 @@ pub(super) fn pair(
             // One that receives the prompt's KV computes none of it: chosen by its load (the KV
             // it holds and its requests), its cache weighing only `decode_cache_weight`, so a
             // hot family does not pile onto the decode that holds its prefix.
-            let (decode, choice) = pick_decode(&cache.decode_config)?;
+            let (decode, choice) = pick_decode(&mut scorer, &cache.decode_config)?;
             note(cache, Role::Decode, choice, view);
-            let prefills = Candidates::of(routing, whole, &snap.prefill, |p| pairing(p, &decode))?;
-            let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
+            let prefills =
+                Candidates::of(routing, snap, whole, &snap.prefill, |p| pairing(p, &decode))?;
+            let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
             (prefill, decode, false, p_choice)
         }
     } else {
-        let prefills = Candidates::of(routing, whole, &snap.prefill, |p| {
+        let prefills = Candidates::of(routing, snap, whole, &snap.prefill, |p| {
             p.serves(model)
                 && snap
                     .decode
                     .iter()
                     .any(|d| d.serves(model) && snap.pairs(p, d))
         })?;
-        let (prefill, p_choice) = pick_prefill(prefills, &scorer)?;
+        let (prefill, p_choice) = pick_prefill(prefills, &mut scorer)?;
         let decode = decode_for(routing, snap, model, Some(&prefill))?;
         (prefill, decode, false, p_choice)
     };
@@ -344,7 +351,13 @@ mod tests {
     fn admission_counts_others_queued_tokens_where_the_engines_are_scraped() {
         let fleet = "[[prefill]]\nurl = \"http://10.0.0.1:8000\"\n\
                      [[decode]]\nurl = \"http://10.0.0.2:8000\"\n";
-        for (scraped, shed) in [("", false), ("engine_load_interval = \"1s\"\n", true)] {
+        // Scraped by default; off, the others' load is not counted.
+        let off = "engine_load_interval = \"0s\"\n";
+        for (scraped, shed) in [
+            (off, false),
+            ("", true),
+            ("engine_load_interval = \"1s\"\n", true),
+        ] {
             let cache = format!("max_queued_prefill_tokens = 100\n{scraped}");
             let (gw, snap, view) = cache_fleet(fleet, &cache);
             // Another replica's requests: 2, with 500 prompt tokens to compute between them.
@@ -494,7 +507,13 @@ mod tests {
         let mut seen = std::collections::BTreeMap::new();
         for _ in 0..64 {
             let c = scorer
-                .choose(&snap.decode, &view, &cache.decode_config)
+                .choose(
+                    &snap.decode,
+                    snap.loads_of(&snap.decode)
+                        .expect("the snapshot's own list"),
+                    &view,
+                    &cache.decode_config,
+                )
                 .expect("a choice");
             let name = snap.decode[c.index].name.clone();
             let expected = if name == holder {
