@@ -141,12 +141,9 @@ async fn run_spread(
         c.policy.decode_policy = arm.policy().into();
         c.cache.block_size = BLOCK;
         c.cache.tokenizer = tokenizer;
-        // Approximate mode models each engine's capacity (precise mode sees its evictions), in
-        // its own keys: one per 64 bytes of text (16 tokens of 4 bytes), where pdsim's word
-        // tokens average 4.5 bytes with their space, so an engine's 64 blocks are 72 keys.
-        if arm == Arm::Approximate {
-            c.cache.capacity_per_endpoint = blocks * 9 / 8;
-        }
+        // Approximate mode models each engine's capacity (precise mode sees its evictions)
+        // from the KV blocks the engine's metrics report, scraped by default: nothing here
+        // names it.
         if arm == Arm::PreciseDecodeOnly {
             c.cache.decode_only_below_tokens = 64;
         }

@@ -137,3 +137,66 @@ async fn without_the_scrape_the_gateway_sees_only_its_own_load() {
         "the busy decode served none: {on_busy:?}"
     );
 }
+
+/// The entries a cache-aware gateway's index holds for model `m` after six distinct prompts of
+/// about ten blocks each on one prefill whose engine holds 16 KV blocks, and the engine size
+/// the gateway learned, in tokens (0: none).
+async fn entries_after_six_prompts(interval: Duration) -> (f64, u64) {
+    let mut prefill = sim(Role::Prefill, Connector::Shfs);
+    prefill.cache.kv_cache_blocks = 16;
+    let fleet = start(
+        vec![prefill],
+        vec![sim(Role::Decode, Connector::Shfs)],
+        |c| {
+            c.policy.prefill_policy = "cache_aware".into();
+            c.policy.decode_policy = "cache_aware".into();
+            c.cache.engine_load_interval = interval;
+        },
+    )
+    .await;
+    let load = fleet.gateway.gateway().store.load().prefill[0].load.clone();
+    if !interval.is_zero() {
+        // The first scrape (bounded wait).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while load.cache_tokens() == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the engine's size was never read"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    for i in 0..6 {
+        let words: Vec<String> = (0..120).map(|w| format!("p{i}w{w}")).collect();
+        let body = json!({"model": MODEL, "prompt": words.join(" "), "max_tokens": 2});
+        let r = fleet.post_bounded("/v1/completions", &body).await;
+        assert_eq!(r.status(), 200);
+        r.text().await.expect("answer");
+    }
+    let entries = metric(
+        &fleet.metrics().await,
+        "pdgate_cache_index_entries{model=\"m\"}",
+    );
+    (entries, load.cache_tokens())
+}
+
+#[tokio::test]
+async fn approximate_mode_bounds_an_engine_by_the_size_its_metrics_report() {
+    let (entries, learned) = entries_after_six_prompts(Duration::from_millis(50)).await;
+    assert_eq!(
+        learned,
+        16 * 16,
+        "vllm:cache_config_info's blocks of 16 tokens"
+    );
+    assert!(
+        (1.0..=16.0).contains(&entries),
+        "{entries} entries for an engine of 16 blocks"
+    );
+    // Without the scrape nothing bounds it but `capacity_per_endpoint`.
+    let (blind, learned) = entries_after_six_prompts(Duration::ZERO).await;
+    assert_eq!(learned, 0);
+    assert!(
+        blind > 40.0,
+        "{blind} entries for six prompts of about ten blocks"
+    );
+}

@@ -529,11 +529,22 @@ async fn health(State(engine): State<Arc<Engine>>) -> StatusCode {
 
 async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
     count(&engine.counters.metrics);
-    let text = engine.counters.render_prometheus(
+    let mut text = engine.counters.render_prometheus(
         &engine.cfg.model,
         engine.cfg.role.as_str(),
         engine.cfg.connector.as_str(),
     );
+    // vLLM's info gauge of its cache configuration: the KV blocks it holds (what a gateway
+    // models the engine's cache size from) and their size.
+    let cache = &engine.cfg.cache;
+    text.push_str(&format!(
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+         # TYPE vllm:cache_config_info gauge\n\
+         vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"{}\",num_gpu_blocks=\"{}\"}} 1.0\n",
+        cache.block_size,
+        if cache.enable_prefix_caching { "True" } else { "False" },
+        cache.kv_cache_blocks,
+    ));
     (
         [(
             header::CONTENT_TYPE,

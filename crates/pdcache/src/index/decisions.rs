@@ -155,9 +155,6 @@ impl CacheIndex {
 
     /// Writes `keys` for up to [`GROUP`] distinct live endpoints.
     fn insert_group(&mut self, group: &[(u16, EntryKind)], keys: &[BlockKey], t: u32) {
-        // Far from its capacity an endpoint evicts nothing soon, so the LRU position of an entry
-        // refreshed moments ago need not move.
-        let room = self.config.capacity_per_endpoint / 2;
         // Per target: the window within which a refresh is skipped (0: never), the leading keys
         // its memo covers, the oldest refresh of what it skips, its removals before the write.
         let mut window = [0u32; GROUP];
@@ -167,6 +164,9 @@ impl CacheIndex {
         for (j, &(ep, kind)) in group.iter().enumerate() {
             let e = usize::from(ep);
             removals[j] = self.endpoints[e].removals;
+            // Far from its capacity an endpoint evicts nothing soon, so the LRU position of an
+            // entry refreshed moments ago need not move.
+            let room = self.endpoints[e].capacity / 2;
             if self.endpoint_len(EndpointId(ep)).saturating_add(keys.len()) > room {
                 continue;
             }

@@ -230,8 +230,11 @@ struct Endpoint {
     /// is unchanged.
     removals: u32,
     /// Its cache is full: the engine evicted a block (`BlockRemoved`) or its entries reached
-    /// `capacity_per_endpoint`, since it was added or last cleared.
+    /// its capacity, since it was added or last cleared.
     full: bool,
+    /// Entries kept for it: `capacity_per_endpoint`, or less where its engine's size is known
+    /// ([`CacheIndex::set_capacity`]).
+    capacity: usize,
 }
 
 /// Where a key's endpoints are.
@@ -375,6 +378,7 @@ impl CacheIndex {
             lists: [EMPTY_LIST; 3],
             removals: 0,
             full: false,
+            capacity: self.config.capacity_per_endpoint,
         };
         if let Some(id) = self.free_endpoints.pop() {
             self.endpoints[usize::from(id)] = fresh;
@@ -414,6 +418,45 @@ impl CacheIndex {
             }
         }
         self.endpoints[usize::from(ep.0)].full = false;
+    }
+
+    /// Bounds an endpoint's entries by its engine's size, `entries` (at least 1): the lower of
+    /// that and `capacity_per_endpoint`. Approximate mode then models the engine's capacity
+    /// without the configuration naming it: where the bound is lowered below what the endpoint
+    /// holds, its least recently used entries go now and it counts as full.
+    pub fn set_capacity(&mut self, ep: EndpointId, entries: usize) {
+        if !self.live(ep) {
+            return;
+        }
+        let capacity = entries.clamp(1, self.config.capacity_per_endpoint);
+        let e = &mut self.endpoints[usize::from(ep.0)];
+        if e.capacity != capacity {
+            e.capacity = capacity;
+            self.evict_over_capacity(ep.0);
+        }
+    }
+
+    /// An endpoint's bound on entries (see [`CacheIndex::set_capacity`]).
+    pub fn capacity(&self, ep: EndpointId) -> usize {
+        self.endpoints
+            .get(usize::from(ep.0))
+            .map_or(self.config.capacity_per_endpoint, |e| e.capacity)
+    }
+
+    /// Evicts `ep`'s least recently used entries (approximate, then speculative, then precise)
+    /// until it holds no more than its capacity; whether any went.
+    fn evict_over_capacity(&mut self, ep: u16) -> bool {
+        let mut evicted = false;
+        while self.endpoint_len(EndpointId(ep)) > self.endpoints[usize::from(ep)].capacity {
+            let victim = EntryKind::ALL
+                .iter()
+                .find_map(|&k| self.tail(EndpointId(ep), k));
+            let Some(v) = victim else { break };
+            self.remove_entry(v);
+            self.endpoints[usize::from(ep)].full = true;
+            evicted = true;
+        }
+        evicted
     }
 
     /// Whether an endpoint's cache is full, so that storing new blocks there evicts cached
@@ -585,19 +628,9 @@ impl CacheIndex {
         if kind == EntryKind::Precise {
             self.engine_insert(i);
         }
-        while self.endpoint_len(EndpointId(ep)) > self.config.capacity_per_endpoint {
-            let victim = EntryKind::ALL
-                .iter()
-                .find_map(|&k| self.tail(EndpointId(ep), k));
-            match victim {
-                Some(v) => {
-                    // The chain's head may be what goes.
-                    next = Link::Lookup;
-                    self.remove_entry(v);
-                    self.endpoints[usize::from(ep)].full = true;
-                }
-                None => break,
-            }
+        if self.evict_over_capacity(ep) {
+            // The chain's head may be what went.
+            next = Link::Lookup;
         }
         next
     }

@@ -568,3 +568,34 @@ fn an_endpoint_is_full_once_it_evicts_until_its_cache_is_cleared() {
     assert_eq!(c, a);
     assert!(!idx.is_full(c));
 }
+
+#[test]
+fn an_engines_size_bounds_its_entries_below_the_configured_capacity() {
+    let (mut idx, t0) = index(10);
+    let (a, b) = (ep(&mut idx), ep(&mut idx));
+    idx.insert_approximate(a, &keys(&[1, 2, 3, 4, 5, 6]), t0);
+    idx.insert_approximate(b, &keys(&[1, 2, 3, 4, 5, 6]), t0);
+    assert_eq!(idx.capacity(a), 10);
+    // Learned smaller: the least recently used go at once (a prompt's tail first, as
+    // decisions use their keys) and the endpoint counts as full; the other is untouched.
+    idx.set_capacity(a, 4);
+    assert_eq!((idx.capacity(a), idx.endpoint_len(a)), (4, 4));
+    assert!(idx.is_full(a) && !idx.is_full(b));
+    assert_eq!(
+        matches(&idx, &keys(&[1, 2, 3, 4, 5, 6])),
+        [(a.0, 4), (b.0, 6)]
+    );
+    // New entries keep to the bound.
+    idx.insert_approximate(a, &keys(&[7, 8, 9]), t0);
+    assert_eq!(idx.endpoint_len(a), 4);
+    // Never above the configured capacity, never below one entry.
+    idx.set_capacity(a, 1_000);
+    assert_eq!(idx.capacity(a), 10);
+    idx.set_capacity(a, 0);
+    assert_eq!((idx.capacity(a), idx.endpoint_len(a)), (1, 1));
+    // A new endpoint in a freed slot starts from the configured capacity.
+    idx.remove_endpoint(a);
+    let c = ep(&mut idx);
+    assert_eq!(c, a);
+    assert_eq!(idx.capacity(c), 10);
+}

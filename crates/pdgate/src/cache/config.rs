@@ -32,7 +32,7 @@ pub struct CacheConfig {
     /// Cost of one uncached prompt token (the prefill work a miss costs).
     pub cache_weight: f64,
     /// Where an endpoint's cache is full (its engine evicts: a `BlockRemoved` event, or in
-    /// approximate mode its index entries reached `capacity_per_endpoint`), each uncached
+    /// approximate mode its index entries reached its capacity), each uncached
     /// prompt token costs this many times `cache_weight` more: storing it there evicts a cached
     /// token that a later request may want. So where caches are full, a prefix family stays on
     /// the engine holding it until that engine's queue costs more than recomputing the prefix
@@ -70,7 +70,9 @@ pub struct CacheConfig {
     pub balance_abs: usize,
     /// See `balance_abs`.
     pub balance_rel: f64,
-    /// Entries kept per endpoint in a model's index (least recently used evicted first).
+    /// Entries kept per endpoint in a model's index (least recently used evicted first). An
+    /// endpoint without KV events is also bounded by the KV its engine's metrics report
+    /// (`engine_load_interval`), so approximate mode models each engine's size unset.
     pub capacity_per_endpoint: usize,
     /// Lifetime of an approximate entry (a decision's guess about an endpoint without events).
     #[serde(deserialize_with = "crate::durations::de_duration")]

@@ -240,6 +240,16 @@ impl Scorer<'_> {
                     continue;
                 };
                 let st = &mut *self.state;
+                // Without events the index models the engine's size: its entries bounded by
+                // the KV its metrics report, in this model's blocks (an approximate key covers
+                // about one block of tokens), where that is known and below
+                // `capacity_per_endpoint`.
+                let tokens = ep.load.cache_tokens();
+                if tokens > 0 && !st.is_precise(id) {
+                    let blocks = tokens / u64::from(view.block_size.max(1));
+                    self.index
+                        .set_capacity(id, usize::try_from(blocks).unwrap_or(usize::MAX));
+                }
                 let events = if st.is_precise(id) {
                     let held = st.blocks.get(usize::from(id.0)).copied().unwrap_or(0);
                     let expects =

@@ -22,6 +22,8 @@ use crate::engine::probe::get_with;
 /// The gauges read (vLLM's names; pdsim exposes them too).
 const RUNNING: &[u8] = b"vllm:num_requests_running";
 const WAITING: &[u8] = b"vllm:num_requests_waiting";
+/// vLLM's info gauge of its cache configuration (labels `num_gpu_blocks`, `block_size`, ...).
+const CACHE_CONFIG: &[u8] = b"vllm:cache_config_info";
 
 /// Largest `/metrics` answer read (vLLM's, with its histograms, is a few hundred KB).
 const MAX_BODY: usize = 8 << 20;
@@ -76,6 +78,31 @@ pub(crate) fn queued_requests(text: &[u8], rank: Option<u32>) -> Option<u64> {
     }
     // Both gauges, or the count would be half of it.
     (seen == [true, true]).then_some(total.round() as u64)
+}
+
+/// The prompt tokens an engine's KV cache holds in all, from its Prometheus text: the
+/// `num_gpu_blocks` x `block_size` labels of `vllm:cache_config_info` (the series of
+/// data-parallel rank `rank` where the series name ranks, label `engine`). `None` where the
+/// text has none, or values that are not counts.
+pub(crate) fn cache_tokens(text: &[u8], rank: Option<u32>) -> Option<u64> {
+    text.split(|&b| b == b'\n').find_map(|line| {
+        let labels = line.strip_prefix(CACHE_CONFIG)?.strip_prefix(b"{")?;
+        let labels = &labels[..labels.iter().position(|&b| b == b'}')?];
+        let engine = label(labels, b"engine").and_then(|v| std::str::from_utf8(v).ok());
+        if let (Some(rank), Some(engine)) = (rank, engine)
+            && engine.parse::<u32>().ok() != Some(rank)
+        {
+            return None;
+        }
+        let count = |name: &[u8]| {
+            std::str::from_utf8(label(labels, name)?)
+                .ok()?
+                .parse::<u64>()
+                .ok()
+                .filter(|&n| n > 0)
+        };
+        count(b"num_gpu_blocks")?.checked_mul(count(b"block_size")?)
+    })
 }
 
 /// The value of label `name` in `a="x",b="y"` (no escapes in the values read here).
@@ -246,6 +273,10 @@ pub async fn run(
             let Some(done) = done else { break };
             let Ok((scrape, body)) = done else { continue };
             for ep in &scrape.endpoints {
+                // The engine's size does not change while it runs: a failed scrape keeps it.
+                if let Some(tokens) = body.as_deref().and_then(|b| cache_tokens(b, ep.rank)) {
+                    ep.load.set_cache_tokens(tokens);
+                }
                 let total = body.as_deref().and_then(|b| queued_requests(b, ep.rank));
                 let mean = means.entry(ep.name.clone()).or_default();
                 let mean = mean.update(ep.load.sent());
@@ -290,6 +321,34 @@ vllm:request_success_total{engine=\"0\",finished_reason=\"stop\"} 7.0
         let late = "vllm:num_requests_running{model_name=\"m\",engine=\"3\"} 1\n\
                     vllm:num_requests_waiting{model_name=\"m\",engine=\"3\"} 6\n";
         assert_eq!(queued_requests(late.as_bytes(), Some(3)), Some(7));
+    }
+
+    #[test]
+    fn the_engines_kv_tokens_from_its_cache_config() {
+        // vLLM's form: one series per data-parallel rank, many labels, the counts label values.
+        let vllm = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+                    # TYPE vllm:cache_config_info gauge\n\
+                    vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"4096\",num_cpu_blocks=\"None\"} 1.0\n\
+                    vllm:cache_config_info{block_size=\"32\",engine=\"1\",num_gpu_blocks=\"2048\"} 1.0\n";
+        assert_eq!(cache_tokens(vllm.as_bytes(), None), Some(4096 * 16));
+        assert_eq!(cache_tokens(vllm.as_bytes(), Some(1)), Some(2048 * 32));
+        assert_eq!(cache_tokens(vllm.as_bytes(), Some(2)), None);
+        // pdsim's form: no engine label, so any rank reads it.
+        let pdsim = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"64\"} 1.0\n";
+        assert_eq!(cache_tokens(pdsim.as_bytes(), Some(3)), Some(1024));
+        // Absent, unset (vLLM's "None" before profiling), not a count, or without its block
+        // size: unknown.
+        for text in [
+            VLLM,
+            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n",
+            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"0\"} 1.0\n",
+            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"-5\"} 1.0\n",
+            "vllm:cache_config_info{num_gpu_blocks=\"5\"} 1.0\n",
+            "vllm:cache_config_info_other{block_size=\"16\",num_gpu_blocks=\"5\"} 1.0\n",
+            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"5\" 1.0\n",
+        ] {
+            assert_eq!(cache_tokens(text.as_bytes(), None), None, "{text}");
+        }
     }
 
     #[test]

@@ -91,6 +91,10 @@ pub struct Load {
     /// Predicted prompt tokens of every request ever sent ([`LoadGuard::computing`]): with
     /// [`Load::total`], the mean per request [`engine_load`] prices others' requests at.
     tokens_total: AtomicU64,
+    /// Prompt tokens the engine's KV cache holds in all, as its metrics report it (vLLM's
+    /// `vllm:cache_config_info`: `num_gpu_blocks` x `block_size`; [`engine_load`]); 0 while
+    /// unknown.
+    cache_tokens: AtomicU64,
     /// A small number no other live endpoint of the [`LoadTable`] has (0 outside one): per
     /// endpoint state elsewhere is a vector indexed by it, found without hashing a name.
     slot: u32,
@@ -153,6 +157,17 @@ impl Load {
         const MOST: u32 = (1 << 31) - 1;
         let word = u64::from(requests.min(MOST)) | u64::from(tokens.min(MOST)) << 32;
         self.others.store(word, Ordering::Relaxed);
+    }
+
+    /// Prompt tokens the engine's KV cache holds in all, where its metrics said (0: not
+    /// known).
+    pub fn cache_tokens(&self) -> u64 {
+        self.cache_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Records the prompt tokens the engine's KV cache holds in all, as its metrics report it.
+    pub(crate) fn set_cache_tokens(&self, tokens: u64) {
+        self.cache_tokens.store(tokens, Ordering::Relaxed);
     }
 
     /// Requests ever sent here and their predicted prompt tokens, summed.
