@@ -241,12 +241,15 @@ impl Scorer<'_> {
                 };
                 let st = &mut *self.state;
                 // Without events the index models the engine's size: its entries bounded by
-                // the KV its metrics report, in this model's blocks (an approximate key covers
-                // about one block of tokens), where that is known and below
-                // `capacity_per_endpoint`.
+                // the KV its metrics report, in this model's blocks, where that is known and
+                // below `capacity_per_endpoint`. An approximate key covers a block of 4-byte
+                // tokens; tokens often run longer (so the engine holds more keys' worth), and an
+                // index that forgets a prefix the engine still holds sends its family away from
+                // it, which costs more than trusting an entry a while after the engine evicted
+                // it: the bound is a quarter above the engine's blocks.
                 let tokens = ep.load.cache_tokens();
                 if tokens > 0 && !st.is_precise(id) {
-                    let blocks = tokens / u64::from(view.block_size.max(1));
+                    let blocks = tokens.saturating_mul(5) / (4 * u64::from(view.block_size.max(1)));
                     self.index
                         .set_capacity(id, usize::try_from(blocks).unwrap_or(usize::MAX));
                 }
