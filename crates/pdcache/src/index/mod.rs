@@ -10,8 +10,9 @@
 //!   until the confirming `BlockStored` arrives; they expire after
 //!   [`IndexConfig::speculative_ttl`], and the event turns them precise.
 //!
-//! Each endpoint is bounded by [`IndexConfig::capacity_per_endpoint`] entries, evicted least
-//! recently used first (speculative, then approximate, then precise: guesses go before facts).
+//! Each endpoint is bounded by [`IndexConfig::capacity_per_endpoint`] entries (or fewer, its
+//! engine's size: [`CacheIndex::set_capacity`]), evicted least recently used first
+//! (speculative, then approximate, then precise: guesses go before facts).
 //!
 //! # Layout
 //! Built for matching a 256-block prompt against 1,000 endpoints and a million entries within a
@@ -443,7 +444,7 @@ impl CacheIndex {
             .map_or(self.config.capacity_per_endpoint, |e| e.capacity)
     }
 
-    /// Evicts `ep`'s least recently used entries (approximate, then speculative, then precise)
+    /// Evicts `ep`'s least recently used entries (speculative, then approximate, then precise)
     /// until it holds no more than its capacity; whether any went.
     fn evict_over_capacity(&mut self, ep: u16) -> bool {
         let mut evicted = false;
@@ -460,9 +461,9 @@ impl CacheIndex {
     }
 
     /// Whether an endpoint's cache is full, so that storing new blocks there evicts cached
-    /// ones: its engine reported an eviction (`BlockRemoved`), or its entries reached
-    /// `capacity_per_endpoint` (approximate mode models an engine's capacity so), since it
-    /// was added or last cleared.
+    /// ones: its engine reported an eviction (`BlockRemoved`), or its entries reached its
+    /// capacity (approximate mode models an engine's size so: [`CacheIndex::set_capacity`]),
+    /// since it was added or last cleared.
     pub fn is_full(&self, ep: EndpointId) -> bool {
         self.endpoints
             .get(usize::from(ep.0))
