@@ -181,7 +181,7 @@ pub(crate) async fn start(
         clock,
         rank,
     };
-    let file = bound.as_deref().map(IpcFile::of);
+    let file = IpcFile::of(bound.as_deref().unwrap_or_default());
     tasks.spawn(async move {
         let _file = file;
         tokio::select! {

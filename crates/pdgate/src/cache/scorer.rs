@@ -149,21 +149,23 @@ impl Scorer<'_> {
     /// holds, registering it on first sight: a decode that is never recorded (its cache is not
     /// read) is then found by its slot in later decisions, not by hashing its name each time.
     fn chosen_blocks(&mut self, ep: &Endpoint) -> u32 {
+        self.registered_blocks(ep).map_or(0, |(_, blocks)| blocks)
+    }
+
+    /// `ep`'s id (registering it on first sight) and the leading blocks of the prepared view it
+    /// holds; `None` where the index has no room for another endpoint.
+    fn registered_blocks(&mut self, ep: &Endpoint) -> Option<(EndpointId, u32)> {
         let st = &mut *self.state;
-        st.id_of(&mut self.index, ep)
-            .and_then(|id| st.blocks.get(usize::from(id.0)).copied())
-            .unwrap_or(0)
+        let id = st.id_of(&mut self.index, ep)?;
+        Some((id, st.blocks.get(usize::from(id.0)).copied().unwrap_or(0)))
     }
 
     /// Leading blocks of the prepared view that `ep` holds, and the entries the index holds for
     /// it (registering `ep` on first sight).
     #[cfg(test)]
     pub(crate) fn facts(&mut self, ep: &Endpoint) -> (u32, usize) {
-        let st = &mut *self.state;
-        st.id_of(&mut self.index, ep).map_or((0, 0), |id| {
-            let blocks = st.blocks.get(usize::from(id.0)).copied();
-            (blocks.unwrap_or(0), self.index.endpoint_len(id))
-        })
+        self.registered_blocks(ep)
+            .map_or((0, 0), |(id, blocks)| (blocks, self.index.endpoint_len(id)))
     }
 
     /// Chooses among `candidates` (non-empty) by cache and load for the prepared `view`;
@@ -247,13 +249,14 @@ impl Scorer<'_> {
                 // index that forgets a prefix the engine still holds sends its family away from
                 // it, which costs more than trusting an entry a while after the engine evicted
                 // it: the bound is a quarter above the engine's blocks.
+                let precise = st.is_precise(id);
                 let tokens = ep.load.cache_tokens();
-                if tokens > 0 && !st.is_precise(id) {
+                if tokens > 0 && !precise {
                     let blocks = tokens.saturating_mul(5) / (4 * u64::from(view.block_size.max(1)));
                     self.index
                         .set_capacity(id, usize::try_from(blocks).unwrap_or(usize::MAX));
                 }
-                let events = if st.is_precise(id) {
+                let events = if precise {
                     let held = st.blocks.get(usize::from(id.0)).copied().unwrap_or(0);
                     let expects =
                         view.kind == view::KeyKind::Tokens && saturate(view.keys.len()) > held;
