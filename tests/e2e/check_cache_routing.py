@@ -224,21 +224,24 @@ class Run:
         return rec
 
     def wait_events(self, role: str, at_least: float, base: dict[str, float]) -> bool:
-        """Until the watching gateways counted `at_least` more stored blocks for `role` than in `base`."""
+        """Until the gateways in `base` counted `at_least` more stored blocks for `role` than there."""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            if all(events(g, role, "blocks_stored") - base[g] >= at_least for g in self.watching):
+            if all(events(g, role, "blocks_stored") - b >= at_least for g, b in base.items()):
                 return True
             time.sleep(0.2)
         return False
 
     def warm(self, engine: str, seed: int) -> tuple[dict, bool]:
-        """A prompt sent straight to `engine` until both gateways saw its blocks stored."""
+        """A prompt sent straight to `engine` until the watching gateways saw its blocks stored
+        (for the decode, those that read its events: a gateway whose decode is chosen by load
+        alone does not subscribe to them)."""
         role = "decode" if engine == self.decode else "prefill"
+        watching = [self.gwdo] if role == "decode" else self.watching
         for attempt in range(5):
             req = {"prompt": words(seed + attempt, 4 * self.bs)}
             full = self.tokens(req) // self.bs
-            base = {g: events(g, role, "blocks_stored") for g in self.watching}
+            base = {g: events(g, role, "blocks_stored") for g in watching}
             self.direct(engine, req)
             if self.wait_events(role, full, base):
                 return req, True

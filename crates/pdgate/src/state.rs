@@ -217,6 +217,7 @@ impl Gateway {
                 &config.cache,
                 &config.models,
                 cache_metrics,
+                decode_policy.cache_aware(),
             )?))
         } else {
             None

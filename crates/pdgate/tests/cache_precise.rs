@@ -127,10 +127,11 @@ async fn send(fleet: &common::Fleet, group: u32, question: u32) -> (u64, u64, St
     (predicted, prefill_hits(fleet) - before, prefill)
 }
 
-/// Sends group-0 prompts until the gateway has seen a batch of every role: a subscriber that
-/// joins after an engine published misses that batch (ZMQ's slow joiner), so a test that needs
-/// an engine's sequence known waits for this first.
-async fn warm(fleet: &common::Fleet) {
+/// Sends group-0 prompts until the gateway has seen a batch of each of `roles`: a subscriber
+/// that joins after an engine published misses that batch (ZMQ's slow joiner), so a test that
+/// needs an engine's sequence known waits for this first. (A decode's events are subscribed to
+/// only where its cache is read: `decode_cache_weight`.)
+async fn warm(fleet: &common::Fleet, roles: &[&str]) {
     for question in 0..50 {
         send(fleet, 0, question).await;
         let m = fleet.metrics().await;
@@ -140,7 +141,7 @@ async fn warm(fleet: &common::Fleet) {
                 &format!(r#"pdgate_cache_events{{role="{role}",what="batches"}}"#),
             ) > 0
         };
-        if seen("prefill") && seen("decode") {
+        if roles.iter().all(|r| seen(r)) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -194,8 +195,20 @@ async fn predictions_equal_the_engines_hits_and_prefixes_stick() {
     );
     wait_events(&fleet, "prefill", 4 * 18).await;
     let m = fleet.metrics().await;
+    // The decodes cached every prompt too, but a decode chosen by its load alone (the
+    // default) is not subscribed to: its events would decide nothing (`two_gateways_...`
+    // reads them, with a decode cache weight).
+    let decode_blocks: u64 = fleet.decode.iter().map(|e| e.stats().cached_blocks).sum();
     assert!(
-        m.contains(r#"pdgate_cache_events{role="decode",what="blocks_stored"}"#),
+        decode_blocks >= 18,
+        "the decodes cached {decode_blocks} blocks"
+    );
+    assert_eq!(
+        sample(
+            &m,
+            r#"pdgate_cache_events{role="decode",what="blocks_stored"}"#
+        ),
+        0,
         "{m}"
     );
     assert!(m.contains(r#"pdgate_cache_event_lag_seconds{role="prefill",what="max"}"#));
@@ -322,9 +335,14 @@ const PAST_SPECULATION: Duration = Duration::from_millis(300);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_clears_its_entries() {
-    let fleet = start_n(1, 1, short_speculation).await;
+    // The decode's cache weighs something, so its events are read too.
+    let fleet = start_n(1, 1, |c| {
+        short_speculation(c);
+        c.cache.decode_cache_weight = 1.0;
+    })
+    .await;
     // A restart shows against a sequence already seen: every subscriber must have joined.
-    warm(&fleet).await;
+    warm(&fleet, &["prefill", "decode"]).await;
     let m = fleet.metrics().await;
     let stored =
         |role: &str| format!(r#"pdgate_cache_events{{role="{role}",what="blocks_stored"}}"#);
@@ -456,7 +474,7 @@ async fn an_endpoint_that_leaves_is_purged() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Its 18 event-confirmed blocks went with it (the decode's stay).
+    // Its 18 event-confirmed blocks went with it (the decodes' events are not read).
     assert_eq!(before - after, 18, "{before} -> {after}");
     // The remaining prefill never held group 9: nothing is predicted there.
     let (predicted, actual, prefill) = send(&fleet, 9, 1).await;
@@ -483,7 +501,7 @@ fn words(group: u32, question: u32) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_prompts_match_events_with_no_tokenizer_configured() {
     let fleet = start(|c| assert_eq!(c.cache.engine_tokenize, None, "the default")).await;
-    warm(&fleet).await;
+    warm(&fleet, &["prefill"]).await;
     let stored = r#"pdgate_cache_events{role="prefill",what="blocks_stored"}"#;
     let (mut exact, mut hits) = (0, 0);
     for q in 0..4 {

@@ -165,6 +165,13 @@ fn field(name: &str, message: impl Into<String>) -> ConfigError {
 }
 
 impl CacheConfig {
+    /// Whether what a decode caches can decide anything, under a decode policy that is
+    /// `cache_aware` or not: decode-only serving (`decode_only_below_tokens`) or a decode
+    /// cache weight. Elsewhere a decode is chosen by its load, and its cache is not tracked.
+    pub(crate) fn decodes_read(&self, decode_cache_aware: bool) -> bool {
+        decode_cache_aware && (self.decode_only_below_tokens > 0 || self.decode_cache_weight > 0.0)
+    }
+
     /// Block size for `model` (`None`: the client named none).
     pub fn block_size_for(&self, model: Option<&str>) -> usize {
         model
@@ -228,6 +235,26 @@ impl CacheConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decodes_cache_is_read_only_where_it_can_decide() {
+        let base = CacheConfig::default();
+        assert!(
+            !base.decodes_read(true),
+            "the defaults: a decode chosen by load"
+        );
+        let weighed = CacheConfig {
+            decode_cache_weight: 0.5,
+            ..CacheConfig::default()
+        };
+        let alone = CacheConfig {
+            decode_only_below_tokens: 64,
+            ..CacheConfig::default()
+        };
+        assert!(weighed.decodes_read(true) && alone.decodes_read(true));
+        // Without a cache-aware decode policy nothing reads it.
+        assert!(!weighed.decodes_read(false) && !alone.decodes_read(false));
+    }
 
     #[test]
     fn defaults_validate_and_bad_values_name_the_field() {

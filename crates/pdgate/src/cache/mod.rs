@@ -204,6 +204,9 @@ pub(crate) struct Cache {
     subscriptions: Mutex<HashMap<(String, String), Subscribed>>,
     /// Engine-tokenized prompts (`cache.engine_tokenize`).
     pub(crate) engine_tokens: Option<engine_tokens::EngineTokens>,
+    /// What a decode caches can decide something ([`CacheConfig::decodes_read`]): its KV
+    /// events are subscribed to and its entries written only then.
+    pub(crate) decodes_read: bool,
 }
 
 #[derive(Debug)]
@@ -266,11 +269,13 @@ fn in_adapter_space(mut view: PrefixView, snap: &Snapshot, model: Option<&str>) 
 
 impl Cache {
     /// Builds the state (loading tokenizers) for `config`; `models` are the gateway's
-    /// configured model names (metrics labels).
+    /// configured model names (metrics labels); `decode_cache_aware`: the decode policy is
+    /// `cache_aware`.
     pub(crate) fn new(
         config: &CacheConfig,
         models: &[String],
         metrics: CacheMetrics,
+        decode_cache_aware: bool,
     ) -> Result<Cache, ConfigError> {
         config.validate()?;
         let mut tokenizers = HashMap::new();
@@ -322,6 +327,7 @@ impl Cache {
                     config.engine_tokenize_timeout,
                 )
             }),
+            decodes_read: config.decodes_read(decode_cache_aware),
         })
     }
 
@@ -422,8 +428,9 @@ impl Cache {
     }
 
     /// Subscribes to the KV events of every routable endpoint that publishes them (once per
-    /// model index it feeds) and drops the subscriptions of the others. Needs a tokio runtime
-    /// (discovery's task); without one it does nothing.
+    /// model index it feeds; a decode's only where its cache is read, [`Cache::decodes_read`])
+    /// and drops the subscriptions of the others. Needs a tokio runtime (discovery's task);
+    /// without one it does nothing.
     fn subscribe(&self, snap: &Snapshot) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
@@ -437,7 +444,10 @@ impl Cache {
             ranks: Vec<String>,
         }
         let mut wanted: Vec<Wanted> = Vec::new();
-        for ep in snap.prefill.iter().chain(snap.decode.iter()) {
+        // Unread, a decode's events would cost a socket, a decoding task and index entries
+        // each, and decide nothing.
+        let decodes: &[Arc<Endpoint>] = if self.decodes_read { &snap.decode } else { &[] };
+        for ep in snap.prefill.iter().chain(decodes) {
             let Some((address, replay)) = self.events_address(ep) else {
                 continue;
             };

@@ -21,6 +21,7 @@ fn cache() -> Cache {
         &CacheConfig::default(),
         &["m".to_string()],
         CacheMetrics::new(&mut registry),
+        true,
     )
     .unwrap()
 }

@@ -239,7 +239,10 @@ impl EnginePool {
         loop {
             let (mut conn, pooled) = match self.inner.checkout(authority.as_str(), tls) {
                 Some(conn) => (conn, true),
-                None => (self.connect(authority, tls).await?, false),
+                // Boxed: opening a connection (with its TLS handshake) is a large future, and
+                // inline it made every leg's future, and each of their callers', that much
+                // larger, to be moved on every request for a path that pooled connections skip.
+                None => (Box::pin(self.connect(authority, tls)).await?, false),
             };
             // A new connection takes its first request before the handshake settles; a pooled
             // one is polled first (one the engine closed while idle ends there), and is ready

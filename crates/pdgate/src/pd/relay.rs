@@ -101,28 +101,24 @@ impl RelayBody {
     /// Counts the body's end against the endpoint's passive health: a clean end as a success, a
     /// stream the engine breaks (or leaves silent) after its head as a failure, like a 5xx, so a
     /// decode that keeps breaking streams is ejected.
-    pub fn with_health(mut self, health: Arc<Health>) -> Self {
+    pub fn set_health(&mut self, health: Arc<Health>) {
         self.health = Some(health);
-        self
     }
 
     /// A frame already read from `inner` (while waiting for the first byte), relayed first.
-    pub fn with_prefix(mut self, prefix: Option<Frame<Bytes>>) -> Self {
+    pub fn set_prefix(&mut self, prefix: Option<Frame<Bytes>>) {
         self.prefix = prefix;
-        self
     }
 
     /// Reports `cached` prompt tokens in the relayed usage instead of the decode's figure
     /// (`pd::usage`: a JSON body keeps its length).
-    pub fn with_cached_tokens(mut self, cached: Option<u32>) -> Self {
+    pub fn set_cached_tokens(&mut self, cached: Option<u32>) {
         self.cached_tokens = cached;
-        self
     }
 
     /// Attaches a still-running prefill leg: its failure ends the stream with an error.
-    pub fn with_partner(mut self, partner: Option<AbortOnDropHandle<PartnerResult>>) -> Self {
+    pub fn set_partner(&mut self, partner: Option<AbortOnDropHandle<PartnerResult>>) {
         self.partner = partner;
-        self
     }
 }
 
@@ -403,23 +399,22 @@ pub(crate) fn respond(
     let (served, cached) = (ex.served(), ex.prefill_cached());
     let sse = headers::is_event_stream(&parts.headers);
     let engines = ex.engines();
-    let relay = RelayBody::new(
+    // Set in place, not by builder methods: each of those moved the whole body.
+    let mut relay = RelayBody::new(
         body,
         ex.settings().stream_idle_timeout,
         sse,
         vec![decode_load],
         record,
         ex.decode().name.clone(),
-    )
-    .with_partner(partner)
-    .with_prefix(prefix)
-    .with_cached_tokens(cached);
+    );
+    relay.set_partner(partner);
+    relay.set_prefix(prefix);
+    relay.set_cached_tokens(cached);
     // A 5xx head was counted already; any other answer counts when its body ends.
-    let relay = if parts.status.is_server_error() {
-        relay
-    } else {
-        relay.with_health(engines.health.clone())
-    };
+    if !parts.status.is_server_error() {
+        relay.set_health(engines.health.clone());
+    }
     let mut body = axum::body::Body::new(relay);
     // vLLM aborts when its connection closes; an agent with an abort call also wants to be told.
     if let Some(guard) =

@@ -194,11 +194,9 @@ pub(super) fn pair(
     if decode_only {
         cache.metrics.decode_only();
     }
-    // What a decode caches is read only where its cache may decide (a cache-aware decode
-    // policy with decode-only serving or a decode cache weight): elsewhere its entries would
-    // be written on every decision and never read.
-    let decode_read = routing.decode_policy.cache_aware()
-        && (cache.config.decode_only_below_tokens > 0 || cache.config.decode_cache_weight > 0.0);
+    // What a decode caches is read only where its cache may decide (`Cache::decodes_read`):
+    // elsewhere its entries would be written on every decision and never read.
+    let decode_read = cache.decodes_read;
     let both: [&Endpoint; 2] = [&decode, &prefill];
     let chosen = match (decode_only, decode_read) {
         (true, _) => &both[..1],
