@@ -4,12 +4,13 @@
 //! full), plus `queued_weight` x prompt tokens the endpoint is still computing for earlier
 //! requests, plus `load_weight` x in-flight requests (for a prefill, `prefill_load_weight`:
 //! see `Cache::prefill_config`); the cheapest wins, ties go to the least loaded, then to the one
-//! caching least (then at random).
+//! caching least, then to the first in a walk of the candidates from a random one.
 //! The imbalance guard: when the busiest candidate is more than `balance_abs` requests *and*
 //! `balance_rel` times above the idlest, the cache is ignored and the least loaded wins, so one
 //! hot prefix cannot pile all traffic onto one endpoint.
 
 use pdcache::index::predicted_cached_tokens;
+use rand::Rng;
 
 use super::config::CacheConfig;
 use super::view::PrefixView;
@@ -88,58 +89,22 @@ impl Choice {
     }
 }
 
-/// Breaks a tie among candidates equal on everything before: the fewest entries win (see
-/// [`choose`]'s `entries`), then the one whose index scrambles lowest under a seed drawn once per
-/// decision: a uniform draw among the tied (a random ranking), decided in one pass over them.
-struct Tie {
-    /// The held candidate's entries and rank, once a tie needed them.
-    held: Option<(usize, u64)>,
-    /// Drawn once per decision: it ranks the tied candidates. (A reservoir, one draw from a
-    /// generator per tied candidate, cost more than the rest of a tie's handling:
-    /// docs/benchmarks.md.)
-    seed: u64,
+/// Where a decision's walk of the candidates starts: drawn once per decision, so that among
+/// candidates equal on everything (the first in walk order wins) every one of a contiguous run
+/// is as likely, and replicas deciding at once do not all pick the same idle endpoint. (A
+/// random rank per tied candidate, a hash of its index under a per-decision seed, was uniform
+/// over any tied set but cost 7 k of a 133 k-instruction decision where nearly all of 1,000
+/// candidates tie: docs/benchmarks.md.)
+fn first_of(n: usize) -> usize {
+    rand::rng().random_range(0..n)
 }
 
-impl Tie {
-    fn new() -> Self {
-        Tie {
-            held: None,
-            seed: rand::random(),
-        }
-    }
-
-    /// A new candidate is held, unrivalled so far.
-    fn restart(&mut self) {
-        self.held = None;
-    }
-
-    /// Candidate `i`'s rank under the seed: SplitMix64's finaliser, so that every ordering of
-    /// the tied candidates is about equally likely whatever their indices.
-    #[inline]
-    fn rank(&self, i: usize) -> u64 {
-        let mut z = self.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Whether candidate `i` takes the place of the held candidate `held`: fewer `entries`, or
-    /// as many and a lower rank (the held one's read once while it is held).
-    #[inline(always)]
-    fn takes(&mut self, entries: &mut impl FnMut(usize) -> usize, held: usize, i: usize) -> bool {
-        let least = match self.held {
-            Some(key) => key,
-            None => *self.held.insert((entries(held), self.rank(held))),
-        };
-        let key = (entries(i), self.rank(i));
-        if key < least {
-            self.held = Some(key);
-        }
-        key < least
-    }
+/// `0..n` from `start`, wrapping: a decision's walk of its candidates.
+fn walk(n: usize, start: usize) -> impl Iterator<Item = usize> + Clone {
+    (start..n).chain(0..start)
 }
 
-/// Among the `tied` candidates (equal on everything before), the one [`Tie`] keeps.
+/// Among the `tied` candidates (equal on everything before), the first with the fewest entries.
 fn fewest_entries(
     mut tied: impl Iterator<Item = usize>,
     mut entries: impl FnMut(usize) -> usize,
@@ -147,34 +112,38 @@ fn fewest_entries(
     let Some(mut held) = tied.next() else {
         return 0;
     };
-    let mut tie = Tie::new();
+    let mut least = entries(held);
     for i in tied {
-        if tie.takes(&mut entries, held, i) {
-            held = i;
+        let e = entries(i);
+        if e < least {
+            (held, least) = (i, e);
         }
     }
     held
 }
 
-/// Chooses among `facts` (one per candidate; none: `None`) for `view`; `entries(i)` breaks a
-/// tie on cost and load, the fewest winning (asked only then): how many entries the index holds
-/// for candidate `i`, or what its caller counts instead (see `Scorer::choose`).
+/// Chooses among `n` candidates (none: `None`), whose facts are `facts(i)`, for `view`;
+/// `entries(i)` breaks a tie on cost and load, the fewest winning (asked only then): how many
+/// entries the index holds for candidate `i`, or what its caller counts instead (see
+/// `Scorer::choose`). A tie on that too goes to the first in a walk of the candidates from a
+/// random one ([`first_of`]).
 ///
-/// One pass over the candidates finds the load spread for the imbalance guard and the cheapest
-/// (cost, then load, then entries, then at random): a candidate costs a few arithmetic
-/// operations, with everything per view (the cap on predicted hits) computed once, and entry
-/// counts are read only for candidates that tie. `facts` is walked again only where the guard
-/// overrides. (Writing the facts out and then making a pass for
-/// the spread and one for the cheapest cost more than twice as much: docs/benchmarks.md.)
-pub(crate) fn choose<F>(
-    facts: F,
+/// One walk of the candidates finds the load spread for the imbalance guard and the cheapest
+/// (cost, then load, then entries): a candidate costs a few arithmetic operations, with
+/// everything per view (the cap on predicted hits) computed once, and entry counts are read
+/// only for candidates that tie. The candidates are walked again only where the guard
+/// overrides. (Writing the facts out and then making a pass for the spread and one for the
+/// cheapest cost more than twice as much: docs/benchmarks.md.)
+pub(crate) fn choose(
+    n: usize,
+    facts: impl Fn(usize) -> Facts,
     view: &PrefixView,
     cfg: &CacheConfig,
     entries: impl FnMut(usize) -> usize,
-) -> Option<Choice>
-where
-    F: Iterator<Item = Facts> + Clone,
-{
+) -> Option<Choice> {
+    if n == 0 {
+        return None;
+    }
     // As `predicted_cached_tokens`, with its division done once. Everything the loop reads is
     // copied into locals first: the candidates' loads are atomic, which made the compiler read
     // each of these again per candidate through its reference.
@@ -189,6 +158,7 @@ where
         cfg.queued_weight,
         cfg.load_weight,
     );
+    let start = first_of(n);
     // Whole weights up to 2^20 (the defaults are 1, 1 and 256) make every cost a whole number
     // (each term below 2^52), computed exactly in integers: the same order as the float sum
     // below wherever that sum is exact (below 2^53, far above any real fleet's costs), and
@@ -207,7 +177,7 @@ where
                 + queued_weight * u64::from(f.computing)
                 + load_weight * u64::from(f.in_flight)
         };
-        return choose_by(facts, view, cfg, entries, cached, cost);
+        return choose_by((n, start), facts, view, cfg, entries, cached, cost);
     }
     // The cost's bits: it is finite and not negative (the weights are validated so, and a
     // candidate never caches more than the prompt), and such floats order as their bits do.
@@ -219,55 +189,58 @@ where
             + load_weight * f64::from(f.in_flight);
         c.to_bits()
     };
-    choose_by(facts, view, cfg, entries, cached, cost)
+    choose_by((n, start), facts, view, cfg, entries, cached, cost)
 }
 
-/// [`choose`] with `cached(f)`, the tokens candidate `f` is predicted to find cached, and
-/// `cost(f)`, a number that orders candidates as their costs do.
-fn choose_by<F>(
-    facts: F,
+/// [`choose`] over the `n` candidates walked from `start`, with `cached(f)`, the tokens
+/// candidate `f` is predicted to find cached, and `cost(f)`, a number that orders candidates as
+/// their costs do.
+fn choose_by(
+    (n, start): (usize, usize),
+    facts: impl Fn(usize) -> Facts,
     view: &PrefixView,
     cfg: &CacheConfig,
     mut entries: impl FnMut(usize) -> usize,
     cached: impl Fn(&Facts) -> u32,
     cost: impl Fn(&Facts) -> u64,
-) -> Option<Choice>
-where
-    F: Iterator<Item = Facts> + Clone,
-{
+) -> Option<Choice> {
     let choice =
         |f: &Facts, index: usize, kind: DecisionKind| Choice::of(index, kind, cached(f), view);
-    let mut rest = facts.clone().enumerate();
-    let (_, head) = rest.next()?;
+    let head = facts(start);
     let (mut lo, mut hi) = (head.in_flight, head.in_flight);
-    let (mut best, mut best_cost, mut first) = (head, cost(&head), 0);
-    // Ties on cost and load are broken in the same pass (counting the ties, then walking the
-    // candidates again for their entries and once more for the random one, cost three walks of
-    // the fleet where idle decodes all tie).
-    let mut tie = Tie::new();
-    for (i, f) in rest {
+    let (mut best, mut best_cost, mut held) = (head, cost(&head), start);
+    // Ties on cost and load are broken in the same walk: the fewest entries win, the held
+    // candidate's read once while it is held.
+    let mut least: Option<usize> = None;
+    let mut step = |i: usize| {
+        let f = facts(i);
         lo = lo.min(f.in_flight);
         hi = hi.max(f.in_flight);
         let c = cost(&f);
         // Usually dearer: one compare.
         if c <= best_cost {
             if c < best_cost || f.in_flight < best.in_flight {
-                (best, best_cost, first) = (f, c, i);
-                tie.restart();
-            } else if f.in_flight == best.in_flight && tie.takes(&mut entries, first, i) {
-                (best, first) = (f, i);
+                (best, best_cost, held) = (f, c, i);
+                least = None;
+            } else if f.in_flight == best.in_flight {
+                let held_entries = *least.get_or_insert_with(|| entries(held));
+                let e = entries(i);
+                if e < held_entries {
+                    (best, held) = (f, i);
+                    least = Some(e);
+                }
             }
         }
-    }
+    };
+    // Two plain loops: a chain of the two ranges cost a few instructions per candidate, and one
+    // loop wrapping the index in it 10% more per decision (docs/benchmarks.md).
+    (start + 1..n).for_each(&mut step);
+    (0..start).for_each(&mut step);
     if (hi - lo) as usize > cfg.balance_abs && f64::from(hi) > cfg.balance_rel * f64::from(lo) {
-        let best_by_cache = facts.clone().map(|f| f.blocks).max().unwrap_or(0);
-        let idlest = facts
-            .clone()
-            .enumerate()
-            .filter(|(_, f)| f.in_flight == lo)
-            .map(|(i, _)| i);
+        let best_by_cache = (0..n).map(|i| facts(i).blocks).max().unwrap_or(0);
+        let idlest = walk(n, start).filter(|&i| facts(i).in_flight == lo);
         let i = fewest_entries(idlest, entries);
-        let f = facts.clone().nth(i).unwrap_or(head);
+        let f = facts(i);
         // Only an override when the cache would have sent it elsewhere.
         let kind = if best_by_cache > f.blocks {
             DecisionKind::Imbalance
@@ -276,7 +249,7 @@ where
         };
         return Some(choice(&f, i, kind));
     }
-    Some(choice(&best, first, DecisionKind::Miss))
+    Some(choice(&best, held, DecisionKind::Miss))
 }
 
 #[cfg(test)]
@@ -312,7 +285,7 @@ mod tests {
 
     /// `choose` with no entries anywhere.
     fn pick(facts: &[Facts], view: &PrefixView, cfg: &CacheConfig) -> Option<Choice> {
-        choose(facts.iter().copied(), view, cfg, |_| 0)
+        choose(facts.len(), |i| facts[i], view, cfg, |_| 0)
     }
 
     #[test]
@@ -442,15 +415,28 @@ mod tests {
         let entries = [10, 0, 0];
         let mut asked = Vec::new();
         let facts = [f(0, 0), f(0, 0), f(0, 1)];
-        let choice = choose(facts.iter().copied(), &view(100), &cfg, |i| {
-            asked.push(i);
-            entries[i]
-        });
+        let choice = choose(
+            facts.len(),
+            |i| facts[i],
+            &view(100),
+            &cfg,
+            |i| {
+                asked.push(i);
+                entries[i]
+            },
+        );
         assert_eq!(choice.unwrap().index, 1);
+        asked.sort_unstable();
         assert_eq!(asked, [0, 1]);
         // A unique cheapest candidate needs no entry count.
         let unique = [f(0, 0), f(1, 0)];
-        let choice = choose(unique.iter().copied(), &view(100), &cfg, |_| unreachable!());
+        let choice = choose(
+            unique.len(),
+            |i| unique[i],
+            &view(100),
+            &cfg,
+            |_| unreachable!(),
+        );
         assert_eq!(choice.unwrap().index, 1);
     }
 

@@ -170,13 +170,15 @@ impl Scorer<'_> {
 
     /// Chooses among `candidates` (non-empty) by cache and load for the prepared `view`;
     /// `loads[i]` is `candidates[i]`'s load (read for every candidate, the endpoint itself only
-    /// where the chosen one or a tie needs it: see `Snapshot::loads_of`).
+    /// where the chosen one or a tie needs it: see `Snapshot::loads_of`). `holds`: whether the
+    /// index may hold anything for these candidates (a decode's are written only where read).
     pub(crate) fn choose<E: AsRef<Endpoint>, L: Deref<Target = Load>>(
         &mut self,
         candidates: &[E],
         loads: &[L],
         view: &PrefixView,
         cfg: &CacheConfig,
+        holds: bool,
     ) -> Option<score::Choice> {
         debug_assert_eq!(candidates.len(), loads.len());
         // The tables by value: read through the guard, they were read again per candidate. A
@@ -196,6 +198,7 @@ impl Scorer<'_> {
             _ => this.blocks_by_id(candidates[i].as_ref()),
         };
         let state = &*this.state;
+        let n = loads.len();
         // A tie goes to the candidate caching least, so distinct prefixes spread over the
         // fleet; where the cache weighs nothing, to the one sent the fewest requests so far, so
         // idle engines take turns.
@@ -205,18 +208,20 @@ impl Scorer<'_> {
                     .registered_id(candidates[i].as_ref())
                     .map_or(0, |id| index.endpoint_len(id))
             };
-            return score::choose(facts::<true, _>(loads, held_by, others), view, cfg, entries);
+            let facts = facts::<true, _>(loads, held_by, others);
+            return score::choose(n, facts, view, cfg, entries);
         }
         // Where the cache weighs nothing (a decode chosen by its load), what a candidate holds
-        // changes no cost: it is read for the chosen one only, afterwards. (A scoring pass of its
-        // own, where the compiler drops what the cache would have added.)
+        // changes no cost: it is read for the chosen one only, afterwards, and only where the
+        // index holds anything for it (`holds`; a decode's are written only where read,
+        // `Cache::decodes_read`). (A scoring pass of its own, where the compiler drops what the
+        // cache would have added.)
         let entries = |i: usize| loads[i].total() as usize;
-        let choice = score::choose(
-            facts::<false, _>(loads, held_by, others),
-            view,
-            cfg,
-            entries,
-        )?;
+        let facts = facts::<false, _>(loads, held_by, others);
+        let choice = score::choose(n, facts, view, cfg, entries)?;
+        if !holds {
+            return Some(choice);
+        }
         let blocks = self.chosen_blocks(candidates[choice.index].as_ref());
         Some(choice.holding(blocks, view))
     }
@@ -289,18 +294,18 @@ impl Scorer<'_> {
     }
 }
 
-/// The facts of the candidates whose loads are `loads`, for a decision: what each holds
+/// The facts of candidate `i` of those whose loads are `loads`, for a decision: what it holds
 /// (`held_by(i, load)`, read only where `CACHES`: the cache weighs something) and its whole
 /// load (this gateway's, and what its metrics say others sent it where `others`:
 /// `cache.engine_load_interval`, so replicas do not all pick the same idle one).
 #[inline(always)]
 fn facts<'c, const CACHES: bool, L: Deref<Target = Load>>(
     loads: &'c [L],
-    held_by: impl Fn(usize, &Load) -> (u32, bool) + Clone + 'c,
+    held_by: impl Fn(usize, &Load) -> (u32, bool) + 'c,
     others: bool,
-) -> impl Iterator<Item = score::Facts> + Clone + 'c {
-    loads.iter().enumerate().map(move |(i, load)| {
-        let load = &**load;
+) -> impl Fn(usize) -> score::Facts + 'c {
+    move |i| {
+        let load = &*loads[i];
         let (blocks, full) = if CACHES { held_by(i, load) } else { (0, false) };
         let (in_flight, computing) = if others {
             load.with_others()
@@ -313,5 +318,5 @@ fn facts<'c, const CACHES: bool, L: Deref<Target = Load>>(
             computing,
             full,
         }
-    })
+    }
 }

@@ -128,7 +128,7 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
     s.prepare(&other);
     for order in [[&a, &b, &fresh], [&fresh, &a, &b], [&b, &fresh, &a]] {
         let choice = s
-            .choose(&order, &loads_of(&order), &other, &cfg)
+            .choose(&order, &loads_of(&order), &other, &cfg, true)
             .expect("a choice");
         assert!(Arc::ptr_eq(order[choice.index], &b), "{order:?}");
         assert_eq!(choice.cached_tokens, 144);
@@ -140,7 +140,7 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
     for _ in 0..20 {
         for order in [[&a, &fresh], [&fresh, &a]] {
             let choice = s
-                .choose(&order, &loads_of(&order), &third, &cfg)
+                .choose(&order, &loads_of(&order), &third, &cfg, true)
                 .expect("a choice");
             assert!(Arc::ptr_eq(order[choice.index], &fresh), "{order:?}");
         }
@@ -151,7 +151,7 @@ fn every_candidate_is_scored_by_its_own_blocks_whatever_the_slot_table_holds() {
     s.prepare(&other);
     for order in [[&a, &b_again], [&b_again, &a]] {
         let choice = s
-            .choose(&order, &loads_of(&order), &other, &cfg)
+            .choose(&order, &loads_of(&order), &other, &cfg, true)
             .expect("a choice");
         assert!(Arc::ptr_eq(order[choice.index], &b_again));
     }

@@ -62,11 +62,12 @@ impl<'a> Candidates<'a> {
 }
 
 /// Picks among `candidates` by cache and load, weighed by `cfg`, when `policy` is cache-aware,
-/// else by the policy; the prediction is `None` then.
+/// else by the policy; the prediction is `None` then. `holds`: whether the index may hold
+/// anything for them (see `Scorer::choose`).
 fn pick_by(
     policy: &dyn Policy,
     scorer: &mut Scorer<'_>,
-    cfg: &CacheConfig,
+    (cfg, holds): (&CacheConfig, bool),
     candidates: &Candidates<'_>,
     view: &PrefixView,
 ) -> Option<(Arc<Endpoint>, Option<Choice>)> {
@@ -81,8 +82,8 @@ fn pick_by(
         return Some((Arc::clone(candidates.get(i)), None));
     }
     let choice = match candidates {
-        Candidates::Whole(all, loads) => scorer.choose(all, loads, view, cfg),
-        Candidates::Chosen(chosen, loads) => scorer.choose(chosen, loads, view, cfg),
+        Candidates::Whole(all, loads) => scorer.choose(all, loads, view, cfg, holds),
+        Candidates::Chosen(chosen, loads) => scorer.choose(chosen, loads, view, cfg, holds),
     }?;
     Some((Arc::clone(candidates.get(choice.index)), Some(choice)))
 }
@@ -125,7 +126,7 @@ pub(super) fn pair(
         let (prefill, choice) = pick_by(
             routing.prefill_policy.as_ref(),
             scorer,
-            &cache.prefill_config,
+            (&cache.prefill_config, true),
             &prefills,
             view,
         )
@@ -139,8 +140,15 @@ pub(super) fn pair(
             d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
         })?;
         let pick_decode = |scorer: &mut Scorer<'_>, cfg: &CacheConfig| {
-            pick_by(routing.decode_policy.as_ref(), scorer, cfg, &decodes, view)
-                .ok_or_else(|| no_pair(snap, model))
+            let weighed = (cfg, cache.decodes_read);
+            pick_by(
+                routing.decode_policy.as_ref(),
+                scorer,
+                weighed,
+                &decodes,
+                view,
+            )
+            .ok_or_else(|| no_pair(snap, model))
         };
         let pairing = |p: &Endpoint, decode: &Endpoint| p.serves(model) && snap.pairs(p, decode);
         // A decode that may serve alone is weighed as a prefill is, by what it would compute.
@@ -511,6 +519,7 @@ mod tests {
                         .expect("the snapshot's own list"),
                     &view,
                     &cache.decode_config,
+                    true,
                 )
                 .expect("a choice");
             let name = snap.decode[c.index].name.clone();
@@ -521,6 +530,20 @@ mod tests {
             };
             assert_eq!((c.kind, c.cached_tokens, c.uncached_tokens), expected);
             *seen.entry(name).or_insert(0) += 1;
+        }
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        // Where the index holds nothing for decodes (their keys are written only where read),
+        // what the chosen one holds is not looked up: every choice a miss, the holder too.
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..64 {
+            let loads = snap
+                .loads_of(&snap.decode)
+                .expect("the snapshot's own list");
+            let c = scorer
+                .choose(&snap.decode, loads, &view, &cache.decode_config, false)
+                .expect("a choice");
+            assert_eq!((c.kind, c.cached_tokens), (DecisionKind::Miss, 0));
+            seen.insert(c.index);
         }
         assert_eq!(seen.len(), 2, "{seen:?}");
     }
