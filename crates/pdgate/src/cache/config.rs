@@ -42,7 +42,9 @@ pub struct CacheConfig {
     pub eviction_weight: f64,
     /// Cost of one prompt token an endpoint is still computing for the requests it holds (the
     /// uncached tokens pdgate predicted for the prefill legs it sent there and that have not
-    /// answered yet): the work queued ahead of a new request. 0 ignores it.
+    /// answered yet): the work queued ahead of a new request. 0 ignores it. Below 1 a family
+    /// stays longer with the prefill holding its prefix (more hits where caches are small,
+    /// longer queues where a family is hot: docs/operations.md).
     pub queued_weight: f64,
     /// Cost of one in-flight request on a decode (and on a decode that may serve a request
     /// alone), in uncached-token units: a decode holds a request for its whole generation, and

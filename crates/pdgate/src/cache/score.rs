@@ -159,11 +159,15 @@ pub(crate) fn choose(
         cfg.load_weight,
     );
     let start = first_of(n);
-    // Whole weights up to 2^20 (the defaults are 1, 1 and 256) make every cost a whole number
-    // (each term below 2^52), computed exactly in integers: the same order as the float sum
-    // below wherever that sum is exact (below 2^53, far above any real fleet's costs), and
-    // cheaper than converting the terms to floats.
-    let whole = |w: f64| (w.fract() == 0.0 && (0.0..=1_048_576.0).contains(&w)).then_some(w as u64);
+    // Weights that are whole quarters up to 2^18 (the defaults are 1, 2, 1 and 256), scaled by
+    // 4 (exactly: a power of two), make every cost a whole number (each term below 2^52),
+    // computed exactly in integers: the same order as the float sum below wherever that sum is
+    // exact (below 2^53, far above any real fleet's costs), and cheaper than converting the
+    // terms to floats.
+    let whole = |w: f64| {
+        let w = w * 4.0;
+        (w.fract() == 0.0 && (0.0..=1_048_576.0).contains(&w)).then_some(w as u64)
+    };
     if let (Some(cache_weight), Some(full_weight), Some(queued_weight), Some(load_weight)) = (
         whole(cache_weight),
         whole(full_weight),
@@ -318,7 +322,10 @@ mod tests {
 
     #[test]
     fn prompt_tokens_queued_ahead_cost_as_uncached_ones() {
-        let cfg = CacheConfig::default();
+        let cfg = CacheConfig {
+            queued_weight: 1.0,
+            ..CacheConfig::default()
+        };
         let v = view(1100);
         // Both hold one request; the one holding 1024 of the prompt is computing a 2,000-token
         // prompt for it, the other a 100-token one: 76 + 2000 against 1100 + 100.
@@ -334,6 +341,16 @@ mod tests {
                 .index,
             0
         );
+        // At half an uncached token, 76 + 1000 against 1100 + 50 keeps the holder that 1 left;
+        // twice the saving queued ahead (76 + 1500 against 1100) still leaves it.
+        let half = CacheConfig {
+            queued_weight: 0.5,
+            ..CacheConfig::default()
+        };
+        let at = |facts: &[Facts]| pick(facts, &v, &half).unwrap().index;
+        assert_eq!(at(&[busy(64, 1, 2000), busy(0, 1, 100)]), 0);
+        assert_eq!(at(&[busy(64, 1, 900), busy(0, 1, 0)]), 0);
+        assert_eq!(at(&[busy(64, 1, 3000), busy(0, 1, 0)]), 1);
         // `queued_weight = 0` leaves only the request count.
         let blind = CacheConfig {
             queued_weight: 0.0,
@@ -351,6 +368,7 @@ mod tests {
     fn a_full_cache_pays_for_what_storing_the_prompt_evicts() {
         let cfg = CacheConfig {
             load_weight: 0.0,
+            queued_weight: 1.0,
             ..CacheConfig::default()
         };
         let full = |f: Facts| Facts { full: true, ..f };
@@ -471,10 +489,14 @@ mod tests {
         let mut unique = 0;
         let weights = [
             (1.0, 1.0, 256.0),
+            (1.0, 0.5, 256.0),
             (3.0, 2.0, 7.0),
             (0.5, 1.0, 100.25),
             (1.0, 0.25, 0.0),
             (1.0, 0.0, 3.0),
+            // Not whole quarters: the float path.
+            (1.0, 0.3, 2.5),
+            (0.1, 1.0, 256.0),
         ];
         for (cache_weight, queued_weight, load_weight) in weights {
             let cfg = CacheConfig {
