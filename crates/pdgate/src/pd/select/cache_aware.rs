@@ -67,7 +67,8 @@ impl<'a> Candidates<'a> {
 fn pick_by(
     policy: &dyn Policy,
     scorer: &mut Scorer<'_>,
-    (cfg, holds): (&CacheConfig, bool),
+    cfg: &CacheConfig,
+    holds: bool,
     candidates: &Candidates<'_>,
     view: &PrefixView,
 ) -> Option<(Arc<Endpoint>, Option<Choice>)> {
@@ -126,7 +127,8 @@ pub(super) fn pair(
         let (prefill, choice) = pick_by(
             routing.prefill_policy.as_ref(),
             scorer,
-            (&cache.prefill_config, true),
+            &cache.prefill_config,
+            true,
             &prefills,
             view,
         )
@@ -140,15 +142,9 @@ pub(super) fn pair(
             d.serves(model) && serving_prefills().any(|p| snap.pairs(p, d))
         })?;
         let pick_decode = |scorer: &mut Scorer<'_>, cfg: &CacheConfig| {
-            let weighed = (cfg, cache.decodes_read);
-            pick_by(
-                routing.decode_policy.as_ref(),
-                scorer,
-                weighed,
-                &decodes,
-                view,
-            )
-            .ok_or_else(|| no_pair(snap, model))
+            let policy = routing.decode_policy.as_ref();
+            pick_by(policy, scorer, cfg, cache.decodes_read, &decodes, view)
+                .ok_or_else(|| no_pair(snap, model))
         };
         let pairing = |p: &Endpoint, decode: &Endpoint| p.serves(model) && snap.pairs(p, decode);
         // A decode that may serve alone is weighed as a prefill is, by what it would compute.
