@@ -1,7 +1,10 @@
 //! A whole cache-aware routing decision at scale: 500 prefills and 500 decodes, a million
 //! indexed blocks, a 4k-token prompt (256 blocks of 16 tokens). One decision matches the prompt,
 //! scores the decodes, then the prefills that pair with the chosen one, and writes the prompt's
-//! keys for both (the same code a request runs, `select::pair`).
+//! keys for both (the same code a request runs, `select::pair`). Three cases: one hot prompt,
+//! prompts rotating through the index (each cold), and the rotating prompts again over an index
+//! written a block at a time (each prompt's entries scattered over the slab: the match's worst
+//! case).
 //!
 //! `cargo bench -p pdgate --bench decision [-- ROUNDS]`: prints, per case, the fastest of ROUNDS
 //! (default 20) rounds of 2,000 decisions each, per decision (the minimum is the figure a busy
@@ -11,7 +14,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use pdcache::bench_prompts::{BLOCK, CONTINUATIONS, prompt};
+use pdcache::bench_prompts::{BLOCK, CONTINUATIONS, PROMPT_BLOCKS, SHARED_BLOCKS, prompt};
 use pdgate::cache_bench::DecisionBench;
 
 const PER_ROLE: usize = 500;
@@ -68,4 +71,44 @@ fn main() {
     println!(
         "decision_4k_prompt_1000_endpoints_1M_blocks/cold_rotating_prompts: {t:?} (fastest of {rounds} rounds)"
     );
+    drop(fleet);
+    // The worst case for following an endpoint's entries through the slab: the same index,
+    // written a block at a time with the owners in a new order each time, so a prompt's
+    // entries for one endpoint lie at no fixed stride and every key is looked up.
+    let mut fleet = DecisionBench::new(PER_ROLE, PER_ROLE, BLOCK).expect("fleet");
+    let prompts: Vec<usize> = (0..PER_ROLE)
+        .flat_map(|p| (0..CONTINUATIONS).map(move |k| (p, k)))
+        .map(|(p, k)| fleet.prompt(&prompt(p, k)))
+        .collect();
+    let mut order: Vec<usize> = (0..PER_ROLE).collect();
+    for k in 0..CONTINUATIONS {
+        for b in SHARED_BLOCKS..=PROMPT_BLOCKS {
+            order.sort_by_key(|&p| mix((b * CONTINUATIONS + k) as u64, p as u64));
+            for &p in &order {
+                let v = prompts[p * CONTINUATIONS + k];
+                fleet.seed_prefix(p, v, b);
+                fleet.seed_prefix(PER_ROLE + p, v, b);
+            }
+        }
+    }
+    let sizes = fleet.sizes();
+    println!(
+        "scattered fleet: {} index entries, {} bytes",
+        sizes.entries, sizes.bytes
+    );
+    let t = fastest(rounds, 2000, |n| {
+        let p = (n * 7) % PER_ROLE;
+        fleet.decide(black_box(prompts[p * CONTINUATIONS + p % CONTINUATIONS]))
+    });
+    println!(
+        "decision_4k_prompt_1000_endpoints_1M_blocks/cold_rotating_prompts_scattered_entries: {t:?} (fastest of {rounds} rounds)"
+    );
+}
+
+/// A deterministic shuffle key (splitmix64's finaliser of `round` and `p`).
+fn mix(round: u64, p: u64) -> u64 {
+    let mut z = round.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ p;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }

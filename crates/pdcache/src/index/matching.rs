@@ -1,6 +1,6 @@
 //! Longest-consecutive-prefix matching: walk the request's keys while the candidate set shrinks.
 
-use super::{CacheIndex, EndpointId, Match, NIL, Posting, WIDE_AT, bit};
+use super::{CacheIndex, EndpointId, FREE_KIND, Match, NIL, Posting, WIDE_AT, bit};
 use crate::keys::BlockKey;
 
 impl CacheIndex {
@@ -27,11 +27,22 @@ impl CacheIndex {
 
     /// Walks `keys` while the candidate set shrinks; `emit` gets each endpoint holding at least
     /// the first key once, with the leading keys it holds.
+    ///
+    /// While few endpoints remain (a list, not a bitmap), each is followed through the slab: a
+    /// prompt's entries for one endpoint are written in one walk of its keys, so they mostly sit
+    /// at a fixed stride from each other (-1 for a decision, which writes the last key first;
+    /// +1 for a batch of events), and the entry of the next key is usually where the last one's
+    /// stride points. Found there (a live entry of that key and endpoint), the endpoint holds
+    /// the key, exactly as its posting would say, with one read of a slot next to the last one
+    /// instead of a hash-table probe (a random read of a table of several megabytes per key,
+    /// most of a decision on a cold prompt: docs/benchmarks.md). Where any guess misses, the
+    /// keys are looked up in the posting table as before, and the strides learnt from what
+    /// they find.
     fn walk(&self, keys: &[BlockKey], emit: &mut impl Emit) {
         let Some((first, rest)) = keys.split_first() else {
             return;
         };
-        let mut list: Vec<u16> = Vec::new();
+        let mut list: Vec<Held> = Vec::new();
         let mut bits: Vec<u64> = Vec::new();
         let mut wide = false;
         match self.posting(first.0) {
@@ -39,7 +50,7 @@ impl CacheIndex {
             Some(Posting::Narrow(mut i)) => {
                 while i != NIL {
                     let e = self.slab.get(i);
-                    list.push(e.endpoint);
+                    list.push(Held::at(e.endpoint, i));
                     i = e.key_next;
                 }
             }
@@ -55,7 +66,28 @@ impl CacheIndex {
         // (The stored values, not the postings: moving an array of those through an iterator
         // cost more per key.)
         const AHEAD: usize = 8;
-        'walk: for chunk in rest.chunks(AHEAD) {
+        let mut pos = 0;
+        // Whether to guess where the next entries are: at first (a decision's stride, an
+        // adjacent slot: a miss there costs little), and again once the last key looked up
+        // confirmed every candidate's stride. Where a prompt's entries lie at no fixed stride
+        // (written a block at a time among other writes), a guess would be one far read more
+        // per chunk of keys looked up, so none is tried.
+        let mut follow = true;
+        'walk: while pos < rest.len() {
+            if !wide && follow {
+                while let Some(k) = rest.get(pos) {
+                    if !list.iter().all(|c| self.follows(c, k.0)) {
+                        break;
+                    }
+                    for c in &mut list {
+                        c.at = c.at.wrapping_add(c.stride);
+                    }
+                    depth += 1;
+                    pos += 1;
+                }
+            }
+            let chunk = &rest[pos..rest.len().min(pos + AHEAD)];
+            pos += chunk.len();
             let mut found = [None; AHEAD];
             for (slot, k) in found.iter_mut().zip(chunk) {
                 *slot = self.posting_value(k.0);
@@ -99,11 +131,13 @@ impl CacheIndex {
                         }
                     }
                     (Posting::Wide(w), false) => {
-                        list.retain(|&ep| {
-                            let keep = bit(&w.bits, ep);
+                        list.retain_mut(|c| {
+                            let keep = bit(&w.bits, c.ep);
                             if !keep {
-                                emit.one(ep, depth);
+                                emit.one(c.ep, depth);
                             }
+                            // Where its entry is is not read from a bitmap.
+                            c.at = NIL;
                             keep
                         });
                         if list.is_empty() {
@@ -116,7 +150,7 @@ impl CacheIndex {
                         while i != NIL {
                             let e = self.slab.get(i);
                             if bit(&bits, e.endpoint) {
-                                list.push(e.endpoint);
+                                list.push(Held::at(e.endpoint, i));
                                 let ep = usize::from(e.endpoint);
                                 bits[ep / 64] &= !(1 << (ep % 64));
                             }
@@ -124,6 +158,7 @@ impl CacheIndex {
                         }
                         emit_bits(&bits, depth, emit);
                         wide = false;
+                        follow = true;
                         if list.is_empty() {
                             return;
                         }
@@ -131,40 +166,39 @@ impl CacheIndex {
                     (Posting::Narrow(head), false) => {
                         // The key's holders, read once (a narrow posting holds at most WIDE_AT;
                         // a longer chain falls back to walking it per candidate).
-                        let mut held = [0u16; WIDE_AT];
+                        let mut held = [(0u16, NIL); WIDE_AT];
                         let mut n = 0;
                         let mut i = head;
                         while i != NIL && n < WIDE_AT {
                             let e = self.slab.get(i);
-                            held[n] = e.endpoint;
+                            held[n] = (e.endpoint, i);
                             n += 1;
                             i = e.key_next;
                         }
-                        let holds = |ep: u16| {
-                            if held[..n].contains(&ep) {
-                                return true;
+                        let entry_of = |ep: u16| {
+                            if let Some(&(_, at)) = held[..n].iter().find(|h| h.0 == ep) {
+                                return Some(at);
                             }
                             let mut i = i;
                             while i != NIL {
                                 let e = self.slab.get(i);
                                 if e.endpoint == ep {
-                                    return true;
+                                    return Some(i);
                                 }
                                 i = e.key_next;
                             }
-                            false
+                            None
                         };
-                        // Usually every candidate holds the next key too.
-                        if list.iter().all(|&ep| holds(ep)) {
-                            depth += 1;
-                            continue;
-                        }
-                        list.retain(|&ep| {
-                            let keep = holds(ep);
-                            if !keep {
-                                emit.one(ep, depth);
+                        follow = true;
+                        list.retain_mut(|c| match entry_of(c.ep) {
+                            Some(at) => {
+                                follow &= c.moved_to(at);
+                                true
                             }
-                            keep
+                            None => {
+                                emit.one(c.ep, depth);
+                                false
+                            }
                         });
                         if list.is_empty() {
                             return;
@@ -177,10 +211,57 @@ impl CacheIndex {
         if wide {
             emit_bits(&bits, depth, emit);
         } else {
-            for &ep in &list {
-                emit.one(ep, depth);
+            for c in &list {
+                emit.one(c.ep, depth);
             }
         }
+    }
+
+    /// Whether candidate `c` holds `key` by the entry its stride points at (a live entry of that
+    /// key and endpoint; a miss says nothing).
+    #[inline]
+    fn follows(&self, c: &Held, key: u64) -> bool {
+        c.at != NIL
+            && self
+                .slab
+                .try_get(c.at.wrapping_add(c.stride))
+                .is_some_and(|e| e.key == key && e.endpoint == c.ep && e.kind != FREE_KIND)
+    }
+}
+
+/// A candidate of a walk while few remain: an endpoint holding every key so far, and where it
+/// holds the last of them.
+#[derive(Clone, Copy)]
+struct Held {
+    ep: u16,
+    /// Its entry of the last key walked (`NIL`: not known).
+    at: u32,
+    /// Where its next entry is guessed, from `at` (wrapping: -1 is `u32::MAX`).
+    stride: u32,
+}
+
+impl Held {
+    /// Endpoint `ep`, its entry of the last key at `at`, its stride not known yet: a decision's
+    /// (-1) until an entry is found elsewhere.
+    fn at(ep: u16, at: u32) -> Self {
+        Held {
+            ep,
+            at,
+            stride: u32::MAX,
+        }
+    }
+
+    /// Its entry of the next key was found at `at`: the stride is learnt from that. Returns
+    /// whether it was the stride already known.
+    fn moved_to(&mut self, at: u32) -> bool {
+        let mut kept = true;
+        if self.at != NIL {
+            let stride = at.wrapping_sub(self.at);
+            kept = stride == self.stride;
+            self.stride = stride;
+        }
+        self.at = at;
+        kept
     }
 }
 

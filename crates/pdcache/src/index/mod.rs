@@ -24,7 +24,9 @@
 //!   (a shared system prompt on every endpoint), so a match step is one table probe plus either a
 //!   few entry reads or a handful of 64-bit ANDs;
 //! - matching walks the prompt's keys while the candidate set shrinks and stops when it is
-//!   empty, instead of asking each endpoint;
+//!   empty, instead of asking each endpoint; while few candidates remain it follows each one's
+//!   entries through the slab (a prompt's entries for one endpoint are written together, at a
+//!   fixed stride), looking a key up in the posting table only where that guess misses;
 //! - the hash tables (`hashbrown::HashTable`) store only `u32` entry indices (4 bytes plus one
 //!   control byte per slot) and compare through the slab, instead of duplicating keys;
 //! - engine hash -> entry is one table per model keyed by (engine hash, endpoint).
@@ -189,8 +191,12 @@ struct Entry {
     /// they were last marked used (they never expire; see [`REFRESH_DIVISOR`]).
     expires: u32,
     endpoint: u16,
+    /// [`EntryKind::slot`], or [`FREE_KIND`] for a free slot.
     kind: u8,
 }
+
+/// The kind of a free slot: no entry, whatever its other fields hold.
+const FREE_KIND: u8 = u8::MAX;
 
 const FREE_ENTRY: Entry = Entry {
     key: 0,
@@ -200,7 +206,7 @@ const FREE_ENTRY: Entry = Entry {
     key_next: NIL,
     expires: 0,
     endpoint: 0,
-    kind: 0,
+    kind: FREE_KIND,
 };
 
 #[derive(Debug)]

@@ -29,6 +29,12 @@ impl Slab {
     pub(super) fn get(&self, i: u32) -> &Entry {
         &self.chunks[(i >> CHUNK_SHIFT) as usize][i as usize & (CHUNK - 1)]
     }
+    /// Slot `i`, if the slab has grown that far (it may be free: [`super::FREE_KIND`]).
+    pub(super) fn try_get(&self, i: u32) -> Option<&Entry> {
+        self.chunks
+            .get((i >> CHUNK_SHIFT) as usize)
+            .map(|c| &c[i as usize & (CHUNK - 1)])
+    }
     pub(super) fn get_mut(&mut self, i: u32) -> &mut Entry {
         &mut self.chunks[(i >> CHUNK_SHIFT) as usize][i as usize & (CHUNK - 1)]
     }

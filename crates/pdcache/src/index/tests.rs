@@ -232,7 +232,7 @@ fn op() -> impl Strategy<Value = Op> {
         (0..12u16, 0..40u64).prop_map(|(e, h)| Op::Remove(e, h)),
         (0..12u16).prop_map(Op::Clear),
         (0..12u16, proptest::collection::vec(0..6u8, 0..4)).prop_map(|(e, k)| Op::Approx(e, k)),
-        proptest::collection::vec(0..6u8, 0..5).prop_map(Op::Match),
+        proptest::collection::vec(0..6u8, 0..12).prop_map(Op::Match),
     ]
 }
 
@@ -292,6 +292,107 @@ proptest! {
         }
         let total: usize = model.values().map(HashSet::len).sum();
         prop_assert_eq!(idx.stats().entries, total);
+    }
+}
+
+/// Prompt `variant` of family `family`, `len` blocks of one token: its first 10 blocks are the
+/// family's, the rest its own.
+fn family_prompt(family: u8, variant: u8, len: usize) -> Vec<BlockKey> {
+    let tokens: Vec<u32> = (0..len as u32)
+        .map(|i| {
+            let own = if i < 10 { 0 } else { u32::from(variant) + 1 };
+            u32::from(family) * 10_000 + own * 100 + i
+        })
+        .collect();
+    token_keys(&tokens, 1)
+}
+
+#[derive(Debug, Clone)]
+enum PromptOp {
+    /// A decision wrote prompt (family, variant, len) for these endpoints, speculatively or not.
+    Decide(Vec<u16>, (u8, u8, usize), bool),
+    /// Endpoint `e`'s engine stored prompt (family, variant, len) in one event, forwards.
+    Stored(u16, (u8, u8, usize)),
+    Clear(u16),
+    Match((u8, u8, usize)),
+}
+
+fn prompt_op() -> impl Strategy<Value = PromptOp> {
+    let prompt = (0..3u8, 0..3u8, 1..40usize);
+    prop_oneof![
+        (
+            proptest::collection::vec(0..10u16, 1..4),
+            prompt.clone(),
+            any::<bool>()
+        )
+            .prop_map(|(t, p, s)| PromptOp::Decide(t, p, s)),
+        (0..10u16, prompt.clone()).prop_map(|(e, p)| PromptOp::Stored(e, p)),
+        (0..10u16).prop_map(PromptOp::Clear),
+        prompt.prop_map(PromptOp::Match),
+    ]
+}
+
+proptest! {
+    /// A walk following each endpoint's entries through the slab finds what looking each key
+    /// up for each endpoint finds, over long chained prompts written by decisions (last key
+    /// first, several targets interleaved) and by events (first key first), with endpoints
+    /// evicting at a small capacity and slots freed and reused.
+    #[test]
+    fn walks_agree_with_lookups_per_endpoint(ops in proptest::collection::vec(prompt_op(), 1..80)) {
+        let (mut idx, t0) = index(64);
+        let eps: Vec<EndpointId> = (0..10).map(|_| ep(&mut idx)).collect();
+        let mut hash = 0u64;
+        for op in ops {
+            match op {
+                PromptOp::Decide(targets, (f, v, len), speculative) => {
+                    let kind = if speculative {
+                        EntryKind::Speculative
+                    } else {
+                        EntryKind::Approximate
+                    };
+                    let targets: Vec<(EndpointId, EntryKind)> =
+                        targets.iter().map(|&e| (eps[usize::from(e)], kind)).collect();
+                    idx.insert_decisions(&targets, &family_prompt(f, v, len), t0);
+                }
+                PromptOp::Stored(e, (f, v, len)) => {
+                    let tokens: Vec<u32> = (0..len as u32)
+                        .map(|i| {
+                            let own = if i < 10 { 0 } else { u32::from(v) + 1 };
+                            u32::from(f) * 10_000 + own * 100 + i
+                        })
+                        .collect();
+                    let hashes: Vec<BlockHash> = (0..len)
+                        .map(|_| {
+                            hash += 1;
+                            BlockHash::Uint(hash)
+                        })
+                        .collect();
+                    let s = BlockStored::new(hashes, None, tokens, 1);
+                    idx.apply_event(eps[usize::from(e)], &KvEvent::BlockStored(s), t0);
+                }
+                PromptOp::Clear(e) => idx.clear_endpoint(eps[usize::from(e)]),
+                PromptOp::Match((f, v, len)) => {
+                    let ks = family_prompt(f, v, len);
+                    let mut want: Vec<(u16, u32)> = eps
+                        .iter()
+                        .map(|&e| {
+                            let held = ks
+                                .iter()
+                                .take_while(|k| {
+                                    idx.posting(k.0)
+                                        .and_then(|p| idx.find_in(p, k.0, e.0))
+                                        .is_some()
+                                })
+                                .count();
+                            (e.0, held as u32)
+                        })
+                        .filter(|&(_, n)| n > 0)
+                        .collect();
+                    want.sort_unstable();
+                    prop_assert_eq!(matches(&idx, &ks), want);
+                }
+            }
+        }
     }
 }
 

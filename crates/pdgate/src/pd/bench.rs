@@ -93,6 +93,29 @@ impl DecisionBench {
         scorer.record(&[&**ep], &view, Instant::now(), |_| {});
     }
 
+    /// Records that endpoint `i` (prefills first) holds the first `blocks` blocks of prompt
+    /// `p` (from [`DecisionBench::prompt`]), as a decision would: a prompt written a block at
+    /// a time, its entries interleaved with other writes.
+    pub fn seed_prefix(&self, i: usize, p: usize, blocks: usize) {
+        let Some(whole) = self.views.get(p) else {
+            return;
+        };
+        let keys = whole.keys[..blocks.min(whole.keys.len())].to_vec();
+        let view = PrefixView {
+            prompt_tokens: (keys.len() as u32).saturating_mul(whole.block_size),
+            keys,
+            kind: whole.kind,
+            block_size: whole.block_size,
+        };
+        let mc = self.cache.model(None, &self.snap);
+        let ep = if i < self.snap.prefill.len() {
+            &self.snap.prefill[i]
+        } else {
+            &self.snap.decode[i - self.snap.prefill.len()]
+        };
+        mc.lock().record(&[&**ep], &view, Instant::now(), |_| {});
+    }
+
     /// Adds a prompt to decide on; returns its number.
     pub fn prompt(&mut self, tokens: &[u32]) -> usize {
         let view = self.cache.model(None, &self.snap).token_view(tokens);
