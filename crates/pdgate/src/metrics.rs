@@ -221,7 +221,7 @@ impl Metrics {
         );
         registry.register(
             "endpoint_computing_tokens",
-            "Prompt tokens in flight per endpoint that a cache-aware decision predicted it computes",
+            "Prompt tokens in flight per endpoint: as a cache-aware decision predicted them, else estimated from the request body",
             computing.clone(),
         );
         registry.register(

@@ -78,6 +78,10 @@ pub(crate) async fn plan(
     decodes: Option<&[String]>,
 ) -> Result<Box<Exchange>, GatewayError> {
     let id = record.as_ref().map_or("", |r| r.request_id());
+    // Without a cache-aware policy nothing predicts the prompt's tokens: the body's bytes / 4
+    // stand in (the text view's estimate), so that an endpoint's load counts the work its
+    // requests carry and not only their number (`least_request` breaks ties by it).
+    let body_tokens = u32::try_from(body.len() / 4).unwrap_or(u32::MAX);
     let mut clean = kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH)
         .map_err(GatewayError::refused_body)?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut clean);
@@ -119,6 +123,10 @@ pub(crate) async fn plan(
         prefill_tokens,
         decode_tokens,
     } = select::pair(routing, &snapshot, view.model.as_deref(), prefix.as_ref())?;
+    let (prefill_tokens, decode_tokens) = match prefix {
+        Some(_) => (prefill_tokens, decode_tokens),
+        None => (body_tokens, body_tokens),
+    };
     if let Some(cached) = predicted_cached {
         debug!(id, cached, decode_only, "cache-aware decision");
     }

@@ -114,7 +114,10 @@ impl Policy for Random {
     }
 }
 
-/// Fewest in-flight requests (ties broken at random, so equal endpoints share the load).
+/// Fewest in-flight requests; among those, the fewest prompt tokens being computed for them (a
+/// decode: whose KV it holds), so that two of a trace's longest prompts do not land on one
+/// engine while others hold short ones; remaining ties broken at random, so equal endpoints
+/// share the load.
 #[derive(Debug)]
 pub struct LeastRequest;
 
@@ -123,11 +126,8 @@ impl Policy for LeastRequest {
         "least_request"
     }
     fn pick(&self, candidates: &[Arc<Endpoint>]) -> Option<usize> {
-        let min = candidates.iter().map(|e| e.load.in_flight()).min()?;
-        let ties = candidates
-            .iter()
-            .filter(|e| e.load.in_flight() == min)
-            .count();
+        let min = candidates.iter().map(|e| e.load.held()).min()?;
+        let ties = candidates.iter().filter(|e| e.load.held() == min).count();
         let nth = if ties > 1 {
             rand::rng().random_range(0..ties)
         } else {
@@ -136,7 +136,7 @@ impl Policy for LeastRequest {
         candidates
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.load.in_flight() == min)
+            .filter(|(_, e)| e.load.held() == min)
             .nth(nth)
             .map(|(i, _)| i)
             .or(Some(0))
@@ -224,5 +224,22 @@ mod tests {
             assert_eq!(LeastRequest.pick(&eps), Some(1));
             assert_eq!(PowerOfTwo.pick(&eps), Some(1));
         }
+    }
+
+    #[test]
+    fn least_request_breaks_ties_by_the_tokens_in_flight() {
+        let eps = endpoints(3);
+        // One request each; the first two hold long prompts, the third a short one.
+        let _held = [
+            LoadGuard::computing(&eps[0].load, 90_000),
+            LoadGuard::computing(&eps[1].load, 40_000),
+            LoadGuard::computing(&eps[2].load, 1_000),
+        ];
+        for _ in 0..50 {
+            assert_eq!(LeastRequest.pick(&eps), Some(2));
+        }
+        // Fewer requests still come first, whatever their tokens.
+        let _more = LoadGuard::computing(&eps[2].load, 0);
+        assert_eq!(LeastRequest.pick(&eps), Some(1));
     }
 }
