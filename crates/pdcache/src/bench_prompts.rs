@@ -11,16 +11,20 @@ pub const CONTINUATIONS: usize = 5;
 /// Blocks of a whole prompt (4k tokens).
 pub const PROMPT_BLOCKS: usize = 256;
 
+/// SplitMix64's finaliser: a well-mixed 64-bit value of `z`.
+pub fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// `n` pseudo-random tokens from `seed` (splitmix64), below 50,000.
 pub fn tokens(seed: u64, n: usize) -> Vec<u32> {
     let mut x = seed;
     (0..n)
         .map(|_| {
             x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % 50_000) as u32
+            (mix(x) % 50_000) as u32
         })
         .collect()
 }

@@ -14,7 +14,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use pdcache::bench_prompts::{BLOCK, CONTINUATIONS, PROMPT_BLOCKS, SHARED_BLOCKS, prompt};
+use pdcache::bench_prompts::{BLOCK, CONTINUATIONS, PROMPT_BLOCKS, SHARED_BLOCKS, mix, prompt};
 use pdgate::cache_bench::DecisionBench;
 
 const PER_ROLE: usize = 500;
@@ -83,7 +83,8 @@ fn main() {
     let mut order: Vec<usize> = (0..PER_ROLE).collect();
     for k in 0..CONTINUATIONS {
         for b in SHARED_BLOCKS..=PROMPT_BLOCKS {
-            order.sort_by_key(|&p| mix((b * CONTINUATIONS + k) as u64, p as u64));
+            let round = ((b * CONTINUATIONS + k) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            order.sort_by_key(|&p| mix(round ^ p as u64));
             for &p in &order {
                 let v = prompts[p * CONTINUATIONS + k];
                 fleet.seed_prefix(p, v, b);
@@ -103,12 +104,4 @@ fn main() {
     println!(
         "decision_4k_prompt_1000_endpoints_1M_blocks/cold_rotating_prompts_scattered_entries: {t:?} (fastest of {rounds} rounds)"
     );
-}
-
-/// A deterministic shuffle key (splitmix64's finaliser of `round` and `p`).
-fn mix(round: u64, p: u64) -> u64 {
-    let mut z = round.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ p;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }

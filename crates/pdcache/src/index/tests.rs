@@ -295,16 +295,20 @@ proptest! {
     }
 }
 
-/// Prompt `variant` of family `family`, `len` blocks of one token: its first 10 blocks are the
-/// family's, the rest its own.
-fn family_prompt(family: u8, variant: u8, len: usize) -> Vec<BlockKey> {
-    let tokens: Vec<u32> = (0..len as u32)
+/// The tokens of prompt `variant` of family `family`, `len` blocks of one token: its first 10
+/// blocks are the family's, the rest its own.
+fn family_tokens(family: u8, variant: u8, len: usize) -> Vec<u32> {
+    (0..len as u32)
         .map(|i| {
             let own = if i < 10 { 0 } else { u32::from(variant) + 1 };
             u32::from(family) * 10_000 + own * 100 + i
         })
-        .collect();
-    token_keys(&tokens, 1)
+        .collect()
+}
+
+/// The keys of [`family_tokens`].
+fn family_prompt(family: u8, variant: u8, len: usize) -> Vec<BlockKey> {
+    token_keys(&family_tokens(family, variant, len), 1)
 }
 
 #[derive(Debug, Clone)]
@@ -355,19 +359,13 @@ proptest! {
                     idx.insert_decisions(&targets, &family_prompt(f, v, len), t0);
                 }
                 PromptOp::Stored(e, (f, v, len)) => {
-                    let tokens: Vec<u32> = (0..len as u32)
-                        .map(|i| {
-                            let own = if i < 10 { 0 } else { u32::from(v) + 1 };
-                            u32::from(f) * 10_000 + own * 100 + i
-                        })
-                        .collect();
                     let hashes: Vec<BlockHash> = (0..len)
                         .map(|_| {
                             hash += 1;
                             BlockHash::Uint(hash)
                         })
                         .collect();
-                    let s = BlockStored::new(hashes, None, tokens, 1);
+                    let s = BlockStored::new(hashes, None, family_tokens(f, v, len), 1);
                     idx.apply_event(eps[usize::from(e)], &KvEvent::BlockStored(s), t0);
                 }
                 PromptOp::Clear(e) => idx.clear_endpoint(eps[usize::from(e)]),

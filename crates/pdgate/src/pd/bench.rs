@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::Config;
-use crate::endpoints::Snapshot;
+use crate::endpoints::{Endpoint, Snapshot};
 use crate::pd::select;
 use crate::state::Gateway;
 
@@ -83,11 +83,7 @@ impl DecisionBench {
     pub fn seed(&self, i: usize, tokens: &[u32]) {
         let mc = self.cache.model(None, &self.snap);
         let view = mc.token_view(tokens);
-        let ep = if i < self.snap.prefill.len() {
-            &self.snap.prefill[i]
-        } else {
-            &self.snap.decode[i - self.snap.prefill.len()]
-        };
+        let ep = self.endpoint(i);
         let mut scorer = mc.lock();
         scorer.prepare(&view);
         scorer.record(&[&**ep], &view, Instant::now(), |_| {});
@@ -108,12 +104,16 @@ impl DecisionBench {
             block_size: whole.block_size,
         };
         let mc = self.cache.model(None, &self.snap);
-        let ep = if i < self.snap.prefill.len() {
-            &self.snap.prefill[i]
-        } else {
-            &self.snap.decode[i - self.snap.prefill.len()]
-        };
+        let ep = self.endpoint(i);
         mc.lock().record(&[&**ep], &view, Instant::now(), |_| {});
+    }
+
+    /// Endpoint `i`, prefills first.
+    fn endpoint(&self, i: usize) -> &Arc<Endpoint> {
+        match i.checked_sub(self.snap.prefill.len()) {
+            None => &self.snap.prefill[i],
+            Some(d) => &self.snap.decode[d],
+        }
     }
 
     /// Adds a prompt to decide on; returns its number.

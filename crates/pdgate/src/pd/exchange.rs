@@ -78,10 +78,12 @@ pub(crate) async fn plan(
     decodes: Option<&[String]>,
 ) -> Result<Box<Exchange>, GatewayError> {
     let id = record.as_ref().map_or("", |r| r.request_id());
-    // Without a cache-aware policy nothing predicts the prompt's tokens: the body's bytes / 4
-    // stand in (the text view's estimate), so that an endpoint's load counts the work its
-    // requests carry and not only their number (`least_request` breaks ties by it).
-    let body_tokens = u32::try_from(body.len() / 4).unwrap_or(u32::MAX);
+    // Without a cache-aware policy nothing predicts the prompt's tokens: the body's bytes stand
+    // in, counted as the text view counts a prompt's (`BYTES_PER_TOKEN`), so that an
+    // endpoint's load counts the work its requests carry and not only their number
+    // (`least_request` breaks ties by it).
+    let body_tokens =
+        u32::try_from(body.len().div_ceil(pdcache::keys::BYTES_PER_TOKEN)).unwrap_or(u32::MAX);
     let mut clean = kvtransfer::parse_bounded(body, kvtransfer::checks::MAX_JSON_DEPTH)
         .map_err(GatewayError::refused_body)?;
     let stripped = kvtransfer::strip_client_transfer_fields(&mut clean);
